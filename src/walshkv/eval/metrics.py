@@ -1,0 +1,67 @@
+"""KL divergence, perplexity and top-1 agreement against a reference, in float64."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["TokenMetrics", "compare_logits"]
+
+
+@dataclass
+class TokenMetrics:
+    """Per-token statistics accumulated over windows for one codec."""
+
+    kl: list[torch.Tensor] = field(default_factory=list)
+    nll: list[torch.Tensor] = field(default_factory=list)
+    nll_ref: list[torch.Tensor] = field(default_factory=list)
+    same_top1: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, kl: torch.Tensor, nll: torch.Tensor, nll_ref: torch.Tensor, same: torch.Tensor) -> None:
+        self.kl.append(kl)
+        self.nll.append(nll)
+        self.nll_ref.append(nll_ref)
+        self.same_top1.append(same)
+
+    def summary(self) -> dict[str, float]:
+        """``kld_mean``, ``kld_p99``, ``kld_median``, ``top1_agreement``, ``ppl``, ``ppl_ref``, ``ppl_ratio``."""
+        kl = torch.cat(self.kl)
+        nll = torch.cat(self.nll)
+        nll_ref = torch.cat(self.nll_ref)
+        ppl = math.exp(float(nll.mean()))
+        ppl_ref = math.exp(float(nll_ref.mean()))
+        return {
+            "kld_mean": float(kl.mean()),
+            "kld_p99": float(torch.quantile(kl, 0.99)),
+            "kld_median": float(kl.median()),
+            "top1_agreement": float(torch.cat(self.same_top1).double().mean()),
+            "ppl": ppl,
+            "ppl_ref": ppl_ref,
+            "ppl_ratio": ppl / ppl_ref,
+            "scored_tokens": int(kl.numel()),
+        }
+
+
+def compare_logits(
+    ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-position KL(ref || test), NLL of targets under test and ref, and top-1 agreement.
+
+    Args:
+        ref_logits: ``[positions, vocab]`` logits of the reference model.
+        logits: ``[positions, vocab]`` logits with the compressed cache.
+        targets: ``[positions]`` next-token ids.
+
+    Returns:
+        ``(kl, nll, nll_ref, same_top1)``, each ``[positions]`` (float64 / bool).
+    """
+    lp_ref = torch.log_softmax(ref_logits.to(torch.float64), dim=-1)
+    lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    kl = (lp_ref.exp() * (lp_ref - lp)).sum(dim=-1).clamp_min_(0.0)
+    idx = targets.view(-1, 1)
+    nll = -lp.gather(1, idx).squeeze(1)
+    nll_ref = -lp_ref.gather(1, idx).squeeze(1)
+    same = ref_logits.argmax(dim=-1) == logits.argmax(dim=-1)
+    return kl, nll, nll_ref, same

