@@ -37,3 +37,9 @@ def test_bad_gguf_paths(tmp_path):
 def test_is_cached_reports_nothing_in_empty_home(tmp_path, monkeypatch):
     monkeypatch.setenv("WALSHKV_HOME", str(tmp_path))
     assert is_cached(MODELS["gemma3-270m"]) == ""
+
+
+def test_hub_id_offline_fails_fast_with_offline_models(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"hub is not reachable.*smollm2-135m"):
+        load_model("SomeOrg/some-model")

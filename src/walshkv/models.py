@@ -292,6 +292,21 @@ def _save_float_copy(model: Any, tokenizer: Any, info: ModelInfo) -> None:
     tmp.replace(folder)
 
 
+def _hub_reachable() -> bool:
+    """Fail fast offline instead of waiting through the hub client's retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return False
+    return True
+
+
 def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
     """Load a model by registry name, ``.gguf`` path, local folder or hub id.
 
@@ -334,6 +349,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, pr
         return LoadedModel(model, tok, path.name, str(path), _describe(model))
     if "/" not in name or path.exists():
         raise _unknown_model(name, "not a registry name, a .gguf file or a model folder")
+    if not _hub_reachable():
+        raise _unknown_model(name, "it looks like a hub id, but the Hugging Face hub is not reachable from here")
     try:
         model, tok = _from_pretrained(name, dtype)
     except Exception as err:

@@ -45,7 +45,7 @@ def test_rot_fp32_is_lossless() -> None:
     assert float((y - x).abs().max()) <= 1e-5
     # What is stored is the Walsh-Hadamard transform of the input.
     stored = codec.encode(x).tensors["values"]
-    assert float((stored - fwht(x)).abs().max()) <= 1e-6
+    assert float((stored - fwht(x)).abs().max()) <= 1e-5
 
 
 @pytest.mark.parametrize("seed", [None, 0, 7])
@@ -69,7 +69,7 @@ def test_plain_rotation_is_self_inverse() -> None:
 def test_rrot_is_hadamard_of_sign_flipped_input(seed: int) -> None:
     x = torch.randn(SHAPE)
     codec = Rotated(FloatCodec("fp32"), seed=seed)
-    torch.testing.assert_close(codec.rotate(x), fwht(x * random_signs(64, seed)), rtol=0, atol=1e-6)
+    torch.testing.assert_close(codec.rotate(x), fwht(x * random_signs(64, seed)), rtol=0, atol=1e-5)
 
 
 def test_rrot_codes_differ_but_decode_close() -> None:

@@ -160,3 +160,13 @@ def test_random_signs_leave_global_rng_alone() -> None:
     torch.manual_seed(123)
     random_signs(64, 5)
     assert torch.equal(torch.rand(4), expected)
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 64, 128, 256, 512, 1024])
+def test_hadamard_transform_matches_fwht(n):
+    from walshkv.ops import hadamard_transform
+
+    x = torch.randn(2, 3, 5, n)
+    assert torch.allclose(hadamard_transform(x), fwht(x), atol=1e-5)
+    assert torch.allclose(hadamard_transform(hadamard_transform(x)), x, atol=1e-5)
+    assert hadamard_transform(x.double()).dtype == torch.float64

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from walshkv.codecs.base import Codec, Field, Packed
-from walshkv.ops.hadamard import _check_size, fwht, random_signs
+from walshkv.ops.hadamard import _check_size, hadamard_transform, random_signs
 
 __all__ = ["Rotated"]
 
@@ -50,11 +50,11 @@ class Rotated(Codec):
         x = x.to(torch.float32)
         if self.seed is not None:
             x = x * self._signs_for(x.shape[-1], x.device)
-        return fwht(x)
+        return hadamard_transform(x)
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """Inverse rotation ``s * H(y)`` over the last dimension (float32)."""
-        x = fwht(y.to(torch.float32))
+        x = hadamard_transform(y.to(torch.float32))
         if self.seed is not None:
             x = x * self._signs_for(x.shape[-1], x.device)
         return x

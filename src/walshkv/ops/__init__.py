@@ -1,6 +1,6 @@
 """Pure-torch reference primitives: transforms, bit packing, quantizer math."""
 
-from walshkv.ops.hadamard import fwht, hadamard_matrix, is_power_of_two, random_signs
+from walshkv.ops.hadamard import fwht, hadamard_matrix, hadamard_transform, is_power_of_two, random_signs
 from walshkv.ops.packing import pack_bits, packed_nbytes, unpack_bits
 from walshkv.ops.quant import (
     check_finite,
@@ -14,6 +14,7 @@ __all__ = [
     "dequantize_symmetric",
     "fwht",
     "hadamard_matrix",
+    "hadamard_transform",
     "is_power_of_two",
     "pack_bits",
     "packed_nbytes",
