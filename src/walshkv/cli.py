@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("codecs", help="list codec specs and their bits per element")
     co.add_argument("--head-dim", type=int, default=64, help="head size for the bits column")
     co.set_defaults(func=_cmd_codecs)
+
+    from walshkv.sweep import add_sweep_parser
+
+    add_sweep_parser(sub)
     return parser
 
 
