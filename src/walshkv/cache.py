@@ -14,7 +14,6 @@ window's bytes count in :meth:`CompressedCache.nbytes` and
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -296,32 +295,49 @@ class CompressedCache(Cache):
         >>> cache.nbytes(), cache.bits_per_element()  # doctest: +SKIP
     """
 
-    def __init__(self, spec: str | CacheSpec = "rot+int4", config: Any = None, *, residual: int = 0) -> None:
+    def __init__(
+        self,
+        spec: str | CacheSpec = "rot+int4",
+        config: Any = None,
+        *,
+        residual: int = 0,
+        calibration: Any = None,
+    ) -> None:
         self.cache_spec = parse_cache_spec(spec)
         self.residual = residual
+        self.calibration = calibration
         if residual < 0:
             raise ValueError(f"residual must be >= 0 tokens, got {residual}")
+        if self.cache_spec.needs_calibration and calibration is None:
+            self.cache_spec.bind(0, None)  # raises the message that names the fix
         if config is None:
-            super().__init__(layer_class_to_replicate=functools.partial(CompressedLayer, self.cache_spec, residual))
+            super().__init__(layer_class_to_replicate=self._next_layer)
             return
         text_config = config.get_text_config(decoder=True)
         head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
         self.cache_spec.check_head_dim(head_dim)
+        if calibration is not None:
+            calibration.check_matches(text_config.num_hidden_layers, text_config.num_key_value_heads, head_dim)
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers: list[CacheLayerMixin] = []
-        for layer_type, kwargs in zip(layer_types, per_layer_kwargs, strict=True):
+        for idx, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True)):
+            spec_i = self.cache_spec.bind(idx, calibration)
             if layer_type == "full_attention":
-                layers.append(CompressedLayer(self.cache_spec, residual))
+                layers.append(CompressedLayer(spec_i, residual))
             elif layer_type in _SLIDING_TYPES:
-                layers.append(CompressedSlidingWindowLayer(self.cache_spec, kwargs["sliding_window"], residual))
+                layers.append(CompressedSlidingWindowLayer(spec_i, kwargs["sliding_window"], residual))
             else:
                 raise ValueError(
                     f"CompressedCache supports full_attention and {'/'.join(_SLIDING_TYPES)} layers; "
                     f"this model has a {layer_type!r} layer"
                 )
         super().__init__(layers=layers)
+
+    def _next_layer(self) -> CompressedLayer:
+        """Layers created on first use (no config): bound to their index in order."""
+        return CompressedLayer(self.cache_spec.bind(len(self.layers), self.calibration), self.residual)
 
     @classmethod
     def from_model(cls, model: Any, spec: str | CacheSpec = "rot+int4", *, residual: int = 0) -> CompressedCache:
@@ -355,6 +371,21 @@ class CompressedCache(Cache):
         """Stored bits per K/V element, from the codecs' layouts (window included)."""
         n = self.num_elements()
         return 8.0 * self.layout_nbytes() / n if n else float("nan")
+
+    def bits_per_element_kv(self) -> tuple[float, float]:
+        """``(bits_k, bits_v)`` from each layer's codecs, averaged over the elements held."""
+        num = [0.0, 0.0]
+        den = [0, 0]
+        for layer in self._compressed_layers():
+            if not layer.is_initialized:
+                continue
+            tokens = layer.packed_k.seq_len if layer.packed_k is not None else 0
+            rows = layer.keys.shape[0] * layer.keys.shape[1]
+            for i, (codec, t) in enumerate(((layer.spec.k, layer.keys), (layer.spec.v, layer.values))):
+                d = t.shape[-1]
+                num[i] += rows * (tokens * codec.bytes_per_vector(d) * 8 + t.shape[2] * d * t.element_size() * 8)
+                den[i] += rows * (tokens + t.shape[2]) * d
+        return (num[0] / den[0] if den[0] else float("nan"), num[1] / den[1] if den[1] else float("nan"))
 
     def fp16_nbytes(self) -> int:
         """Bytes an fp16 cache would take for the same tokens (2 bytes per element)."""

@@ -26,6 +26,32 @@ BASE in fp16, bf16, fp32, int2..int8. Example: rot+int4/int3 (K rotated int4, V 
 """
 
 
+def calibrate_if_needed(lm, codecs, args, text):
+    """Collect K/V statistics on --calib-text when a codec needs them (never the eval text)."""
+    from walshkv.calibration import collect_kv_stats
+    from walshkv.codecs import parse_cache_spec
+    from walshkv.data import load_text
+
+    if not any(parse_cache_spec(c).needs_calibration for c in codecs):
+        return None
+    if not args.calib_text:
+        raise ValueError("a codec needs calibration (order=variance or auto@BITS): add --calib-text TEXT")
+    calib = load_text(args.calib_text)
+    if calib.content == text.content:
+        raise ValueError("--calib-text is the evaluation text; calibrate on different text")
+    return collect_kv_stats(lm, calib, tokens=args.calib_tokens, progress=not args.quiet)
+
+
+def add_calibration_args(parser: argparse.ArgumentParser) -> None:
+    """--calib-text / --calib-tokens, shared by eval and sweep."""
+    parser.add_argument(
+        "--calib-text",
+        metavar="TEXT",
+        help="text for calibrated codecs (vht2 order=variance, auto@BITS); never the eval text",
+    )
+    parser.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens")
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from walshkv.data import load_text
     from walshkv.eval import DEFAULT_CODECS, evaluate, format_table, write_csv, write_json, write_markdown
@@ -100,14 +126,22 @@ def _cmd_codecs(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
     from walshkv.codecs import available_codecs, parse_codec
+    from walshkv.codecs.spec import codec_example
 
     rows = []
     for name, help in available_codecs().items():
         if name.endswith("+"):
-            rows.append([name, "(wrapper: same as inner)", help])
-        else:
-            rows.append([name, f"{parse_codec(name).bits_per_element(args.head_dim):.4g}", help])
-    print(tabulate(rows, headers=["spec", f"bits/el @ head_dim {args.head_dim}", "what"]))
+            rows.append([name, "(same as inner)", help])
+            continue
+        example = codec_example(name)
+        try:
+            bits = f"{parse_codec(example).bits_per_element(args.head_dim):.4g}"
+        except ValueError as err:  # e.g. a head size the codec refuses
+            bits = f"n/a ({err})"[:40]
+        rows.append([example, bits, help])
+    print(
+        tabulate(rows, headers=["spec", f"bits/el @ head_dim {args.head_dim}", "what"], maxcolwidths=[None, None, 70])
+    )
     return 0
 
 
@@ -153,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--residual", type=int, default=0, help="keep this many recent tokens in full precision (counted in the bits)"
     )
+    add_calibration_args(ev)
     ev.add_argument("--json", metavar="PATH", help="write {meta, results} as JSON")
     ev.add_argument("--csv", metavar="PATH", help="write the results as CSV")
     ev.add_argument("--markdown", metavar="PATH", help="write a markdown table with the run described")

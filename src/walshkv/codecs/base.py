@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -122,6 +123,17 @@ class Codec(ABC):
     @abstractmethod
     def layout(self, head_dim: int) -> dict[str, Field]:
         """Stored fields per vector of ``head_dim`` values."""
+
+    #: True if :meth:`bind` needs calibration statistics (e.g. ``vht2`` with ``order=variance``).
+    needs_calibration: bool = False
+
+    def bind(self, layer_idx: int, kind: str, calibration: Any = None) -> Codec:
+        """The codec to use for one layer's K (``kind="k"``) or V (``"v"``).
+
+        Codecs with calibrated, per-layer parameters return a specialised copy; the default
+        returns ``self``. ``calibration`` is a :class:`walshkv.calibration.KVStats` or ``None``.
+        """
+        return self
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ``ValueError`` if this codec cannot encode vectors of ``head_dim`` values."""

@@ -8,6 +8,8 @@ signs with a seeded random ±1 vector (a randomized Hadamard transform):
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from walshkv.codecs.base import Codec, Field, Packed
@@ -31,6 +33,14 @@ class Rotated(Codec):
         prefix = "rot" if seed is None else ("rrot" if seed == 0 else f"rrot:{seed}")
         self.spec = f"{prefix}+{inner.spec}"
         self._signs: dict[int, torch.Tensor] = {}
+
+    @property
+    def needs_calibration(self) -> bool:  # type: ignore[override]
+        return self.inner.needs_calibration
+
+    def bind(self, layer_idx: int, kind: str, calibration: Any = None) -> Codec:
+        inner = self.inner.bind(layer_idx, kind, calibration)
+        return self if inner is self.inner else Rotated(inner, self.seed)
 
     def layout(self, head_dim: int) -> dict[str, Field]:
         return self.inner.layout(head_dim)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from walshkv.codecs.base import Codec
 from walshkv.codecs.floats import FLOAT_CODECS, FloatCodec
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.rotation import Rotated
+from walshkv.codecs.vht2 import SqfreeCodec, VZCCodec, parse_vht2_args
 
 __all__ = [
     "CacheSpec",
@@ -34,6 +36,7 @@ CodecFactory = Callable[[str | None], Codec]
 WrapperFactory = Callable[[str | None, Codec], Codec]
 
 _CODECS: dict[str, tuple[CodecFactory, str]] = {}
+_EXAMPLES: dict[str, str] = {}
 _WRAPPERS: dict[str, tuple[WrapperFactory, str]] = {}
 
 
@@ -44,9 +47,13 @@ def _check_name(name: str) -> str:
     return name
 
 
-def register_codec(name: str, factory: CodecFactory, help: str) -> None:
-    """Make ``name[:ARGS]`` parseable; ``factory(args_or_None)`` builds the codec."""
+def register_codec(name: str, factory: CodecFactory, help: str, example: str | None = None) -> None:
+    """Make ``name[:ARGS]`` parseable; ``factory(args_or_None)`` builds the codec.
+
+    ``example`` is a full spec shown by ``walshkv codecs`` (default: the bare name).
+    """
     name = _check_name(name)
+    _EXAMPLES[name] = example or name
     _CODECS[name] = (factory, help)
 
 
@@ -54,6 +61,11 @@ def register_wrapper(name: str, factory: WrapperFactory, help: str) -> None:
     """Make ``name[:ARGS]+INNER`` parseable; ``factory(args_or_None, inner)`` wraps it."""
     name = _check_name(name)
     _WRAPPERS[name] = (factory, help)
+
+
+def codec_example(name: str) -> str:
+    """A parseable example spec for a registered codec name."""
+    return _EXAMPLES.get(name, name)
 
 
 def available_codecs() -> dict[str, str]:
@@ -104,6 +116,29 @@ for _bits in range(2, 9):
         _int_factory(_bits),
         f"symmetric RTN, {_bits}-bit codes packed, one fp16 scale per vector",
     )
+register_codec(
+    "vht2",
+    parse_vht2_args,
+    "banded Walsh-Hadamard: vht2:B1,..,Bn[:order=natural|sequency|squarefree|squarefree-dc|variance][:sk=N], "
+    "or vht2:auto@BITS",
+    example="vht2:5,5,4,3",
+)
+
+
+def _vzc(args: str | None) -> Codec:
+    _no_args("vzc", args)
+    return VZCCodec()
+
+
+def _sqfree(args: str | None) -> Codec:
+    try:
+        return SqfreeCodec(int(args or ""))
+    except ValueError:
+        raise ValueError(f"sqfree takes a bit width 1..8 (sqfree:4), got {args!r}") from None
+
+
+register_codec("vzc", _vzc, "sign bitmap of WHT coefficients + fp16 mean-|y| scale per index class mod 3")
+register_codec("sqfree", _sqfree, "only squarefree-indexed WHT coefficients at B bits (sqfree:B)", example="sqfree:4")
 register_wrapper(
     "rot",
     lambda args, inner: (_no_args("rot", args), Rotated(inner))[1],
@@ -169,6 +204,21 @@ class CacheSpec:
     def check_head_dim(self, head_dim: int) -> None:
         self.k.check_head_dim(head_dim)
         self.v.check_head_dim(head_dim)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.k.needs_calibration or self.v.needs_calibration
+
+    def bind(self, layer_idx: int, calibration: Any = None) -> CacheSpec:
+        """K and V codecs specialised for one layer (see :meth:`Codec.bind`)."""
+        if self.needs_calibration and calibration is None:
+            raise ValueError(
+                f"cache spec {self.spec!r} is calibrated (order=variance / auto@BITS): pass calibration "
+                "statistics (CLI: --calib-text TEXT; API: calibration=collect_kv_stats(...))"
+            )
+        k = self.k.bind(layer_idx, "k", calibration)
+        v = self.v.bind(layer_idx, "v", calibration)
+        return self if (k is self.k and v is self.v) else CacheSpec(k, v)
 
 
 def parse_cache_spec(spec: str | CacheSpec) -> CacheSpec:

@@ -73,6 +73,7 @@ def evaluate(
     windows: int | None = 8,
     score: str = "half",
     residual: int = 0,
+    calibration: Any = None,
     progress: bool = True,
 ) -> EvalResult:
     """Measure each codec against the uncompressed cache on the same tokens.
@@ -85,6 +86,7 @@ def evaluate(
         windows: number of windows (``None``: every full window of the text).
         score: ``"half"`` (second half of each window) or ``"all"``.
         residual: full-precision window of recent tokens (0 = compress every token).
+        calibration: :class:`walshkv.calibration.KVStats` from *other* text, for calibrated codecs.
         progress: show a progress bar.
 
     Returns:
@@ -98,6 +100,10 @@ def evaluate(
     head_dim = lm.info["head_dim"]
     for spec in specs:
         spec.check_head_dim(head_dim)
+        if spec.needs_calibration and calibration is None:
+            spec.bind(0, None)  # raises, naming --calib-text
+    if calibration is not None and calibration.text == text.name:
+        raise ValueError(f"calibration text and evaluation text are both {text.name!r}; calibrate on other text")
     first, last = scored_positions(ctx, score)
     win = make_windows(lm.tokenizer, text.content, ctx, windows)
     n_win = win.ids.shape[0]
@@ -105,6 +111,7 @@ def evaluate(
     metrics = {s.spec: TokenMetrics() for s in specs}
     kv_bytes: dict[str, int] = {}
     layout_bits: dict[str, float] = {}
+    kv_bits: dict[str, tuple[float, float]] = {}
     seconds = dict.fromkeys(metrics, 0.0)
     model = lm.model
     device = next(model.parameters()).device
@@ -122,12 +129,13 @@ def evaluate(
         for spec in specs:
             bar.set_postfix_str(f"window {w + 1}/{n_win}: {spec.spec}")
             t0 = time.perf_counter()
-            cache = CompressedCache(spec, config=model.config, residual=residual)
+            cache = CompressedCache(spec, config=model.config, residual=residual, calibration=calibration)
             logits = _forward(model, ids, cache, keep)[: last - first]
             seconds[spec.spec] += time.perf_counter() - t0
             if w == 0:
                 kv_bytes[spec.spec] = cache.nbytes()
                 layout_bits[spec.spec] = cache.bits_per_element()
+                kv_bits[spec.spec] = cache.bits_per_element_kv()
             metrics[spec.spec].add(*compare_logits(ref, logits, targets))
             del cache
             bar.update()
@@ -141,8 +149,8 @@ def evaluate(
         bits = layout_bits[spec.spec]
         row.update(
             {
-                "bits_k": spec.k.bits_per_element(head_dim),
-                "bits_v": spec.v.bits_per_element(head_dim),
+                "bits_k": kv_bits[spec.spec][0],
+                "bits_v": kv_bits[spec.spec][1],
                 "bits_per_element": bits,
                 "compression": 16.0 / bits,
                 "kv_bytes": kv_bytes[spec.spec],
@@ -166,6 +174,9 @@ def evaluate(
         "scored_tokens": n_win * (last - first),
         "bos_first_token": win.bos,
         "residual": residual,
+        "calibration": None
+        if calibration is None
+        else {"text": calibration.text, "tokens": calibration.tokens, "model": calibration.model},
         "reference": f"same model, uncompressed DynamicCache at {next(model.parameters()).dtype!s}",
         "quantize_on_write": True,
         "kv_bytes_note": "bytes held by the cache after one window of ctx tokens, batch 1",

@@ -1,0 +1,129 @@
+"""Calibration statistics of the K/V that enter a model's cache.
+
+``collect_kv_stats`` runs the model over calibration text (never the evaluation text) and
+accumulates, per (layer, kv-head, channel), the mean and second moment of K (after RoPE, exactly
+what ``Cache.update`` receives) and of V, in the plain basis and in the orthonormal
+Walsh-Hadamard basis (natural order). Codecs that need measured statistics (``vht2`` with
+``order=variance`` or ``auto@BITS``) read them through :meth:`walshkv.codecs.Codec.bind`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from walshkv.ops.hadamard import hadamard_transform
+
+__all__ = ["KVStats", "collect_kv_stats"]
+
+BASES = ("plain", "wht")
+KINDS = ("k", "v")
+
+
+@dataclass
+class KVStats:
+    """Per-layer K/V moments: ``sums[(kind, basis)]`` is ``[layers, kv_heads, head_dim]``.
+
+    Attributes:
+        model: model name the statistics belong to.
+        text: name of the calibration text.
+        tokens: calibration tokens seen per layer.
+        head_dim, num_kv_heads, num_layers: shapes.
+    """
+
+    model: str
+    text: str
+    tokens: int
+    head_dim: int
+    num_kv_heads: int
+    num_layers: int
+    sums: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    sq_sums: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    counts: torch.Tensor | None = None  # [layers]
+
+    def _check(self, kind: str, basis: str, layer: int) -> None:
+        if kind not in KINDS or basis not in BASES:
+            raise ValueError(f"kind must be one of {KINDS} and basis one of {BASES}, got {kind!r}, {basis!r}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(
+                f"calibration for {self.model!r} has {self.num_layers} layers; layer {layer} requested "
+                "(a calibration made for another model?)"
+            )
+
+    def mean(self, kind: str, layer: int, basis: str = "plain") -> torch.Tensor:
+        """Mean ``[kv_heads, head_dim]`` of K or V in ``basis`` for ``layer``."""
+        self._check(kind, basis, layer)
+        assert self.counts is not None
+        return self.sums[(kind, basis)][layer] / self.counts[layer].clamp_min(1)
+
+    def variance(self, kind: str, layer: int, basis: str = "wht") -> torch.Tensor:
+        """Variance ``[kv_heads, head_dim]`` of K or V in ``basis`` for ``layer``."""
+        self._check(kind, basis, layer)
+        assert self.counts is not None
+        n = self.counts[layer].clamp_min(1)
+        mean = self.sums[(kind, basis)][layer] / n
+        return (self.sq_sums[(kind, basis)][layer] / n - mean**2).clamp_min(0.0)
+
+    def check_matches(self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None) -> None:
+        """Refuse statistics made for a differently shaped model."""
+        want = (num_layers, num_kv_heads, head_dim)
+        have = (self.num_layers, self.num_kv_heads, self.head_dim)
+        if want != have:
+            raise ValueError(
+                f"calibration for {self.model!r} has (layers, kv_heads, head_dim) = {have}, but the model"
+                f"{' ' + repr(model) if model else ''} has {want}; calibrate on this model"
+            )
+
+
+def _shape(config: Any) -> tuple[int, int, int]:
+    cfg = config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim
+
+
+@torch.inference_mode()
+def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, progress: bool = True) -> KVStats:
+    """Run ``lm`` over the first ``tokens`` tokens of ``text`` and accumulate K/V moments.
+
+    Args:
+        lm: a :class:`walshkv.models.LoadedModel`.
+        text: a :class:`walshkv.data.Text` (the calibration text).
+        tokens: calibration tokens (rounded down to whole windows of ``ctx``; at least one window).
+        ctx: tokens per forward pass.
+        progress: show a progress bar.
+    """
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    from walshkv.eval.windows import make_windows
+
+    layers, heads, head_dim = _shape(lm.model.config)
+    n_win = max(1, tokens // ctx)
+    win = make_windows(lm.tokenizer, text.content, ctx, n_win)
+    stats = KVStats(lm.name, text.name, n_win * ctx, head_dim, heads, layers, counts=torch.zeros(layers))
+    for key in [(k, b) for k in KINDS for b in BASES]:
+        stats.sums[key] = torch.zeros(layers, heads, head_dim, dtype=torch.float64)
+        stats.sq_sums[key] = torch.zeros(layers, heads, head_dim, dtype=torch.float64)
+
+    class _Recorder(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            for kind, x in (("k", key_states), ("v", value_states)):
+                x64 = x.detach().to(torch.float64)
+                for basis, y in (("plain", x64), ("wht", hadamard_transform(x64))):
+                    stats.sums[(kind, basis)][layer_idx] += y.sum(dim=(0, 2)).cpu()
+                    stats.sq_sums[(kind, basis)][layer_idx] += (y * y).sum(dim=(0, 2)).cpu()
+            assert stats.counts is not None
+            stats.counts[layer_idx] += key_states.shape[0] * key_states.shape[2]
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    device = next(lm.model.parameters()).device
+    for w in tqdm(range(n_win), desc=f"calibrate on {text.name}", unit="window", disable=not progress):
+        lm.model(
+            input_ids=win.ids[w : w + 1].to(device),
+            cache=_Recorder(config=lm.model.config),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    return stats
