@@ -41,17 +41,28 @@ from walshkv.ops.hadamard import _check_size, hadamard_transform
 from walshkv.ops.numtheory import squarefree_indices
 from walshkv.ops.orders import ORDERS, coefficient_order, variance_order
 from walshkv.ops.packing import pack_bits, packed_nbytes, unpack_bits
-from walshkv.ops.quant import dequantize_symmetric, quantize_symmetric
+from walshkv.ops.quant import FP16_MAX, dequantize_symmetric, quantize_symmetric
 
 __all__ = ["SqfreeCodec", "VHT2Codec", "VZCCodec", "allocate_bits", "parse_vht2_args"]
 
 _SCALE = torch.float16
 
 
+def _fp16_scale(scale: torch.Tensor, what: str) -> torch.Tensor:
+    """``scale`` (float32) as fp16, refusing values beyond the fp16 range (as quantize_symmetric does)."""
+    biggest = float(scale.max()) if scale.numel() else 0.0
+    if biggest > FP16_MAX:
+        raise ValueError(
+            f"{what}: a mean |y| scale of {biggest:.4g} is beyond the fp16 scale range (max {FP16_MAX}); "
+            "values this large are not K/V of a healthy model. Rescale the input or use a float codec."
+        )
+    return scale.to(_SCALE)
+
+
 def _quantize_band(y: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Band codes (``uint8 [..., size]``) and fp16 scale (``[..., 1]``); 1 bit = sign x mean|y|."""
     if bits == 1:
-        scale = y.abs().mean(dim=-1, keepdim=True).to(_SCALE)
+        scale = _fp16_scale(y.to(torch.float32).abs().mean(dim=-1, keepdim=True), "1-bit band")
         return (y >= 0).to(torch.uint8), scale
     return quantize_symmetric(y, bits)
 
@@ -123,7 +134,7 @@ class VHT2Codec(Codec):
 
     def _spec(self) -> str:
         if self.auto_bits is not None:
-            return f"vht2:auto@{self.auto_bits:g}"
+            return f"vht2:auto@{repr(float(self.auto_bits)).removesuffix('.0')}"
         s = "vht2:" + ",".join(str(b) for b in self.widths)
         if self.order != "natural":
             s += f":order={self.order}"
@@ -227,7 +238,8 @@ def allocate_bits(variance: torch.Tensor, budget: float, max_bits: int = 8) -> t
     the water level ``θ`` is bisected to the largest total that fits ``budget * head_dim`` bits.
     """
     d = variance.numel()
-    var = variance.to(torch.float64).clamp_min(1e-30)
+    # A tiny decreasing factor breaks ties by index, so equal variances can still get unequal widths.
+    var = variance.to(torch.float64).clamp_min(1e-30) * (1 - 1e-9 * torch.arange(d, dtype=torch.float64))
     target = budget * d
 
     def bands_for(theta: float) -> tuple[Band, ...]:
@@ -279,7 +291,7 @@ class VZCCodec(Codec):
         d = x.shape[-1]
         y = hadamard_transform(x)
         cls = torch.arange(d, device=y.device) % 3
-        scales = torch.stack([y[..., cls == r].abs().mean(dim=-1) for r in range(3)], dim=-1).to(_SCALE)
+        scales = _fp16_scale(torch.stack([y[..., cls == r].abs().mean(dim=-1) for r in range(3)], dim=-1), "vzc")
         return Packed({"signs": pack_bits((y >= 0).to(torch.uint8), 1), "scale": scales}, d, x.dtype)
 
     def _decode(self, packed: Packed) -> torch.Tensor:
@@ -300,6 +312,8 @@ class SqfreeCodec(Codec):
 
     def check_head_dim(self, head_dim: int) -> None:
         _check_size(head_dim, f"head_dim of '{self.spec}'")
+        if head_dim < 4:
+            raise ValueError(f"{self.spec} needs head_dim >= 4 (squarefree indices 1, 2, 3), got {head_dim}")
 
     def _index(self, d: int, device: torch.device) -> torch.Tensor:
         return torch.tensor(squarefree_indices(d), device=device)

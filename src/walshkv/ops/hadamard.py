@@ -97,13 +97,10 @@ def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         Tensor ``[n, n]``, symmetric and orthogonal.
     """
     _check_size(n, "requested size")
-    idx = torch.arange(n)
-    parity = torch.zeros(n, n, dtype=torch.long)
-    anded = idx[:, None] & idx[None, :]
-    while bool(anded.any()):
-        parity ^= anded & 1
-        anded = anded >> 1
-    return (1 - 2 * parity).to(dtype) / math.sqrt(n)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:  # Sylvester: H_2n = [[H, H], [H, -H]]
+        h = torch.cat((torch.cat((h, h), dim=1), torch.cat((h, -h), dim=1)), dim=0)
+    return (h / math.sqrt(n)).to(dtype)
 
 
 def random_signs(n: int, seed: int) -> torch.Tensor:
