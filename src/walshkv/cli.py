@@ -65,6 +65,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         parse_cache_spec(c)
     text = load_text(args.text)
     lm = load_model(args.model, progress=not args.quiet)
+    calibration = calibrate_if_needed(lm, codecs, args, text)
     result = evaluate(
         lm,
         text,
@@ -73,6 +74,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         windows=args.windows,
         score=args.score,
         residual=args.residual,
+        calibration=calibration,
         progress=not args.quiet,
     )
     command = "walshkv " + " ".join(shlex.quote(a) for a in (args.argv or []))
