@@ -18,11 +18,15 @@ examples:
   walshkv eval                                   # default model, text and codec list
   walshkv eval --codec rot+int4 --codec int8/int4 --windows 4
   walshkv eval --model qwen2.5-1.5b --text ../shared/data/austen_emma.txt --json r.json
+  walshkv eval --codec vht2:5,5,4,3:order=squarefree/vht2:3 --text ../shared/data/austen_emma.txt
+  walshkv eval --codec vht2:auto@4.25 --calib-text python-docs --text ../shared/data/austen_emma.txt
+  walshkv sweep --grid vht2-bits --windows 2
   walshkv models list
   walshkv codecs --head-dim 128
 
-cache specs: KSPEC/VSPEC or one SPEC for both; SPEC = [rot+|rrot[:SEED]+]BASE,
-BASE in fp16, bf16, fp32, int2..int8. Example: rot+int4/int3 (K rotated int4, V int3).
+cache specs: KSPEC/VSPEC or one SPEC for both; SPEC = [rot+|rrot[:SEED]+]BASE, BASE in
+fp16, bf16, fp32, int2..int8, vht2:B1,..,Bn[:order=O][:sk=N], vht2:auto@BITS, vzc, sqfree:B.
+Example: rot+int4/int3 (K rotated int4, V int3). `walshkv codecs` lists them all.
 """
 
 
