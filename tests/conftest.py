@@ -11,6 +11,9 @@ import torch
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
+# Tests run small tensor ops; on a loaded 2-core machine torch's thread pool makes them far slower.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:

@@ -16,7 +16,7 @@ import torch
 
 from walshkv.ops.hadamard import hadamard_transform
 
-__all__ = ["KVStats", "collect_kv_stats"]
+__all__ = ["KVStats", "MergedCalibration", "collect_kv_stats"]
 
 BASES = ("plain", "wht")
 KINDS = ("k", "v")
@@ -58,6 +58,12 @@ class KVStats:
         assert self.counts is not None
         return self.sums[(kind, basis)][layer] / self.counts[layer].clamp_min(1)
 
+    def k_bias(self, layer: int, basis: str) -> torch.Tensor:
+        """Mean K ``[kv_heads, head_dim]`` for ``center+``: ``plain`` or ``rot`` (WHT) basis."""
+        if basis not in ("plain", "rot"):
+            raise ValueError(f"basis must be 'plain' or 'rot', got {basis!r}")
+        return self.mean("k", layer, "wht" if basis == "rot" else "plain")
+
     def variance(self, kind: str, layer: int, basis: str = "wht") -> torch.Tensor:
         """Variance ``[kv_heads, head_dim]`` of K or V in ``basis`` for ``layer``."""
         self._check(kind, basis, layer)
@@ -65,6 +71,10 @@ class KVStats:
         n = self.counts[layer].clamp_min(1)
         mean = self.sums[(kind, basis)][layer] / n
         return (self.sq_sums[(kind, basis)][layer] / n - mean**2).clamp_min(0.0)
+
+    def describe(self) -> dict[str, Any]:
+        """Provenance for result files."""
+        return {"kind": "kv-stats", "model": self.model, "text": self.text, "tokens": self.tokens}
 
     def check_matches(self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None) -> None:
         """Refuse statistics made for a differently shaped model."""
@@ -75,6 +85,31 @@ class KVStats:
                 f"calibration for {self.model!r} has (layers, kv_heads, head_dim) = {have}, but the model"
                 f"{' ' + repr(model) if model else ''} has {want}; calibrate on this model"
             )
+
+
+class MergedCalibration:
+    """Statistics from text (``stats``) with the K bias taken from a file (``bias``)."""
+
+    def __init__(self, stats: KVStats, bias: Any) -> None:
+        self.stats = stats
+        self.bias = bias
+        self.text = stats.text
+
+    def k_bias(self, layer: int, basis: str) -> torch.Tensor:
+        return self.bias.k_bias(layer, basis)
+
+    def mean(self, kind: str, layer: int, basis: str = "plain") -> torch.Tensor:
+        return self.stats.mean(kind, layer, basis)
+
+    def variance(self, kind: str, layer: int, basis: str = "wht") -> torch.Tensor:
+        return self.stats.variance(kind, layer, basis)
+
+    def check_matches(self, *args: Any, **kwargs: Any) -> None:
+        self.stats.check_matches(*args, **kwargs)
+        self.bias.check_matches(*args, **kwargs)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "merged", "stats": self.stats.describe(), "k_bias": self.bias.describe()}
 
 
 def _shape(config: Any) -> tuple[int, int, int]:

@@ -31,19 +31,44 @@ Example: rot+int4/int3 (K rotated int4, V int3). `walshkv codecs` lists them all
 
 
 def calibrate_if_needed(lm, codecs, args, text):
-    """Collect K/V statistics on --calib-text when a codec needs them (never the eval text)."""
-    from walshkv.calibration import collect_kv_stats
+    """Calibration for the codecs that need it: --kv-mean-center FILE and/or --calib-text TEXT.
+
+    Never calibrates on the evaluation text.
+    """
+    from walshkv.calibration import MergedCalibration, collect_kv_stats
     from walshkv.codecs import parse_cache_spec
     from walshkv.data import load_text
+    from walshkv.export import read_kv_mean_center
 
-    if not any(parse_cache_spec(c).needs_calibration for c in codecs):
-        return None
+    specs = [parse_cache_spec(c) for c in codecs]
+    bias = None
+    if getattr(args, "kv_mean_center", None):
+        info = lm.info
+        bias = read_kv_mean_center(args.kv_mean_center, model_arch=info["arch"])
+        bias.check_matches(info["layers"], info["kv_heads"], info["head_dim"], lm.name)
+    if not any(s.needs_calibration for s in specs):
+        return bias
+    only_bias = all(_only_centering(s) for s in specs if s.needs_calibration)
+    if bias is not None and only_bias:
+        return bias
     if not args.calib_text:
-        raise ValueError("a codec needs calibration (order=variance or auto@BITS): add --calib-text TEXT")
+        need = "--kv-mean-center FILE or --calib-text TEXT" if only_bias else "--calib-text TEXT"
+        raise ValueError(f"a codec needs calibration (center+, order=variance or auto@BITS): add {need}")
     calib = load_text(args.calib_text)
     if calib.content == text.content:
         raise ValueError("--calib-text is the evaluation text; calibrate on different text")
-    return collect_kv_stats(lm, calib, tokens=args.calib_tokens, progress=not args.quiet)
+    stats = collect_kv_stats(lm, calib, tokens=args.calib_tokens, progress=not args.quiet)
+    return stats if bias is None else MergedCalibration(stats, bias)
+
+
+def _only_centering(spec) -> bool:
+    """True if the spec's only calibrated part is a center+ K bias."""
+    from walshkv.codecs.center import Centered
+
+    def ok(c) -> bool:
+        return not c.needs_calibration or (isinstance(c, Centered) and not c.inner.needs_calibration)
+
+    return ok(spec.k) and ok(spec.v)
 
 
 def add_calibration_args(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +79,9 @@ def add_calibration_args(parser: argparse.ArgumentParser) -> None:
         help="text for calibrated codecs (vht2 order=variance, auto@BITS); never the eval text",
     )
     parser.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens")
+    parser.add_argument(
+        "--kv-mean-center", metavar="FILE", help="K bias file from `walshkv calibrate` for center+ codecs"
+    )
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -94,6 +122,30 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.markdown:
         write_markdown(args.markdown, result.meta, result.results, command)
         print(f"wrote {args.markdown}")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from walshkv.calibration import collect_kv_stats
+    from walshkv.data import load_text
+    from walshkv.export import write_kv_mean_center
+    from walshkv.models import load_model
+
+    if args.basis not in ("plain", "rot"):
+        raise ValueError(f"--basis must be plain or rot, got {args.basis!r}")
+    text = load_text(args.text)
+    lm = load_model(args.model, progress=not args.quiet)
+    stats = collect_kv_stats(lm, text, tokens=args.tokens, ctx=args.ctx, progress=not args.quiet)
+    mean = torch.stack([stats.mean("k", i, "plain") for i in range(stats.num_layers)])
+    write_kv_mean_center(
+        args.output, mean, arch=lm.info["arch"], basis=args.basis, tokens=stats.tokens, text=text.name, model=lm.name
+    )
+    print(
+        f"wrote {args.output}: {stats.num_layers} tensors kv_bar.blk.0.k .. kv_bar.blk.{stats.num_layers - 1}.k of "
+        f"{stats.head_dim} x {stats.num_kv_heads} values, basis {args.basis}, {stats.tokens:,} tokens of {text.name}"
+    )
     return 0
 
 
@@ -200,6 +252,29 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--quiet", action="store_true", help="no progress bars")
     ev.set_defaults(func=_cmd_eval)
 
+    ca = sub.add_parser(
+        "calibrate",
+        help="write a K mean-centering bias file (GGUF) for center+ codecs and llama.cpp forks",
+        description="Run the model over calibration text and average each layer's post-RoPE K (what enters "
+        "the cache) per (kv-head, channel). Writes kv_bar.blk.<il>.k tensors in llama.cpp's channel order and "
+        "kv_mean_center.k_rot. Use it with `walshkv eval --codec center+rot+int4 --kv-mean-center FILE` "
+        "(evaluate on different text) or a llama.cpp fork's --kv-mean-center FILE.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ca.add_argument("--model", default=DEFAULT_MODEL, help="model name or path, as for eval")
+    ca.add_argument("--text", default=DEFAULT_TEXT, help="calibration text (not the text you evaluate on)")
+    ca.add_argument("--tokens", type=int, default=8192, help="calibration tokens (whole windows of --ctx)")
+    ca.add_argument("--ctx", type=int, default=512, help="tokens per forward pass")
+    ca.add_argument(
+        "--basis",
+        choices=["plain", "rot"],
+        default="plain",
+        help="plain: for center+SPEC; rot: Hadamard-rotated, for center+rot+SPEC and llama.cpp's rotation",
+    )
+    ca.add_argument("-o", "--output", default="kv-mean-center.gguf", help="output GGUF file")
+    ca.add_argument("--quiet", action="store_true", help="no progress bars")
+    ca.set_defaults(func=_cmd_calibrate)
+
     mo = sub.add_parser(
         "models",
         help="list or fetch the offline models",
@@ -218,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     from walshkv.sweep import add_sweep_parser
 
     add_sweep_parser(sub)
+    from walshkv.lab.rd import add_rd_parser
+
+    add_rd_parser(sub)
     return parser
 
 

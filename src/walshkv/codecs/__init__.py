@@ -2,6 +2,7 @@
 
 from walshkv.codecs.base import Codec, Field, Packed, check_kv
 from walshkv.codecs.floats import FloatCodec
+from walshkv.codecs.ggml import GGMLCodec
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.spec import (
@@ -18,6 +19,7 @@ __all__ = [
     "Codec",
     "Field",
     "FloatCodec",
+    "GGMLCodec",
     "IntCodec",
     "Packed",
     "Rotated",

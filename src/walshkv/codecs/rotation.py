@@ -31,6 +31,9 @@ class Rotated(Codec):
         self.inner = inner
         self.seed = seed
         prefix = "rot" if seed is None else ("rrot" if seed == 0 else f"rrot:{seed}")
+        if getattr(inner, "is_centering", False):
+            fixed = f"center+{prefix}+{inner.spec.removeprefix('center+')}"
+            raise ValueError(f"write center+ first: {fixed}, not {prefix}+{inner.spec}")
         self.spec = f"{prefix}+{inner.spec}"
         self._signs: dict[int, torch.Tensor] = {}
 

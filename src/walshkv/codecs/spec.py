@@ -18,9 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from walshkv.codecs.base import Codec
+from walshkv.codecs.center import Centered
 from walshkv.codecs.floats import FLOAT_CODECS, FloatCodec
+from walshkv.codecs.ggml import GGML_BLOCK_BYTES, GGML_TYPES, GGMLCodec
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.rotation import Rotated
+from walshkv.codecs.turbo import parse_tq_args, parse_tqprod_args
 from walshkv.codecs.vht2 import SqfreeCodec, VZCCodec, parse_vht2_args
 
 __all__ = [
@@ -145,6 +148,11 @@ register_wrapper(
     "orthonormal Walsh-Hadamard rotation over head_dim (power of two)",
 )
 register_wrapper(
+    "center",
+    lambda args, inner: (_no_args("center", args), Centered(inner))[1],
+    "subtract a calibrated per-(layer, head, channel) K mean first (K only; --kv-mean-center FILE)",
+)
+register_wrapper(
     "rrot",
     lambda args, inner: Rotated(inner, seed=_seed(args)),
     "randomized Hadamard: seeded sign flips then rotation (rrot:SEED+...)",
@@ -213,8 +221,9 @@ class CacheSpec:
         """K and V codecs specialised for one layer (see :meth:`Codec.bind`)."""
         if self.needs_calibration and calibration is None:
             raise ValueError(
-                f"cache spec {self.spec!r} is calibrated (order=variance / auto@BITS): pass calibration "
-                "statistics (CLI: --calib-text TEXT; API: calibration=collect_kv_stats(...))"
+                f"cache spec {self.spec!r} is calibrated (center+ / order=variance / auto@BITS): pass calibration "
+                "(CLI: --kv-mean-center FILE for center+, or --calib-text TEXT; API: "
+                "calibration=collect_kv_stats(...) or read_kv_mean_center(...))"
             )
         k = self.k.bind(layer_idx, "k", calibration)
         v = self.v.bind(layer_idx, "v", calibration)
@@ -234,3 +243,41 @@ def parse_cache_spec(spec: str | CacheSpec) -> CacheSpec:
     if len(parts) == 2:
         return CacheSpec(parse_codec(parts[0]), parse_codec(parts[1]))
     raise ValueError(f"a cache spec has at most one '/' (KSPEC/VSPEC), got {spec!r}")
+
+
+# ---- llama.cpp KV-cache block types (walshkv.codecs.ggml) -----------------------------------------
+
+
+def _ggml_factory(name: str) -> CodecFactory:
+    def make(args: str | None) -> Codec:
+        _no_args(name, args)
+        return GGMLCodec(name)
+
+    return make
+
+
+for _name in GGML_TYPES:
+    register_codec(
+        _name,
+        _ggml_factory(_name),
+        f"llama.cpp {_name.upper()} blocks of 32 along head_dim, {GGML_BLOCK_BYTES[_name]} bytes each, "
+        "byte-exact with ggml (head_dim a multiple of 32)",
+    )
+
+
+# ---- TurboQuant-class codecs (walshkv.codecs.turbo) -----------------------------------------------
+
+register_codec(
+    "tq",
+    parse_tq_args,
+    "TurboQuant MSE: randomized Hadamard rotation, fp16 norm, Lloyd-Max codes per coordinate "
+    "(tq:B, B in 1..8 or a half width like 2.5; [:codebook=gauss|beta][:seed=N])",
+    example="tq:3",
+)
+register_codec(
+    "tqprod",
+    parse_tqprod_args,
+    "TurboQuant-prod: tq:(B-1) plus a 1-bit QJL sketch of the residual and its fp16 norm; unbiased inner "
+    "products (tqprod:B, B in 1..8 or 2.5..7.5)",
+    example="tqprod:3",
+)

@@ -102,8 +102,11 @@ def evaluate(
         spec.check_head_dim(head_dim)
         if spec.needs_calibration and calibration is None:
             spec.bind(0, None)  # raises, naming --calib-text
-    if calibration is not None and calibration.text == text.name:
+    sources = (calibration, getattr(calibration, "stats", None), getattr(calibration, "bias", None))
+    if calibration is not None and text.name in {getattr(c, "text", None) for c in sources if c is not None}:
         raise ValueError(f"calibration text and evaluation text are both {text.name!r}; calibrate on other text")
+    for spec in specs:  # bind every codec once now: calibration mismatches fail before any forward
+        CompressedCache(spec, config=lm.model.config, residual=residual, calibration=calibration)
     first, last = scored_positions(ctx, score)
     win = make_windows(lm.tokenizer, text.content, ctx, windows)
     n_win = win.ids.shape[0]
@@ -174,9 +177,7 @@ def evaluate(
         "scored_tokens": n_win * (last - first),
         "bos_first_token": win.bos,
         "residual": residual,
-        "calibration": None
-        if calibration is None
-        else {"text": calibration.text, "tokens": calibration.tokens, "model": calibration.model},
+        "calibration": None if calibration is None else calibration.describe(),
         "reference": f"same model, uncompressed DynamicCache at {next(model.parameters()).dtype!s}",
         "quantize_on_write": True,
         "kv_bytes_note": "bytes held by the cache after one window of ctx tokens, batch 1",

@@ -1,0 +1,92 @@
+"""``center+SPEC``: subtract a calibrated per-(layer, kv-head, channel) K mean before the K codec.
+
+Exact for attention: ``q·k = q·(k - k̄) + q·k̄`` and the last term is the same for every key a
+query sees, which softmax ignores. So the decoded K is left centered (nothing is added back) and
+V is untouched (``bind(..., "v")`` returns the inner codec).
+
+Basis: in ``center+rot+SPEC`` the bias is subtracted after the rotation, in the rotated basis
+(as llama.cpp forks do), so a bias *file* for it must be in the ``rot`` basis; ``center+SPEC``
+without a rotation needs a ``plain`` file. Statistics collected in the same run
+(:class:`walshkv.calibration.KVStats`) serve either basis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from walshkv.codecs.base import Codec, Field, Packed
+from walshkv.codecs.rotation import Rotated
+
+__all__ = ["Centered"]
+
+
+class Centered(Codec):
+    """Wrap a K codec with calibrated mean subtraction.
+
+    Args:
+        inner: the codec that stores the centered K (``Rotated`` codecs center after rotating).
+        bias: ``[kv_heads, head_dim]`` for a bound (per-layer) codec; ``None`` until :meth:`bind`.
+    """
+
+    is_centering = True
+
+    def __init__(self, inner: Codec, bias: torch.Tensor | None = None, spec: str | None = None) -> None:
+        if getattr(inner, "is_centering", False):
+            raise ValueError("center+ appears twice in one codec spec")
+        self.inner = inner
+        self.bias = bias
+        self.spec = spec or f"center+{inner.spec}"
+
+    @property
+    def needs_calibration(self) -> bool:  # type: ignore[override]
+        return self.bias is None or self.inner.needs_calibration
+
+    @property
+    def basis(self) -> str:
+        """``rot`` if the bias is subtracted after a Walsh-Hadamard rotation, else ``plain``."""
+        return "rot" if isinstance(self.inner, Rotated) else "plain"
+
+    def bind(self, layer_idx: int, kind: str, calibration: Any = None) -> Codec:
+        inner = self.inner.bind(layer_idx, kind, calibration)
+        if kind == "v":
+            return inner  # centering is for K only
+        if calibration is None or not hasattr(calibration, "k_bias"):
+            raise ValueError(
+                f"{self.spec} needs a K mean: pass --kv-mean-center FILE (from `walshkv calibrate`) "
+                "or --calib-text TEXT"
+            )
+        if isinstance(self.inner, Rotated) and self.inner.seed is not None:
+            if not hasattr(calibration, "mean"):
+                raise ValueError(f"{self.spec}: a bias file cannot serve rrot+ (random signs); use --calib-text")
+            bias = self.inner.rotate(calibration.mean("k", layer_idx, "plain"))
+        else:
+            bias = calibration.k_bias(layer_idx, self.basis)
+        return Centered(inner, bias.to(torch.float32), self.spec)
+
+    def layout(self, head_dim: int) -> dict[str, Field]:
+        return self.inner.layout(head_dim)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        self.inner.check_head_dim(head_dim)
+        if self.bias is not None and self.bias.shape[-1] != head_dim:
+            raise ValueError(f"{self.spec}: bias has head_dim {self.bias.shape[-1]}, K has {head_dim}")
+
+    def _bias_for(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            raise ValueError(f"{self.spec} is not bound to a layer's K mean; build it through CompressedCache")
+        if self.bias.shape[0] != x.shape[1]:
+            raise ValueError(f"{self.spec}: bias has {self.bias.shape[0]} kv heads, K has {x.shape[1]}")
+        return self.bias.to(x.device)[None, :, None, :]
+
+    def _encode(self, x: torch.Tensor) -> Packed:
+        if isinstance(self.inner, Rotated):
+            y = self.inner.rotate(x) - self._bias_for(x)
+            return self.inner.inner.encode(y)
+        return self.inner.encode(x.to(torch.float32) - self._bias_for(x))
+
+    def _decode(self, packed: Packed) -> torch.Tensor:
+        if isinstance(self.inner, Rotated):
+            return self.inner.unrotate(self.inner.inner._decode(packed))
+        return self.inner._decode(packed)

@@ -1,0 +1,304 @@
+"""TurboQuant-class codecs: ``tq:B`` (MSE stage) and ``tqprod:B`` (MSE stage + 1-bit QJL residual).
+
+After Zandieh, Daliri, Hadian, Mirrokni, *TurboQuant: Online Vector Quantization with Near-optimal
+Distortion Rate* (arXiv:2504.19874), with the QJL residual of Zandieh, Daliri, Han, *QJL: 1-Bit
+Quantized JL Transform for KV Cache Quantization with Zero Overhead* (arXiv:2406.03482).
+
+``tq:B`` per (batch, kv-head, token) vector ``x`` of ``d = head_dim`` values (d a power of two):
+
+1. rotate: ``y = H(s * x)``, the orthonormal Walsh-Hadamard transform after seeded sign flips
+   ``s = random_signs(d, seed)`` (exactly ``rrot:SEED+``'s rotation);
+2. ``norm = ||x||_2`` stored as fp16; every coordinate is scaled to unit variance,
+   ``t = y / (norm / sqrt(d))`` (for a random rotation, ``t_i`` follows the beta-type density of
+   ``sqrt(d) u_1``, close to N(0, 1));
+3. each ``t_i`` is replaced by the index of its nearest Lloyd-Max level at B bits
+   (:func:`walshkv.ops.lloyd_max.lloyd_max`, unit-variance Gaussian codebook by default), codes packed
+   with :func:`walshkv.ops.pack_bits`;
+4. decode: ``x_hat = s * H(levels[codes] * norm / sqrt(d))``.
+
+Fractional ``tq:B.5`` stores the first ``d/2`` rotated coordinates at ``ceil(B)`` bits and the other
+``d/2`` at ``floor(B)`` bits (a fixed split; the paper instead gives a set of outlier channels the
+higher width).
+
+``tqprod:B`` is TurboQuant-prod: ``tq:(B-1)`` plus a 1-bit QJL sketch of the residual
+``r = x - x_hat_mse``: ``z = sign(S r)`` with ``S`` a seeded ``d x d`` matrix of i.i.d. N(0, 1) entries,
+and ``gamma = ||r||`` as fp16. Decode adds ``sqrt(pi/2) / d * gamma * S^T z``, which makes
+``<q, x_hat>`` an unbiased estimate of ``<q, x>`` (over the draw of ``S``) for every query ``q``.
+``tqprod:1`` is the QJL sketch of ``x`` alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from walshkv.codecs.base import Codec, Field, Packed
+from walshkv.ops.hadamard import _check_size, hadamard_transform, random_signs
+from walshkv.ops.lloyd_max import LloydMax, lloyd_max
+from walshkv.ops.packing import pack_bits, packed_nbytes, unpack_bits
+from walshkv.ops.quant import FP16_MAX
+
+__all__ = [
+    "CODEBOOKS",
+    "TQPROD_BITS",
+    "TQ_BITS",
+    "TurboQuant",
+    "TurboQuantProd",
+    "parse_tq_args",
+    "parse_tqprod_args",
+]
+
+#: Bit widths of ``tq``: whole widths 1..8 and the half widths 1.5 .. 7.5.
+TQ_BITS: tuple[float, ...] = tuple(sorted({float(b) for b in range(1, 9)} | {b + 0.5 for b in range(1, 8)}))
+#: Bit widths of ``tqprod``: 1 (QJL alone) and every ``tq`` width plus one, up to 8.
+TQPROD_BITS: tuple[float, ...] = (1.0, *(b + 1 for b in TQ_BITS if b + 1 <= 8))
+#: Codebooks: the unit Gaussian, or the exact beta-type density of a rotated coordinate at this head_dim.
+CODEBOOKS = ("gauss", "beta")
+_MAX_SEED = 2**62
+
+
+def _fmt_bits(bits: float) -> str:
+    return str(int(bits)) if float(bits).is_integer() else f"{bits:g}"
+
+
+def _valid_text(valid: tuple[float, ...]) -> str:
+    return ", ".join(_fmt_bits(b) for b in valid)
+
+
+def _check_bits(bits: Any, valid: tuple[float, ...], name: str) -> float:
+    try:
+        value = float(bits)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} takes a bit width, one of {_valid_text(valid)}; got {bits!r}") from None
+    if isinstance(bits, bool) or value not in valid:
+        raise ValueError(f"{name} takes a bit width, one of {_valid_text(valid)}; got {bits!r}")
+    return value
+
+
+def _check_seed(seed: Any, name: str) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _MAX_SEED:
+        raise ValueError(f"{name} seeds are integers in 0 .. 2**62-1, got {seed!r}")
+    return seed
+
+
+def _check_fp16(norm: torch.Tensor, what: str, spec: str) -> torch.Tensor:
+    """``norm`` (float64) rounded to fp16, or ``ValueError`` if that overflows."""
+    norm16 = norm.to(torch.float16)
+    if bool(torch.isinf(norm16).any()):
+        biggest = float(norm.max())
+        raise ValueError(
+            f"'{spec}' stores the {what} as fp16, but a vector has {what} {biggest:.6g} > {FP16_MAX:g} "
+            "(the fp16 maximum); scale the input down or use bf16/fp32"
+        )
+    return norm16
+
+
+class TurboQuant(Codec):
+    """``tq:B``: randomized Hadamard rotation, fp16 norm, Lloyd-Max codes per rotated coordinate.
+
+    Args:
+        bits: 1..8, or a half width 1.5..7.5 (half the coordinates at ``ceil(bits)``, half at ``floor``).
+        seed: seed of the random sign flips (default 0).
+        codebook: ``"gauss"`` (unit Gaussian Lloyd-Max levels, default) or ``"beta"`` (levels for the
+            exact density of a rotated coordinate at this head_dim).
+
+    Stored per vector (integer B): ``codes uint8[ceil(d*B/8)]`` and ``norm float16[1]``; for a half
+    width, ``codes_hi uint8[ceil((d/2)*ceil(B)/8)]``, ``codes_lo uint8[ceil((d/2)*floor(B)/8)]`` and
+    ``norm``.
+    """
+
+    def __init__(self, bits: float, seed: int = 0, codebook: str = "gauss") -> None:
+        self.bits = _check_bits(bits, TQ_BITS, "tq")
+        self.seed = _check_seed(seed, "tq")
+        if codebook not in CODEBOOKS:
+            raise ValueError(f"tq codebook must be one of {', '.join(CODEBOOKS)}, got {codebook!r}")
+        self.codebook = codebook
+        self.spec = _canonical("tq", self.bits, seed, codebook)
+        self._signs: dict[int, torch.Tensor] = {}
+
+    # --- the parts ------------------------------------------------------------------------------------
+
+    def segments(self, head_dim: int) -> list[tuple[str, int, int, int]]:
+        """``(field, start, stop, bits)`` for each run of rotated coordinates stored at one width."""
+        if float(self.bits).is_integer():
+            return [("codes", 0, head_dim, int(self.bits))]
+        half = head_dim // 2
+        return [("codes_hi", 0, half, math.ceil(self.bits)), ("codes_lo", half, head_dim, math.floor(self.bits))]
+
+    def quantizer(self, bits: int, head_dim: int) -> LloydMax:
+        """The (cached) Lloyd-Max quantizer for ``bits`` at this head_dim."""
+        if self.codebook == "beta":
+            return lloyd_max(bits, "beta", head_dim)
+        return lloyd_max(bits, "gaussian")
+
+    def _signs_for(self, n: int, device: torch.device) -> torch.Tensor:
+        if n not in self._signs:
+            self._signs[n] = random_signs(n, self.seed)
+        return self._signs[n].to(device)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``H(s * x)`` over the last dimension (float32)."""
+        x = x.to(torch.float32)
+        return hadamard_transform(x * self._signs_for(x.shape[-1], x.device))
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """``s * H(y)`` over the last dimension (float32)."""
+        y = y.to(torch.float32)
+        return hadamard_transform(y) * self._signs_for(y.shape[-1], y.device)
+
+    # --- the codec ------------------------------------------------------------------------------------
+
+    def layout(self, head_dim: int) -> dict[str, Field]:
+        fields = {
+            name: Field((packed_nbytes(stop - start, bits),), torch.uint8)
+            for name, start, stop, bits in self.segments(head_dim)
+        }
+        fields["norm"] = Field((1,), torch.float16)
+        return fields
+
+    def check_head_dim(self, head_dim: int) -> None:
+        super().check_head_dim(head_dim)
+        _check_size(head_dim, f"head_dim of '{self.spec}'")
+        if not float(self.bits).is_integer() and head_dim < 2:
+            raise ValueError(f"'{self.spec}' splits head_dim into two halves; head_dim {head_dim} is too small")
+        if self.codebook == "beta" and head_dim < 4:
+            raise ValueError(f"'{self.spec}' (beta codebook) needs head_dim >= 4, got {head_dim}")
+
+    def _encode(self, x: torch.Tensor) -> Packed:
+        d = x.shape[-1]
+        norm16 = _check_fp16(torch.linalg.vector_norm(x.to(torch.float64), dim=-1, keepdim=True), "L2 norm", self.spec)
+        scale = norm16.to(torch.float32) / math.sqrt(d)
+        t = self.rotate(x) / torch.where(scale > 0, scale, torch.ones_like(scale))
+        tensors = {
+            name: pack_bits(self.quantizer(bits, d).quantize(t[..., start:stop].contiguous()), bits)
+            for name, start, stop, bits in self.segments(d)
+        }
+        tensors["norm"] = norm16
+        return Packed(tensors, d, x.dtype)
+
+    def _decode(self, packed: Packed) -> torch.Tensor:
+        d = packed.head_dim
+        parts = [
+            self.quantizer(bits, d).dequantize(unpack_bits(packed.tensors[name], bits, stop - start))
+            for name, start, stop, bits in self.segments(d)
+        ]
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        scale = packed.tensors["norm"].to(torch.float32) / math.sqrt(d)
+        return self.unrotate(t * scale)
+
+
+class TurboQuantProd(Codec):
+    """``tqprod:B``: ``tq:(B-1)`` plus a 1-bit QJL sketch of its residual (TurboQuant-prod).
+
+    Args:
+        bits: total bit width, one of :data:`TQPROD_BITS` (1 = QJL sketch alone, no MSE stage).
+        seed: seed of the MSE stage's sign flips; ``S`` is drawn from ``seed + 1``.
+        codebook: codebook of the MSE stage (see :class:`TurboQuant`).
+
+    Stored per vector: the MSE stage's fields prefixed ``mse_`` (none for B = 1),
+    ``qjl_signs uint8[ceil(d/8)]`` (bit i = 1 where ``(S r)_i >= 0``) and ``qjl_norm float16[1]`` (``||r||``).
+    """
+
+    def __init__(self, bits: float, seed: int = 0, codebook: str = "gauss") -> None:
+        self.bits = _check_bits(bits, TQPROD_BITS, "tqprod")
+        self.seed = _check_seed(seed, "tqprod")
+        if codebook not in CODEBOOKS:
+            raise ValueError(f"tqprod codebook must be one of {', '.join(CODEBOOKS)}, got {codebook!r}")
+        self.codebook = codebook
+        self.stage = TurboQuant(self.bits - 1, seed, codebook) if self.bits > 1 else None
+        self.spec = _canonical("tqprod", self.bits, seed, codebook)
+        self._proj: dict[int, torch.Tensor] = {}
+
+    def projection(self, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The seeded QJL matrix ``S`` (``[d, d]``, i.i.d. N(0, 1), float32)."""
+        if head_dim not in self._proj:
+            gen = torch.Generator().manual_seed(self.seed + 1)
+            self._proj[head_dim] = torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float32)
+        return self._proj[head_dim].to(device)
+
+    def layout(self, head_dim: int) -> dict[str, Field]:
+        fields = {} if self.stage is None else {f"mse_{k}": f for k, f in self.stage.layout(head_dim).items()}
+        fields["qjl_signs"] = Field((packed_nbytes(head_dim, 1),), torch.uint8)
+        fields["qjl_norm"] = Field((1,), torch.float16)
+        return fields
+
+    def check_head_dim(self, head_dim: int) -> None:
+        super().check_head_dim(head_dim)
+        if self.stage is not None:
+            self.stage.check_head_dim(head_dim)
+
+    def _mse_packed(self, packed: Packed) -> Packed:
+        inner = {k[4:]: t for k, t in packed.tensors.items() if k.startswith("mse_")}
+        return Packed(inner, packed.head_dim, packed.dtype)
+
+    def _encode(self, x: torch.Tensor) -> Packed:
+        d = x.shape[-1]
+        x32 = x.to(torch.float32)
+        tensors: dict[str, torch.Tensor] = {}
+        if self.stage is None:
+            residual = x32
+        else:
+            mse = self.stage._encode(x)
+            tensors.update({f"mse_{k}": t for k, t in mse.tensors.items()})
+            residual = x32 - self.stage._decode(mse)  # against what decode will really rebuild
+        gamma = _check_fp16(
+            torch.linalg.vector_norm(residual.to(torch.float64), dim=-1, keepdim=True), "residual norm", self.spec
+        )
+        signs = (residual @ self.projection(d, x.device).T) >= 0
+        tensors["qjl_signs"] = pack_bits(signs.to(torch.uint8), 1)
+        tensors["qjl_norm"] = gamma
+        return Packed(tensors, d, x.dtype)
+
+    def _decode(self, packed: Packed) -> torch.Tensor:
+        d = packed.head_dim
+        z = unpack_bits(packed.tensors["qjl_signs"], 1, d).to(torch.float32) * 2 - 1
+        gamma = packed.tensors["qjl_norm"].to(torch.float32)
+        out = (math.sqrt(math.pi / 2) / d) * gamma * (z @ self.projection(d, z.device))
+        if self.stage is not None:
+            out = out + self.stage._decode(self._mse_packed(packed))
+        return out
+
+
+def _canonical(name: str, bits: float, seed: int, codebook: str) -> str:
+    spec = f"{name}:{_fmt_bits(bits)}"
+    if codebook != "gauss":
+        spec += f":codebook={codebook}"
+    if seed:
+        spec += f":seed={seed}"
+    return spec
+
+
+def _parse(name: str, args: str | None, valid: tuple[float, ...]) -> tuple[float, int, str]:
+    usage = (
+        f"{name} takes {name}:BITS[:codebook=gauss|beta][:seed=N] with BITS one of {_valid_text(valid)} (e.g. {name}:3)"
+    )
+    if not args:
+        raise ValueError(f"{usage}; got {name!r} without a bit width")
+    head, *opts = args.split(":")
+    bits = _check_bits(head.strip(), valid, name)
+    seed, codebook = 0, "gauss"
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if not sep or key not in ("seed", "codebook"):
+            raise ValueError(f"{usage}; unknown option {opt!r}")
+        if key == "seed":
+            try:
+                seed = int(value)
+            except ValueError:
+                raise ValueError(f"{usage}; seed must be an integer, got {value!r}") from None
+        else:
+            codebook = value.lower()
+    return bits, seed, codebook
+
+
+def parse_tq_args(args: str | None) -> TurboQuant:
+    """Factory for ``tq:BITS[:codebook=gauss|beta][:seed=N]``."""
+    return TurboQuant(*_parse("tq", args, TQ_BITS))
+
+
+def parse_tqprod_args(args: str | None) -> TurboQuantProd:
+    """Factory for ``tqprod:BITS[:codebook=gauss|beta][:seed=N]``."""
+    return TurboQuantProd(*_parse("tqprod", args, TQPROD_BITS))

@@ -1,0 +1,250 @@
+"""K mean-centering bias files (GGUF) that llama.cpp forks with ``--kv-mean-center FILE`` read.
+
+Format (the fork's documented layout):
+
+* one F32 tensor per layer named ``kv_bar.blk.<il>.k`` holding ``n_embd_head_k x n_head_kv``
+  values, GGUF shape ``[n_embd_head_k, n_head_kv]`` (channel fastest);
+* metadata ``kv_mean_center.k_rot`` (bool): True if the bias is in the Hadamard-rotated basis
+  (what llama.cpp subtracts after rotating K), False for the plain basis;
+* walshkv's own metadata under ``walshkv.``: architecture, layer count, head_dim, n_head_kv,
+  calibration tokens, calibration text, walshkv version.
+
+Channel order: llama-architecture GGUF files store Q and K permuted relative to Hugging Face's
+layout (transformers undoes it on load). A K channel ``a * head_dim/2 + b`` of the Hugging Face
+model (``a`` in {0, 1}) is channel ``2 * b + a`` in llama.cpp. Biases are written in llama.cpp's
+order and mapped back when walshkv reads them. qwen2 and gemma3 use the NEOX layout: no change.
+In the rotated basis the rotation is applied in llama.cpp's channel order, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from walshkv.ops.hadamard import hadamard_transform
+
+__all__ = [
+    "PERMUTED_ARCHS",
+    "KMeanBias",
+    "from_llamacpp_channel_order",
+    "read_kv_mean_center",
+    "to_llamacpp_channel_order",
+    "write_kv_mean_center",
+]
+
+#: Architectures whose GGUF K weights are permuted relative to Hugging Face.
+PERMUTED_ARCHS = ("llama", "mistral")
+BASES = ("plain", "rot")
+_TENSOR = "kv_bar.blk.{}.k"
+
+
+def to_llamacpp_channel_order(x: torch.Tensor, arch: str) -> torch.Tensor:
+    """Hugging Face K channel order -> llama.cpp's, over the last dimension (``head_dim``)."""
+    if arch not in PERMUTED_ARCHS:
+        return x
+    d = x.shape[-1]
+    return x.reshape(*x.shape[:-1], 2, d // 2).transpose(-1, -2).reshape(x.shape)
+
+
+def from_llamacpp_channel_order(x: torch.Tensor, arch: str) -> torch.Tensor:
+    """llama.cpp's K channel order -> Hugging Face's (inverse of :func:`to_llamacpp_channel_order`)."""
+    if arch not in PERMUTED_ARCHS:
+        return x
+    d = x.shape[-1]
+    return x.reshape(*x.shape[:-1], d // 2, 2).transpose(-1, -2).reshape(x.shape)
+
+
+@dataclass
+class KMeanBias:
+    """A per-(layer, kv-head, channel) K bias, in Hugging Face channel order.
+
+    Attributes:
+        plain: ``[layers, kv_heads, head_dim]`` mean K in the plain basis (Hugging Face order).
+        basis: the basis the file was written in (``plain`` or ``rot``); codecs must match it.
+        arch, source: architecture and where the bias came from (file path or text name).
+        meta: walshkv metadata read from the file.
+    """
+
+    plain: torch.Tensor
+    basis: str
+    arch: str
+    source: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.plain.shape[0]
+
+    def k_bias(self, layer: int, basis: str) -> torch.Tensor:
+        """Bias ``[kv_heads, head_dim]`` for ``layer`` in walshkv's ``basis`` (``plain`` or ``rot``)."""
+        if basis != self.basis:
+            fix = "center+rot+SPEC" if self.basis == "rot" else "center+SPEC without rot+"
+            raise ValueError(
+                f"{self.source}: the bias is in the {self.basis!r} basis but the codec needs {basis!r}; "
+                f"use {fix}, or recalibrate with --basis {basis}"
+            )
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"{self.source} has {self.num_layers} layers; layer {layer} requested")
+        bias = self.plain[layer]
+        return hadamard_transform(bias) if basis == "rot" else bias
+
+    @property
+    def text(self) -> str | None:
+        return self.meta.get("walshkv.text")
+
+    def describe(self) -> dict[str, Any]:
+        """Provenance for result files."""
+        return {"kind": "kv-mean-center file", "file": self.source, "basis": self.basis, **self.meta}
+
+    def check_matches(self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None) -> None:
+        have = tuple(self.plain.shape)
+        want = (num_layers, num_kv_heads, head_dim)
+        if have != want:
+            raise ValueError(
+                f"{self.source} was made for a model with (layers, kv_heads, head_dim) = {have}, but this "
+                f"model{' ' + repr(model) if model else ''} has {want}; run `walshkv calibrate` for this model"
+            )
+
+
+def write_kv_mean_center(
+    path: str | Path,
+    plain_mean: torch.Tensor,
+    *,
+    arch: str,
+    basis: str = "plain",
+    tokens: int = 0,
+    text: str = "",
+    model: str = "",
+) -> None:
+    """Write a K bias file.
+
+    Args:
+        path: output ``.gguf`` path.
+        plain_mean: ``[layers, kv_heads, head_dim]`` mean post-RoPE K, Hugging Face channel order.
+        arch: model architecture (``llama`` triggers the channel permutation).
+        basis: ``plain`` or ``rot`` (Hadamard-rotated in llama.cpp's channel order).
+        tokens, text, model: provenance written under ``walshkv.``.
+    """
+    import gguf
+
+    import walshkv
+
+    if basis not in BASES:
+        raise ValueError(f"--basis must be one of {', '.join(BASES)}, got {basis!r}")
+    if plain_mean.dim() != 3:
+        raise ValueError(f"the bias must be [layers, kv_heads, head_dim], got {tuple(plain_mean.shape)}")
+    if not bool(torch.isfinite(plain_mean).all()):
+        raise ValueError("the K mean has NaN/Inf values; calibrate on finite activations")
+    layers, heads, head_dim = plain_mean.shape
+    data = to_llamacpp_channel_order(plain_mean.to(torch.float64), arch)
+    if basis == "rot":
+        data = hadamard_transform(data)
+    writer = gguf.GGUFWriter(str(path), arch="kv_mean_center")
+    writer.add_bool("kv_mean_center.k_rot", basis == "rot")
+    for key, value in (
+        ("walshkv.architecture", arch),
+        ("walshkv.model", model),
+        ("walshkv.text", text),
+        ("walshkv.version", walshkv.__version__),
+        ("walshkv.channel_order", "llama.cpp"),
+    ):
+        writer.add_string(key, value)
+    for key, value in (
+        ("walshkv.layer_count", layers),
+        ("walshkv.head_dim", head_dim),
+        ("walshkv.n_head_kv", heads),
+        ("walshkv.tokens", tokens),
+    ):
+        writer.add_uint32(key, int(value))
+    for il in range(layers):
+        # numpy [n_head_kv, head_dim] -> GGUF ne [head_dim, n_head_kv], channel fastest
+        writer.add_tensor(_TENSOR.format(il), data[il].to(torch.float32).numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _field(reader: Any, key: str) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    value = f.parts[f.data[0]]
+    if f.types and f.types[0].name == "STRING":
+        return bytes(value).decode("utf-8")
+    return value.tolist()[0] if hasattr(value, "tolist") else value
+
+
+def read_kv_mean_center(path: str | Path, model_arch: str | None = None) -> KMeanBias:
+    """Read and validate a K bias file; refuse anything incomplete or inconsistent.
+
+    Args:
+        path: the ``.gguf`` file.
+        model_arch: architecture of the model it will be used with; decides the channel mapping
+            (files written by other tools may not record it) and must match a recorded one.
+
+    Raises:
+        ValueError: not a GGUF file, truncated, missing ``kv_mean_center.k_rot``, missing or
+            misshapen tensors, non-finite values; each message names the problem and the fix.
+    """
+    import gguf
+
+    path = Path(path)
+    fix = "rewrite it with `walshkv calibrate ... -o FILE`"
+    if not path.is_file():
+        raise ValueError(f"K bias file {path} does not exist")
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (bad magic); {fix}")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as err:
+        raise ValueError(f"{path} is truncated or damaged ({type(err).__name__}: {err}); {fix}") from err
+    k_rot = _field(reader, "kv_mean_center.k_rot")
+    if k_rot is None:
+        raise ValueError(f"{path} has no kv_mean_center.k_rot key: not a K mean-centering file; {fix}")
+    tensors = {t.name: t for t in reader.tensors}
+    names = sorted((n for n in tensors if n.startswith("kv_bar.blk.")), key=lambda n: int(n.split(".")[2]))
+    if not names:
+        raise ValueError(f"{path} holds no kv_bar.blk.<il>.k tensors; {fix}")
+    layers = len(names)
+    declared = _field(reader, "walshkv.layer_count")
+    if declared is not None and declared != layers:
+        raise ValueError(f"{path} declares {declared} layers but holds {layers} kv_bar tensors; {fix}")
+    missing = [_TENSOR.format(i) for i in range(layers) if _TENSOR.format(i) not in tensors]
+    if missing:
+        raise ValueError(f"{path} is missing tensors {', '.join(missing[:5])}; {fix}")
+    arrays = []
+    shape0 = None
+    for i in range(layers):
+        t = tensors[_TENSOR.format(i)]
+        if t.tensor_type != gguf.GGMLQuantizationType.F32:
+            raise ValueError(f"{path}: {t.name} is {t.tensor_type.name}, expected F32; {fix}")
+        arr = np.asarray(t.data, dtype=np.float32).reshape(int(t.shape[1]) if len(t.shape) > 1 else 1, -1)
+        if shape0 is None:
+            shape0 = arr.shape
+        if arr.shape != shape0:
+            raise ValueError(f"{path}: {t.name} has shape {arr.shape}, layer 0 has {shape0}; {fix}")
+        arrays.append(arr)
+    data = torch.from_numpy(np.stack(arrays)).to(torch.float64)
+    if not bool(torch.isfinite(data).all()):
+        raise ValueError(f"{path} holds NaN/Inf values; recalibrate")
+    heads, head_dim = data.shape[1:]
+    for key, want in (("walshkv.head_dim", head_dim), ("walshkv.n_head_kv", heads)):
+        got = _field(reader, key)
+        if got is not None and got != want:
+            raise ValueError(f"{path}: {key} = {got} but the tensors say {want}; {fix}")
+    arch = _field(reader, "walshkv.architecture")
+    if model_arch is not None and arch is not None and arch != model_arch:
+        raise ValueError(f"{path} was calibrated on a {arch!r} model, not {model_arch!r}; calibrate on this model")
+    arch = model_arch or arch or "unknown"
+    basis = "rot" if bool(k_rot) else "plain"
+    if basis == "rot":
+        data = hadamard_transform(data)  # self-inverse: back to the plain basis, llama.cpp order
+    plain = from_llamacpp_channel_order(data, arch)
+    meta = {k: _field(reader, k) for k in reader.fields if k.startswith("walshkv.")}
+    return KMeanBias(plain, basis, arch, str(path), meta)
