@@ -15,4 +15,8 @@ walshkv eval --model smollm2-135m --text "$SHARED/austen_emma.txt" --windows 8 -
   --codec int8 --codec rot+int4 --codec rot+int8/rot+int4 --codec rot+int3 \
   --json "$OUT/smollm2-emma.json" --markdown "$OUT/smollm2-emma.md"
 
+# Rate-distortion on real K/V (docs/rd.md).
+OMP_NUM_THREADS=1 walshkv rd --model smollm2-135m --text "$SHARED/austen_emma.txt" --tokens 2048 --quiet \
+  --out "$OUT/rd/smollm2"
+
 python scripts/update_readme.py "$OUT/smollm2-prideprejudice.md"
