@@ -45,7 +45,8 @@ class EvalResult:
         return {"meta": self.meta, "results": self.results}
 
 
-def _versions() -> dict[str, str]:
+def library_versions() -> dict[str, str]:
+    """Versions recorded in every result file."""
     import transformers
 
     import walshkv
@@ -184,7 +185,7 @@ def evaluate(
         "metrics_dtype": "float64, full vocabulary",
         "seconds_total": time.perf_counter() - started,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "versions": _versions(),
+        "versions": library_versions(),
     }
     return EvalResult(meta, results)
 

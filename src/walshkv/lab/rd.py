@@ -27,7 +27,6 @@ import contextlib
 import csv
 import json
 import math
-import platform
 import re
 import shlex
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from walshkv.eval.harness import library_versions
 
 __all__ = [
     "DEFAULT_RD_CODECS",
@@ -239,19 +240,6 @@ def resolve_specs(
     return out, skipped
 
 
-def _versions() -> dict[str, str]:
-    import transformers
-
-    import walshkv
-
-    return {
-        "walshkv": walshkv.__version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-
-
 def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else float("nan")
 
@@ -433,7 +421,7 @@ def measure_rd(
         "command": command,
         "seconds_total": time.perf_counter() - started,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "versions": _versions(),
+        "versions": library_versions(),
     }
     return RDResult(meta, rows)
 
