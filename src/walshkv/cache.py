@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 from walshkv.codecs.base import Packed
 from walshkv.codecs.spec import CacheSpec, parse_cache_spec
 
-__all__ = ["CompressedCache", "CompressedLayer", "CompressedSlidingWindowLayer"]
+__all__ = ["CompressedCache", "CompressedLayer", "CompressedSlidingWindowLayer", "KiviLayer"]
 
 
 def _cat_packed(a: Packed | None, b: Packed | None) -> Packed | None:
@@ -227,6 +227,19 @@ class CompressedLayer(CacheLayerMixin):
         window = _seq(self.keys) * (dk + dv) * self.keys.element_size()
         return batch * heads * (n_packed * per_token + window)
 
+    def bit_counts(self) -> tuple[float, int, float, int]:
+        """``(k_bits, k_elements, v_bits, v_elements)`` held, from the layouts."""
+        if not self.is_initialized:
+            return 0.0, 0, 0.0, 0
+        tokens = self.packed_k.seq_len if self.packed_k is not None else 0
+        rows = self.keys.shape[0] * self.keys.shape[1]
+        out: list[float] = []
+        for codec, t in ((self.spec.k, self.keys), (self.spec.v, self.values)):
+            d = t.shape[-1]
+            out.append(rows * (tokens * codec.bytes_per_vector(d) * 8 + t.shape[2] * d * t.element_size() * 8))
+            out.append(rows * (tokens + t.shape[2]) * d)
+        return out[0], int(out[1]), out[2], int(out[3])
+
     def num_elements(self) -> int:
         """K and V elements stored (tokens x heads x batch x head_dim, K and V)."""
         if not self.is_initialized:
@@ -273,6 +286,87 @@ class CompressedSlidingWindowLayer(CompressedLayer):
                 "crop before the context reaches the sliding window, or use a fresh cache"
             )
         super().crop(tokens_to_remove)
+
+
+class KiviLayer(CompressedLayer):
+    """A full-attention layer for KIVI codecs (``kivi2``, ``kivi4``): token-grouped K.
+
+    ``packed_k`` holds K groups (its sequence dimension counts groups of G tokens, quantized per
+    channel); ``packed_v`` holds V per token; ``keys``/``values`` are the fp16 window of the most
+    recent ``R .. R+G-1`` tokens (counted in the bits). See :mod:`walshkv.codecs.kivi`.
+    """
+
+    is_croppable = False
+
+    def __init__(self, spec: CacheSpec | str) -> None:
+        super().__init__(spec, 0)
+        self.kivi_k = self.spec.k.bind(0, "k")
+        self.kivi_v = self.spec.v.bind(0, "v")
+        self.group, self.window = self.kivi_k.group, self.kivi_k.residual
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.keys = self.keys.to(torch.float16)
+        self.values = self.values.to(torch.float16)
+
+    def _packed_tokens(self) -> int:
+        return 0 if self.packed_v is None else self.packed_v.seq_len
+
+    def _stored_length(self) -> int:
+        return self._packed_tokens() + _seq(self.keys)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_block(key_states, value_states)
+        from walshkv.codecs.base import check_kv
+
+        check_kv(key_states, "K")
+        check_kv(value_states, "V")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        out_dtype = key_states.dtype
+        window_k = torch.cat([self.keys, key_states.to(torch.float16)], dim=-2)
+        window_v = torch.cat([self.values, value_states.to(torch.float16)], dim=-2)
+        n_groups = max(0, window_k.shape[-2] - self.window) // self.group
+        n = n_groups * self.group
+        new_k = self.kivi_k.encode_block(window_k[:, :, :n].float()) if n else None
+        new_v = self.kivi_v.encode_block(window_v[:, :, :n].float()) if n else None
+        parts_k = [self.kivi_k.decode_block(p) for p in (self.packed_k, new_k) if p is not None]
+        parts_v = [self.kivi_v.decode_block(p) for p in (self.packed_v, new_v) if p is not None]
+        out_k = torch.cat([p.to(out_dtype) for p in parts_k] + [window_k[:, :, n:].to(out_dtype)], dim=-2)
+        out_v = torch.cat([p.to(out_dtype) for p in parts_v] + [window_v[:, :, n:].to(out_dtype)], dim=-2)
+        self.packed_k = _cat_packed(self.packed_k, new_k)
+        self.packed_v = _cat_packed(self.packed_v, new_v)
+        self.keys = window_k[:, :, n:].contiguous()
+        self.values = window_v[:, :, n:].contiguous()
+        self.cumulative_length += key_states.shape[-2]
+        return out_k, out_v
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise RuntimeError("KIVI caches cannot be cropped (K is quantized in groups of tokens); use a fresh cache")
+
+    def layout_nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        batch, heads, win, d = self.keys.shape
+        groups = 0 if self.packed_k is None else self.packed_k.seq_len
+        k_group = sum(f.nbytes for f in self.kivi_k.layout(d).values())
+        v_token = sum(f.nbytes for f in self.kivi_v.layout(d).values())
+        return batch * heads * (groups * k_group + self._packed_tokens() * v_token + 2 * win * d * 2)
+
+    def bit_counts(self) -> tuple[float, int, float, int]:
+        if not self.is_initialized:
+            return 0.0, 0, 0.0, 0
+        batch, heads, win, d = self.keys.shape
+        rows = batch * heads
+        groups = 0 if self.packed_k is None else self.packed_k.seq_len
+        k_group = sum(f.nbytes for f in self.kivi_k.layout(d).values())
+        v_token = sum(f.nbytes for f in self.kivi_v.layout(d).values())
+        elements = rows * self._stored_length() * d
+        k_bits = 8.0 * rows * (groups * k_group + win * d * 2)
+        v_bits = 8.0 * rows * (self._packed_tokens() * v_token + win * d * 2)
+        return k_bits, elements, v_bits, elements
 
 
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
@@ -322,9 +416,14 @@ class CompressedCache(Cache):
             calibration.check_matches(text_config.num_hidden_layers, text_config.num_key_value_heads, head_dim)
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers: list[CacheLayerMixin] = []
+        kivi = getattr(self.cache_spec.k, "token_grouped", False)
         for idx, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True)):
             spec_i = self.cache_spec.bind(idx, calibration)
-            if layer_type == "full_attention":
+            if kivi:
+                if layer_type != "full_attention":
+                    raise ValueError(f"{self.cache_spec.spec} supports full-attention layers only, not {layer_type!r}")
+                layers.append(KiviLayer(spec_i))
+            elif layer_type == "full_attention":
                 layers.append(CompressedLayer(spec_i, residual))
             elif layer_type in _SLIDING_TYPES:
                 layers.append(CompressedSlidingWindowLayer(spec_i, kwargs["sliding_window"], residual))
@@ -337,7 +436,10 @@ class CompressedCache(Cache):
 
     def _next_layer(self) -> CompressedLayer:
         """Layers created on first use (no config): bound to their index in order."""
-        return CompressedLayer(self.cache_spec.bind(len(self.layers), self.calibration), self.residual)
+        spec = self.cache_spec.bind(len(self.layers), self.calibration)
+        if getattr(spec.k, "token_grouped", False):
+            return KiviLayer(spec)
+        return CompressedLayer(spec, self.residual)
 
     @classmethod
     def from_model(cls, model: Any, spec: str | CacheSpec = "rot+int4", *, residual: int = 0) -> CompressedCache:
@@ -374,18 +476,11 @@ class CompressedCache(Cache):
 
     def bits_per_element_kv(self) -> tuple[float, float]:
         """``(bits_k, bits_v)`` from each layer's codecs, averaged over the elements held."""
-        num = [0.0, 0.0]
-        den = [0, 0]
+        kb = ke = vb = ve = 0.0
         for layer in self._compressed_layers():
-            if not layer.is_initialized:
-                continue
-            tokens = layer.packed_k.seq_len if layer.packed_k is not None else 0
-            rows = layer.keys.shape[0] * layer.keys.shape[1]
-            for i, (codec, t) in enumerate(((layer.spec.k, layer.keys), (layer.spec.v, layer.values))):
-                d = t.shape[-1]
-                num[i] += rows * (tokens * codec.bytes_per_vector(d) * 8 + t.shape[2] * d * t.element_size() * 8)
-                den[i] += rows * (tokens + t.shape[2]) * d
-        return (num[0] / den[0] if den[0] else float("nan"), num[1] / den[1] if den[1] else float("nan"))
+            a, b, c, d = layer.bit_counts()
+            kb, ke, vb, ve = kb + a, ke + b, vb + c, ve + d
+        return (kb / ke if ke else float("nan"), vb / ve if ve else float("nan"))
 
     def fp16_nbytes(self) -> int:
         """Bytes an fp16 cache would take for the same tokens (2 bytes per element)."""

@@ -84,6 +84,33 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
         "vht2:5,4,3,2 = 3.5), and the vzc sign-bitmap format.",
         [f"vht2:5,5,4,3:order=squarefree/{v}" for v in _V_FORMATS],
     ),
+    "peers": (
+        "Every codec users compare against, at the bits they ship: llama.cpp's cache types with and without "
+        "the Walsh-Hadamard rotation (q8_0 .. iq4_nl, and q8_0 K with q4_0 V), KIVI (2/4-bit, G=32, R=32), "
+        "TurboQuant-class (tq:2..4, 2.5, 3.5; tqprod:3), and walshkv's own: rot+intB, VHT2 5/5/4/3+V3, "
+        "and K mean-centering (center+..., needs --kv-mean-center FILE or --calib-text).",
+        [
+            *(f"{r}{t}" for t in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl") for r in ("", "rot+")),
+            "q8_0/q4_0",
+            "rot+q8_0/rot+q4_0",
+            "kivi2",
+            "kivi4",
+            "tq:2",
+            "tq:2.5",
+            "tq:3",
+            "tq:3.5",
+            "tq:4",
+            "tqprod:3",
+            "rot+int8/rot+int4",
+            "rot+int4",
+            "rot+int3",
+            "vht2:5,5,4,3/vht2:3",
+            "center+rot+q4_0",
+            "center+rot+int4",
+            "center+rot+int3",
+            "center+rot+int4/rot+int3",
+        ],
+    ),
     "vht2-claims": (
         "The VHT2 document's remaining claims, one row each: its pairings (natural and squarefree order); "
         "the 3-bit floor (one 2-bit K band, 2-bit V); whether 5,5,4,3 beats the same widths in other orders "

@@ -22,6 +22,7 @@ from walshkv.codecs.center import Centered
 from walshkv.codecs.floats import FLOAT_CODECS, FloatCodec
 from walshkv.codecs.ggml import GGML_BLOCK_BYTES, GGML_TYPES, GGMLCodec
 from walshkv.codecs.intq import IntCodec
+from walshkv.codecs.kivi import parse_kivi_args
 from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.turbo import parse_tq_args, parse_tqprod_args
 from walshkv.codecs.vht2 import SqfreeCodec, VZCCodec, parse_vht2_args
@@ -281,3 +282,19 @@ register_codec(
     "products (tqprod:B, B in 1..8 or 2.5..7.5)",
     example="tqprod:3",
 )
+
+
+def _kivi_factory(bits: int) -> CodecFactory:
+    def make(args: str | None) -> Codec:
+        return parse_kivi_args(bits, args)
+
+    return make
+
+
+for _kb in (2, 4):
+    register_codec(
+        f"kivi{_kb}",
+        _kivi_factory(_kb),
+        f"KIVI {_kb}-bit: asymmetric, K per channel over groups of G tokens, V per token, fp16 window of R "
+        "recent tokens (kivi2:g=32:r=32)",
+    )

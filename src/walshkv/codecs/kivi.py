@@ -1,0 +1,161 @@
+"""KIVI: asymmetric 2/4-bit KV quantization, K per channel, V per token (Liu et al., 2024).
+
+``kivi2``, ``kivi4`` (options ``:g=G`` group size, default 32; ``:r=R`` full-precision window,
+default 32), e.g. ``kivi2:g=32:r=128``:
+
+* K is quantized **per channel**, in groups of ``G`` consecutive tokens: for each (kv-head,
+  channel) of a group, ``zero = min`` and ``scale = (max - min) / (2^B - 1)``, both fp16.
+  Stored per group: codes ``uint8[ceil(G * head_dim * B / 8)]`` (token-major, packed LSB-first),
+  ``scale`` and ``zero`` ``float16[head_dim]`` each.
+* V is quantized **per token**, in groups of ``G`` channels: per (token, channel group) an fp16
+  scale and zero. Stored per token: codes ``uint8[ceil(head_dim * B / 8)]``, ``scale``/``zero``
+  ``float16[head_dim / G]``.
+* The most recent tokens stay in a full-precision (fp16) window; once the window holds
+  ``R + G`` tokens its oldest ``G`` are quantized as one K group (and their V), so K tokens wait
+  in the window until their group is full, and the window holds between ``R`` and ``R + G - 1``
+  tokens. Its bytes count in the cache's bits per element.
+
+Deviations from the paper, on purpose: V leaves the window on the same schedule as K (the paper
+can quantize V token by token as it leaves a window of ``R``); the window is stored in fp16 as in
+the paper's code whatever the model's dtype. These codecs need the cache's token-group store
+(:class:`walshkv.cache.KiviLayer`); ``encode``/``decode`` on single vectors are not defined.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from walshkv.codecs.base import Codec, Field, Packed
+from walshkv.ops.packing import pack_bits, packed_nbytes, unpack_bits
+from walshkv.ops.quant import FP16_MAX
+
+__all__ = ["KiviCodec", "dequantize_asymmetric", "parse_kivi_args", "quantize_asymmetric"]
+
+
+def quantize_asymmetric(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min/max asymmetric RTN along ``dim``: ``(codes uint8, scale fp16, zero fp16)``.
+
+    ``scale`` and ``zero`` keep ``dim`` as size 1. The fp16 scale is rounded up and codes are
+    computed from the stored fp16 numbers, so decode uses exactly what encode used.
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"asymmetric quantization takes 1..8 bits, got {bits}")
+    xf = x.to(torch.float32)
+    mn = xf.amin(dim=dim, keepdim=True)
+    mx = xf.amax(dim=dim, keepdim=True)
+    levels = (1 << bits) - 1
+    scale32 = (mx - mn) / levels
+    peak = max(float(scale32.max()), float(mn.abs().max())) if xf.numel() else 0.0
+    if peak > FP16_MAX:
+        raise ValueError(
+            f"KIVI: a scale or zero point of {peak:.4g} is beyond the fp16 range (max {FP16_MAX}); "
+            "values this large are not K/V of a healthy model"
+        )
+    scale = scale32.to(torch.float16)
+    low = scale.to(torch.float32) < scale32
+    scale = torch.where(low, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    zero = mn.to(torch.float16)
+    s = scale.to(torch.float32)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.where(s > 0, torch.round((xf - zero.to(torch.float32)) / safe), torch.zeros_like(xf))
+    return q.clamp_(0, levels).to(torch.uint8), scale, zero
+
+
+def dequantize_asymmetric(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``codes * scale + zero`` in float32."""
+    return codes.to(torch.float32) * scale.to(torch.float32) + zero.to(torch.float32)
+
+
+class KiviCodec(Codec):
+    """One side (K or V) of KIVI; built as a pair by the ``kivi2``/``kivi4`` spec.
+
+    Args:
+        bits: code width (2 or 4 in the paper; 1..8 accepted).
+        group: G, tokens per K group and channels per V group.
+        residual: R, the full-precision window (tokens).
+        kind: ``"k"`` (per-channel over token groups) or ``"v"`` (per-token); ``None`` until bound.
+    """
+
+    token_grouped = True
+
+    def __init__(self, bits: int, group: int = 32, residual: int = 32, kind: str | None = None) -> None:
+        if not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise ValueError(f"kivi takes 1..8 bits (kivi2, kivi4), got {bits!r}")
+        if group < 1 or residual < 0:
+            raise ValueError(f"kivi needs g >= 1 and r >= 0, got g={group}, r={residual}")
+        self.bits, self.group, self.residual, self.kind = bits, group, residual, kind
+        opts = (f":g={group}" if group != 32 else "") + (f":r={residual}" if residual != 32 else "")
+        self.spec = f"kivi{bits}{opts}"
+
+    def bind(self, layer_idx: int, kind: str, calibration: object = None) -> Codec:
+        return self if self.kind == kind else KiviCodec(self.bits, self.group, self.residual, kind)
+
+    def v_group(self, head_dim: int) -> int:
+        """Channels per V group (G, or head_dim if head_dim is not a multiple of G)."""
+        return self.group if head_dim % self.group == 0 else head_dim
+
+    def layout(self, head_dim: int) -> dict[str, Field]:
+        """Per K *group of G tokens* (kind ``k``) or per V token (kind ``v``)."""
+        if self.kind == "k":
+            return {
+                "codes": Field((packed_nbytes(self.group * head_dim, self.bits),), torch.uint8),
+                "scale": Field((head_dim,), torch.float16),
+                "zero": Field((head_dim,), torch.float16),
+            }
+        n = head_dim // self.v_group(head_dim)
+        return {
+            "codes": Field((packed_nbytes(head_dim, self.bits),), torch.uint8),
+            "scale": Field((n,), torch.float16),
+            "zero": Field((n,), torch.float16),
+        }
+
+    def bytes_per_vector(self, head_dim: int) -> int:
+        per = super().bytes_per_vector(head_dim)
+        return per / self.group if self.kind == "k" else per  # type: ignore[return-value]
+
+    def encode_block(self, x: torch.Tensor) -> Packed:
+        """Encode ``[batch, heads, n*G, head_dim]`` (K: n groups; V: n*G tokens)."""
+        b, h, t, d = x.shape
+        if self.kind == "k":
+            g = x.reshape(b, h, t // self.group, self.group, d)
+            q, s, z = quantize_asymmetric(g, self.bits, dim=3)  # per channel over the group's tokens
+            codes = pack_bits(q.reshape(b, h, t // self.group, self.group * d), self.bits)
+            return Packed({"codes": codes, "scale": s.squeeze(3), "zero": z.squeeze(3)}, d, x.dtype)
+        gv = self.v_group(d)
+        v = x.reshape(b, h, t, d // gv, gv)
+        q, s, z = quantize_asymmetric(v, self.bits, dim=4)
+        codes = pack_bits(q.reshape(b, h, t, d), self.bits)
+        return Packed({"codes": codes, "scale": s.squeeze(4), "zero": z.squeeze(4)}, d, x.dtype)
+
+    def decode_block(self, packed: Packed) -> torch.Tensor:
+        """Inverse of :meth:`encode_block`: ``[batch, heads, tokens, head_dim]`` float32."""
+        d = packed.head_dim
+        codes, s, z = packed.tensors["codes"], packed.tensors["scale"], packed.tensors["zero"]
+        b, h, n = codes.shape[:3]
+        if self.kind == "k":
+            q = unpack_bits(codes, self.bits, self.group * d).reshape(b, h, n, self.group, d)
+            x = dequantize_asymmetric(q, s.unsqueeze(3), z.unsqueeze(3))
+            return x.reshape(b, h, n * self.group, d)
+        gv = self.v_group(d)
+        q = unpack_bits(codes, self.bits, d).reshape(b, h, n, d // gv, gv)
+        return dequantize_asymmetric(q, s.unsqueeze(4), z.unsqueeze(4)).reshape(b, h, n, d)
+
+    def _encode(self, x: torch.Tensor) -> Packed:
+        raise ValueError(f"{self.spec} groups tokens; use it through CompressedCache (it has its own store)")
+
+    def _decode(self, packed: Packed) -> torch.Tensor:
+        return self.decode_block(packed)
+
+
+def parse_kivi_args(bits: int, args: str | None) -> KiviCodec:
+    """``kivi{bits}[:g=G][:r=R]``."""
+    kw = {"g": 32, "r": 32}
+    for opt in (args or "").split(":") if args else []:
+        key, sep, value = opt.partition("=")
+        if not sep or key not in kw:
+            raise ValueError(f"unknown kivi option {opt!r}; options are g=GROUP and r=RESIDUAL (kivi2:g=32:r=128)")
+        try:
+            kw[key] = int(value)
+        except ValueError:
+            raise ValueError(f"kivi option {key} takes an integer, got {value!r}") from None
+    return KiviCodec(bits, group=kw["g"], residual=kw["r"])
