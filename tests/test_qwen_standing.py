@@ -31,7 +31,6 @@ def qwen():
 
 def test_qwen_non_collapsing_codecs(qwen):
     from conftest import SHARED
-
     from walshkv.calibration import collect_kv_stats
 
     emma = SHARED / "data" / "austen_emma.txt"
