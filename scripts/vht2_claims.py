@@ -209,6 +209,8 @@ def main(root: str) -> None:
         if not rows:
             continue
         print(f"#### {model} (head_dim {head_dims.get(model, '?')})\n")
+        presets = sorted(p.parent.name for p in (base / model).glob("*/results.csv"))
+        print(f"Presets measured: {', '.join(presets)}. A claim without its rows is left out.\n")
         print("| claim | measured | verdict |\n|---|---|---|")
         for claim, measured, verdict in claims(rows, head_dims.get(model, 64)):
             print(f"| {claim} | {measured} | {verdict} |")
