@@ -27,7 +27,7 @@ import torch
 
 from walshkv.codecs.base import Codec, Field, Packed
 from walshkv.ops.packing import pack_bits, packed_nbytes, unpack_bits
-from walshkv.ops.quant import FP16_MAX
+from walshkv.ops.quant import FP16_MAX, divide_by_scale, fp16_scale_up
 
 __all__ = ["KiviCodec", "dequantize_asymmetric", "parse_kivi_args", "quantize_asymmetric"]
 
@@ -51,13 +51,9 @@ def quantize_asymmetric(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Ten
             f"KIVI: a scale or zero point of {peak:.4g} is beyond the fp16 range (max {FP16_MAX}); "
             "values this large are not K/V of a healthy model"
         )
-    scale = scale32.to(torch.float16)
-    low = scale.to(torch.float32) < scale32
-    scale = torch.where(low, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    scale = fp16_scale_up(scale32)
     zero = mn.to(torch.float16)
-    s = scale.to(torch.float32)
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    q = torch.where(s > 0, torch.round((xf - zero.to(torch.float32)) / safe), torch.zeros_like(xf))
+    q = divide_by_scale(xf - zero.to(torch.float32), scale)
     return q.clamp_(0, levels).to(torch.uint8), scale, zero
 
 

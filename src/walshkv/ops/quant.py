@@ -16,6 +16,8 @@ __all__ = [
     "FP16_MAX",
     "check_finite",
     "dequantize_symmetric",
+    "divide_by_scale",
+    "fp16_scale_up",
     "quantize_symmetric",
     "symmetric_qmax",
 ]
@@ -68,16 +70,24 @@ def quantize_symmetric(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.
             f"fp16 scale range (max {FP16_MAX}) of int{bits}; values this large are not K/V of a healthy "
             "model. Rescale the input or use a float codec (fp32, bf16)."
         )
+    scale16 = fp16_scale_up(scale32)
+    q = divide_by_scale(xf, scale16).clamp_(-qmax, qmax) + qmax
+    return q.to(torch.uint8), scale16
+
+
+def fp16_scale_up(scale32: torch.Tensor) -> torch.Tensor:
+    """``scale32`` as fp16, rounded up, never down, so a vector's largest value is never clamped
+    (matters for tiny vectors whose scale is an fp16 subnormal). The caller checks the range."""
     scale16 = scale32.to(torch.float16)
-    # Round the scale up, never down, so the largest value of a vector is never clamped
-    # (matters for tiny vectors whose scale is an fp16 subnormal).
     rounded_down = scale16.to(torch.float32) < scale32
-    scale16 = torch.where(rounded_down, torch.nextafter(scale16, torch.full_like(scale16, float("inf"))), scale16)
+    return torch.where(rounded_down, torch.nextafter(scale16, torch.full_like(scale16, float("inf"))), scale16)
+
+
+def divide_by_scale(x: torch.Tensor, scale16: torch.Tensor) -> torch.Tensor:
+    """``round(x / scale)`` with the stored fp16 scale; 0 where the scale is 0 (all-zero vectors)."""
     s = scale16.to(torch.float32)
     safe = torch.where(s > 0, s, torch.ones_like(s))
-    q = torch.where(s > 0, torch.round(xf / safe), torch.zeros_like(xf))
-    q = q.clamp_(-qmax, qmax) + qmax
-    return q.to(torch.uint8), scale16
+    return torch.where(s > 0, torch.round(x / safe), torch.zeros_like(x))
 
 
 def dequantize_symmetric(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
