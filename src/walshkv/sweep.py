@@ -319,7 +319,18 @@ def row_path(out_dir: str | Path, spec: str) -> Path:
 def _calibration_key(calibration: Any) -> dict[str, Any] | None:
     if calibration is None:
         return None
-    return {"model": calibration.model, "text": calibration.text, "tokens": calibration.tokens}
+    if all(hasattr(calibration, a) for a in ("model", "text", "tokens")):  # KVStats
+        return {"model": calibration.model, "text": calibration.text, "tokens": calibration.tokens}
+    return calibration.describe()  # a K mean file, or statistics merged with one
+
+
+def _describe_calibration(c: dict[str, Any]) -> str:
+    if c.get("kind") == "kv-mean-center file":
+        tokens, text = c.get("walshkv.tokens", "?"), c.get("walshkv.text", "?")
+        return f"the K mean file {c['file']} ({c['basis']} basis, {tokens} tokens of {text})"
+    if c.get("kind") == "merged":
+        return f"{_describe_calibration(c['stats'])} with the K mean of {_describe_calibration(c['k_bias'])}"
+    return f"the K/V statistics of {c['tokens']:,} tokens of {c['text']} on {c['model']}"
 
 
 def _settings(lm: Any, text: Any, ctx: int, windows: int | None, score: str, residual: int) -> dict[str, Any]:
@@ -573,8 +584,8 @@ def run_sweep(
     if calibrated:
         used = {json.dumps(records[s]["meta"]["sweep"]["calibration"], sort_keys=True) for s in calibrated}
         notes.append(
-            f"Calibrated specs ({', '.join(f'`{s}`' for s in sorted(calibrated))}) used the K/V statistics of "
-            + "; ".join(f"{c['tokens']:,} tokens of {c['text']} on {c['model']}" for c in map(json.loads, sorted(used)))
+            f"Calibrated specs ({', '.join(f'`{s}`' for s in sorted(calibrated))}) used "
+            + "; ".join(_describe_calibration(c) for c in map(json.loads, sorted(used)))
             + " (never the evaluation text)."
         )
     _write_outputs(out, rows, meta, command, title, description, notes)
@@ -675,10 +686,16 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     # fail before loading anything: the grammar always, head_dim fit when the head_dim is known
     early = canonical_specs([substitute_head_dim(s, hint or 64) for s in raw_specs], hint)
     calibrated = [s for s in early if needs_calibration(s)]
-    if calibrated and not args.calib_text:
+    from walshkv.cli import _only_centering
+    from walshkv.codecs import parse_cache_spec
+
+    bias_is_enough = bool(getattr(args, "kv_mean_center", None)) and all(
+        _only_centering(parse_cache_spec(s)) for s in calibrated
+    )
+    if calibrated and not args.calib_text and not bias_is_enough:
         raise ValueError(
-            f"{', '.join(calibrated)} need calibration (vht2 order=variance or auto@BITS): add --calib-text TEXT "
-            "(any text other than the evaluation text)"
+            f"{', '.join(calibrated)} need calibration (center+, vht2 order=variance or auto@BITS): add "
+            "--calib-text TEXT (any text other than the evaluation text), or --kv-mean-center FILE for center+"
         )
 
     from walshkv import models
@@ -687,7 +704,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from walshkv.eval.report import format_table
 
     text = load_text(args.text)
-    if calibrated and load_text(args.calib_text).content == text.content:
+    if calibrated and args.calib_text and load_text(args.calib_text).content == text.content:
         raise ValueError("--calib-text is the evaluation text; calibrate on different text")
     lm = models.load_model(args.model, progress=not args.quiet)
     head_dim = lm.info["head_dim"]
