@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from walshkv.codecs.base import Codec, Field, Packed
-from walshkv.ops.hadamard import _check_size, hadamard_transform, random_signs
+from walshkv.ops.hadamard import _check_size, hadamard_transform, signs_for
 
 __all__ = ["Rotated"]
 
@@ -35,7 +35,6 @@ class Rotated(Codec):
             fixed = f"center+{prefix}+{inner.spec.removeprefix('center+')}"
             raise ValueError(f"write center+ first: {fixed}, not {prefix}+{inner.spec}")
         self.spec = f"{prefix}+{inner.spec}"
-        self._signs: dict[int, torch.Tensor] = {}
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
@@ -52,24 +51,18 @@ class Rotated(Codec):
         _check_size(head_dim, f"head_dim of '{self.spec}'")
         self.inner.check_head_dim(head_dim)
 
-    def _signs_for(self, n: int, device: torch.device) -> torch.Tensor:
-        if n not in self._signs:
-            assert self.seed is not None
-            self._signs[n] = random_signs(n, self.seed)
-        return self._signs[n].to(device)
-
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Forward rotation ``H(s * x)`` over the last dimension (float32)."""
         x = x.to(torch.float32)
         if self.seed is not None:
-            x = x * self._signs_for(x.shape[-1], x.device)
+            x = x * signs_for(x.shape[-1], self.seed, x.device)
         return hadamard_transform(x)
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """Inverse rotation ``s * H(y)`` over the last dimension (float32)."""
         x = hadamard_transform(y.to(torch.float32))
         if self.seed is not None:
-            x = x * self._signs_for(x.shape[-1], x.device)
+            x = x * signs_for(x.shape[-1], self.seed, x.device)
         return x
 
     def _encode(self, x: torch.Tensor) -> Packed:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from walshkv.codecs.base import Codec, Field, Packed
-from walshkv.ops.hadamard import _check_size, hadamard_transform, random_signs
+from walshkv.ops.hadamard import _check_size, hadamard_transform, signs_for
 from walshkv.ops.lloyd_max import LloydMax, lloyd_max
 from walshkv.ops.packing import pack_bits, packed_nbytes, unpack_bits
 from walshkv.ops.quant import FP16_MAX
@@ -116,7 +116,6 @@ class TurboQuant(Codec):
             raise ValueError(f"tq codebook must be one of {', '.join(CODEBOOKS)}, got {codebook!r}")
         self.codebook = codebook
         self.spec = _canonical("tq", self.bits, seed, codebook)
-        self._signs: dict[int, torch.Tensor] = {}
 
     # --- the parts ------------------------------------------------------------------------------------
 
@@ -133,20 +132,15 @@ class TurboQuant(Codec):
             return lloyd_max(bits, "beta", head_dim)
         return lloyd_max(bits, "gaussian")
 
-    def _signs_for(self, n: int, device: torch.device) -> torch.Tensor:
-        if n not in self._signs:
-            self._signs[n] = random_signs(n, self.seed)
-        return self._signs[n].to(device)
-
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``H(s * x)`` over the last dimension (float32)."""
         x = x.to(torch.float32)
-        return hadamard_transform(x * self._signs_for(x.shape[-1], x.device))
+        return hadamard_transform(x * signs_for(x.shape[-1], self.seed, x.device))
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """``s * H(y)`` over the last dimension (float32)."""
         y = y.to(torch.float32)
-        return hadamard_transform(y) * self._signs_for(y.shape[-1], y.device)
+        return hadamard_transform(y) * signs_for(y.shape[-1], self.seed, y.device)
 
     # --- the codec ------------------------------------------------------------------------------------
 

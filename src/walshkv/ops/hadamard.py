@@ -7,11 +7,12 @@ orthonormal scaling ``1/sqrt(n)``, so it is its own inverse: ``fwht(fwht(x)) == 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-__all__ = ["fwht", "hadamard_matrix", "hadamard_transform", "is_power_of_two", "random_signs"]
+__all__ = ["fwht", "hadamard_matrix", "hadamard_transform", "is_power_of_two", "random_signs", "signs_for"]
 
 # Up to this size a dense matmul with the cached matrix beats the butterflies on CPU (BLAS).
 _DENSE_MAX = 256
@@ -107,3 +108,13 @@ def random_signs(n: int, seed: int) -> torch.Tensor:
     """Seeded random ±1 vector of length ``n`` (float32), for randomized Hadamard rotations."""
     gen = torch.Generator().manual_seed(seed)
     return (torch.randint(0, 2, (n,), generator=gen) * 2 - 1).to(torch.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_signs(n: int, seed: int, device: torch.device) -> torch.Tensor:
+    return random_signs(n, seed).to(device)
+
+
+def signs_for(n: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """:func:`random_signs` cached per (n, seed, device); treat the result as read-only."""
+    return _cached_signs(n, seed, torch.device(device))
