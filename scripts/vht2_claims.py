@@ -22,8 +22,16 @@ def load(root: Path, model: str) -> dict[str, dict[str, float]]:
     for path in sorted((root / model).glob("*/results.csv")):
         with open(path) as fh:
             for r in csv.DictReader(fh):
-                rows[r["codec"]] = {k: float(v) for k, v in r.items() if k != "codec" and v not in ("", "None")}
+                rows[r["codec"]] = {k: x for k, v in r.items() if k != "codec" and (x := _number(v)) is not None}
     return rows
+
+
+def _number(text: str | None) -> float | None:
+    """A numeric CSV cell as float; text cells (``feed``, ``True``) and empty ones as ``None``."""
+    try:
+        return float(text) if text not in (None, "", "None", "True", "False") else None
+    except ValueError:
+        return None
 
 
 def fmt(row: dict[str, float] | None) -> str:
