@@ -77,7 +77,7 @@ def test_presets_structure_and_counts():
         "vht2-bands": 6,
         "vht2-sk": 3,
         "vht2-claims": 14,
-        "peers": 30,
+        "peers": 35,
         "vht2-orders": 5,
         "vht2-v": 7,
     }

@@ -20,9 +20,18 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from walshkv.codecs.base import Packed
-from walshkv.codecs.spec import CacheSpec, parse_cache_spec
+from walshkv.codecs.spec import CacheSpec, HFCacheSpec, parse_cache_spec
 
-__all__ = ["CompressedCache", "CompressedLayer", "CompressedSlidingWindowLayer", "KiviLayer"]
+__all__ = [
+    "CompressedCache",
+    "CompressedLayer",
+    "CompressedSlidingWindowLayer",
+    "KiviLayer",
+    "context_state",
+    "hf_cache_nbytes",
+    "make_cache",
+    "make_hf_cache",
+]
 
 
 def _cat_packed(a: Packed | None, b: Packed | None) -> Packed | None:
@@ -397,7 +406,13 @@ class CompressedCache(Cache):
         residual: int = 0,
         calibration: Any = None,
     ) -> None:
-        self.cache_spec = parse_cache_spec(spec)
+        parsed = parse_cache_spec(spec)
+        if isinstance(parsed, HFCacheSpec):
+            raise ValueError(
+                f"{parsed.spec} is Hugging Face's QuantizedCache, not a walshkv codec: build it with "
+                "walshkv.cache.make_cache(spec, config)"
+            )
+        self.cache_spec = parsed
         self.residual = residual
         self.calibration = calibration
         if residual < 0:
@@ -440,6 +455,29 @@ class CompressedCache(Cache):
         if getattr(spec.k, "token_grouped", False):
             return KiviLayer(spec)
         return CompressedLayer(spec, self.residual)
+
+    @classmethod
+    def from_preset(
+        cls, model: Any, name: str = "walshkv:4.5", *, calibration: Any = None, residual: int = 0
+    ) -> CompressedCache:
+        """A cache for ``model`` with the preset ``name`` (``walshkv:3``, ``walshkv:3.5``, ``walshkv:4.5``).
+
+        Args:
+            model: a transformers model (its ``config`` is used).
+            name: the preset.
+            calibration: what the preset needs, normally the file of ``walshkv calibrate --preset NAME``
+                (``walshkv.export.read_kv_mean_center(path)``) or ``collect_kv_stats(...)``; a file
+                written for this preset by ``walshkv recommend`` also chooses the spec.
+            residual: full-precision window of recent tokens (0: every token compressed).
+
+        The resolved :class:`walshkv.presets.Preset` is kept as ``cache.preset``.
+        """
+        from walshkv.presets import resolve_preset
+
+        preset = resolve_preset(name, calibration)
+        cache = cls(preset.spec, config=model.config, residual=residual, calibration=calibration)
+        cache.preset = preset
+        return cache
 
     @classmethod
     def from_model(cls, model: Any, spec: str | CacheSpec = "rot+int4", *, residual: int = 0) -> CompressedCache:
@@ -485,3 +523,106 @@ class CompressedCache(Cache):
     def fp16_nbytes(self) -> int:
         """Bytes an fp16 cache would take for the same tokens (2 bytes per element)."""
         return 2 * self.num_elements()
+
+
+# ---- Hugging Face QuantizedCache as a peer ----------------------------------------------------------
+
+
+def _held_bytes(obj: Any, float_bytes: int) -> int:
+    """Bytes of every tensor inside ``obj``; floating tensors counted at ``float_bytes`` per element."""
+    if isinstance(obj, torch.Tensor):
+        flatten = getattr(type(obj), "__tensor_flatten__", None)
+        if flatten is not None and type(obj) is not torch.Tensor:  # quanto's packed tensor subclasses
+            names, _ = obj.__tensor_flatten__()
+            return sum(_held_bytes(getattr(obj, n), float_bytes) for n in names)
+        wide_float = obj.is_floating_point() and obj.element_size() >= 2  # float8 codes count as stored
+        size = float_bytes if wide_float else obj.element_size()
+        return obj.numel() * size
+    if isinstance(obj, dict):
+        return sum(_held_bytes(v, float_bytes) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(_held_bytes(v, float_bytes) for v in obj)
+    return 0
+
+
+def make_hf_cache(spec: HFCacheSpec, config: Any) -> Cache:
+    """Hugging Face's ``QuantizedCache`` for ``spec``, with walshkv's byte accounting attached.
+
+    Raises:
+        ImportError: the backend's package is missing (the message names the pip command).
+        ValueError: the model has sliding-window layers (transformers' QuantizedCache refuses them).
+    """
+    from transformers.cache_utils import QuantizedCache
+
+    package = spec.pip_package
+    if package is not None:
+        import importlib.util
+
+        module = "optimum.quanto" if spec.backend == "quanto" else "hqq"
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ImportError(
+                f"{spec.spec} needs the {package!r} package: pip install 'walshkv[hf]' (or pip install {package})"
+            )
+    kwargs: dict[str, Any] = {}
+    if spec.backend != "fp8":
+        kwargs = {"nbits": spec.bits, "q_group_size": spec.group, "residual_length": spec.residual}
+    try:
+        cache = QuantizedCache(spec.backend, config, **kwargs)
+    except ValueError as err:
+        raise ValueError(f"{spec.spec}: transformers' QuantizedCache cannot run this model: {err}") from err
+    text = config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    cache.hf_spec = spec  # type: ignore[attr-defined]
+    cache.hf_row = text.num_key_value_heads * head_dim  # type: ignore[attr-defined]
+    return cache
+
+
+def hf_cache_nbytes(cache: Cache, float_bytes: int = 2, batch: int = 1) -> tuple[int, int, int]:
+    """``(k_bytes, v_bytes, elements_per_side)`` held by a Hugging Face ``QuantizedCache``.
+
+    Floating tensors (scales, zero points, the full-precision window) are counted at ``float_bytes``
+    per element (2: as the same cache holds them for an fp16 model), integer codes as stored.
+    ``batch`` is the batch size the cache was filled with (elements are counted from it).
+    """
+    kb = vb = n = 0
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue
+        window_k = layer.keys if layer.keys.dim() == 4 else None
+        window_v = layer.values if layer.values.dim() == 4 else None
+        kb += _held_bytes(layer._quantized_keys, float_bytes) + _held_bytes(window_k, float_bytes)
+        vb += _held_bytes(layer._quantized_values, float_bytes) + _held_bytes(window_v, float_bytes)
+        n += batch * cache.hf_row * layer.get_seq_length()  # type: ignore[attr-defined]
+    return kb, vb, n
+
+
+def context_state(cache: Cache) -> tuple[int, int, bool]:
+    """``(cached_tokens, full_precision_cached_tokens, current_token_exact)`` of layer 0 before a write.
+
+    ``current_token_exact``: attention sees the token being written unquantized (transformers'
+    ``QuantizedLayer`` returns it as is; walshkv only within a ``residual`` window).
+    """
+    from transformers.cache_utils import QuantizedLayer
+
+    layer = cache.layers[0]
+    if not layer.is_initialized:
+        return 0, 0, True
+    window = layer.keys.shape[-2] if layer.keys.dim() == 4 else 0
+    exact = isinstance(layer, QuantizedLayer) or getattr(layer, "residual", 0) > 0
+    return layer.get_seq_length(), window, exact
+
+
+def make_cache(
+    spec: str | CacheSpec | HFCacheSpec, config: Any, *, residual: int = 0, calibration: Any = None
+) -> Cache:
+    """A :class:`CompressedCache`, or Hugging Face's ``QuantizedCache`` for an ``hf-*`` spec."""
+    parsed = parse_cache_spec(spec)
+    if isinstance(parsed, HFCacheSpec):
+        if residual:
+            raise ValueError(f"{parsed.spec} has its own window (':r=TOKENS'); do not combine it with residual")
+        return make_hf_cache(parsed, config)
+    return CompressedCache(parsed, config=config, residual=residual, calibration=calibration)

@@ -21,12 +21,18 @@ examples:
   walshkv eval --codec vht2:5,5,4,3:order=squarefree/vht2:3 --text ../shared/data/austen_emma.txt
   walshkv eval --codec vht2:auto@4.25 --calib-text python-docs --text ../shared/data/austen_emma.txt
   walshkv sweep --grid vht2-bits --windows 2
+  walshkv calibrate --preset walshkv:4.5 --text python-docs -o p.gguf
+  walshkv eval --codec walshkv:4.5 --kv-mean-center p.gguf --text ../shared/data/austen_emma.txt
+  walshkv recommend --bits 3.5 --text python-docs -o mine.gguf
+  walshkv eval --codec hf-quanto:4 --codec rot+q4_0 --text ../shared/data/austen_emma.txt
   walshkv models list
   walshkv codecs --head-dim 128
 
 cache specs: KSPEC/VSPEC or one SPEC for both; SPEC = [rot+|rrot[:SEED]+]BASE, BASE in
 fp16, bf16, fp32, int2..int8, vht2:B1,..,Bn[:order=O][:sk=N], vht2:auto@BITS, vzc, sqfree:B.
 Example: rot+int4/int3 (K rotated int4, V int3). `walshkv codecs` lists them all.
+Presets: walshkv:3, walshkv:3.5, walshkv:4.5. Peers: q8_0..iq4_nl, kivi2/4, tq:B, and Hugging
+Face's QuantizedCache as hf-quanto:B, hf-hqq:B, hf-fp8 (fed token by token).
 """
 
 
@@ -92,12 +98,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     codecs = args.codec or list(DEFAULT_CODECS)
     from walshkv.codecs import parse_cache_spec
+    from walshkv.presets import resolve_specs
 
     for c in codecs:  # fail before loading anything
         parse_cache_spec(c)
     text = load_text(args.text)
     lm = load_model(args.model, progress=not args.quiet)
     calibration = calibrate_if_needed(lm, codecs, args, text)
+    codecs, preset_of = resolve_specs(codecs, calibration)
+    for spec, name in preset_of.items():
+        print(f"{name} = {spec}", file=sys.stderr)
     result = evaluate(
         lm,
         text,
@@ -107,10 +117,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         score=args.score,
         residual=args.residual,
         calibration=calibration,
+        feed=args.feed,
+        decode_chunk=args.decode_chunk,
         progress=not args.quiet,
     )
     command = "walshkv " + " ".join(shlex.quote(a) for a in (args.argv or []))
     result.meta["command"] = command
+    for row in result.results:
+        if row["codec"] in preset_of:
+            row["preset"] = preset_of[row["codec"]]
     print(describe_run(result.meta))
     print(format_table(result.results))
     if args.json:
@@ -135,9 +150,25 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     if args.basis not in ("plain", "rot"):
         raise ValueError(f"--basis must be plain or rot, got {args.basis!r}")
+    preset = None
+    if args.preset:
+        from walshkv.presets import resolve_preset
+
+        preset = resolve_preset(args.preset)  # fails on unknown names before loading anything
     text = load_text(args.text)
     lm = load_model(args.model, progress=not args.quiet)
     stats = collect_kv_stats(lm, text, tokens=args.tokens, ctx=args.ctx, progress=not args.quiet)
+    if preset is not None:
+        from walshkv.presets import write_preset_file
+
+        basis = write_preset_file(args.output, lm, preset, stats)
+        print(
+            f"wrote {args.output}: preset {preset.name} = {preset.spec} for {lm.name}; K mean of "
+            f"{stats.tokens:,} tokens of {text.name} in the {basis} basis. Use it with "
+            f"`walshkv eval --model {lm.name} --codec {preset.name} --kv-mean-center {args.output}` "
+            "on other text."
+        )
+        return 0
     mean = torch.stack([stats.mean("k", i, "plain") for i in range(stats.num_layers)])
     write_kv_mean_center(
         args.output, mean, arch=lm.info["arch"], basis=args.basis, tokens=stats.tokens, text=text.name, model=lm.name
@@ -146,6 +177,51 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         f"wrote {args.output}: {stats.num_layers} tensors kv_bar.blk.0.k .. kv_bar.blk.{stats.num_layers - 1}.k of "
         f"{stats.head_dim} x {stats.num_kv_heads} values, basis {args.basis}, {stats.tokens:,} tokens of {text.name}"
     )
+    return 0
+
+
+def _cmd_recommend(args: argparse.Namespace) -> int:
+    from walshkv.data import load_text
+    from walshkv.eval.report import format_table, write_json
+    from walshkv.models import load_model
+    from walshkv.presets import candidates_for, preset_name_for_bits, recommend, write_preset_file
+
+    name = preset_name_for_bits(args.bits)  # validates the budget before loading anything
+    text = load_text(args.text)
+    lm = load_model(args.model, progress=not args.quiet)
+    n = len(candidates_for(args.bits, lm.info["head_dim"], args.candidate or ()))
+    print(
+        f"{lm.name}: {n} candidate specs within {args.bits:g} bits per element at head_dim {lm.info['head_dim']}; "
+        f"K mean from the first half of {text.name}, ranked on {args.windows} windows of {args.ctx} tokens of "
+        "its second half",
+        file=sys.stderr,
+    )
+    rec = recommend(
+        lm,
+        text,
+        args.bits,
+        windows=args.windows,
+        ctx=args.ctx,
+        calib_tokens=args.calib_tokens,
+        extra=args.candidate or (),
+        progress=not args.quiet,
+    )
+    print(format_table(rec.rows))
+    best = rec.rows[0]
+    print(
+        f"\nwinner for {name} on {lm.name}: {rec.preset.spec} (mean KLD {best['kld_mean']:.6f}, "
+        f"{best['bits_per_element']:.3f} bits per element, top-1 {best['top1_agreement']:.2%})"
+    )
+    output = args.output or f"{lm.name}-{name.replace(':', '-')}.gguf"
+    scored, where = rec.meta["scored_tokens"], rec.meta["text"]["name"]
+    note = f"recommend: mean KLD {best['kld_mean']:.6f} on {scored} tokens of {where}"
+    basis = write_preset_file(output, lm, rec.preset, rec.stats, note=note)
+    print(
+        f"wrote {output} ({basis}-basis K mean + the preset's spec). Evaluate it on other text: "
+        f"walshkv eval --model {lm.name} --codec {name} --kv-mean-center {output} --text OTHER"
+    )
+    if args.json:
+        write_json(args.json, {"meta": rec.meta, "winner": rec.preset.spec, "preset": name, "results": rec.rows})
     return 0
 
 
@@ -197,6 +273,19 @@ def _cmd_codecs(args: argparse.Namespace) -> int:
         except ValueError as err:  # e.g. a head size the codec refuses
             bits = f"n/a ({err})"[:40]
         rows.append([example, bits, help])
+    from walshkv.codecs.spec import HF_BACKENDS, parse_hf_spec
+
+    for name, (_, allowed, package) in HF_BACKENDS.items():
+        example = name if name == "hf-fp8" else f"{name}:{allowed[-2] if len(allowed) > 1 else allowed[0]}"
+        where = "built into transformers" if package is None else f"needs pip install {package} (walshkv[hf])"
+        rows.append(
+            [
+                example,
+                f"{parse_hf_spec(example).bits_per_element(args.head_dim):.4g}"
+                + ("" if name == "hf-fp8" else " + window"),
+                f"Hugging Face QuantizedCache peer, {where}; eval feeds it token by token",
+            ]
+        )
     print(
         tabulate(rows, headers=["spec", f"bits/el @ head_dim {args.head_dim}", "what"], maxcolwidths=[None, None, 70])
     )
@@ -245,6 +334,22 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--residual", type=int, default=0, help="keep this many recent tokens in full precision (counted in the bits)"
     )
+    ev.add_argument(
+        "--feed",
+        choices=["auto", "window", "decode"],
+        default="auto",
+        help="window: one forward per window, every token compressed on write; decode: the unscored prefix "
+        "in one forward, then one forward per scored token, as in generation; auto: decode for Hugging "
+        "Face caches (hf-quanto:B, hf-hqq:B, hf-fp8), which return their first write unquantized",
+    )
+    ev.add_argument(
+        "--decode-chunk",
+        type=int,
+        default=1,
+        metavar="N",
+        help="scored tokens per forward with --feed decode (1: as in generation; larger is faster and "
+        "the share of full-precision context it adds is reported)",
+    )
     add_calibration_args(ev)
     ev.add_argument("--json", metavar="PATH", help="write {meta, results} as JSON")
     ev.add_argument("--csv", metavar="PATH", help="write the results as CSV")
@@ -271,9 +376,37 @@ def build_parser() -> argparse.ArgumentParser:
         default="plain",
         help="plain: for center+SPEC; rot: Hadamard-rotated, for center+rot+SPEC and llama.cpp's rotation",
     )
+    ca.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="write everything the preset (walshkv:3, walshkv:3.5, walshkv:4.5) needs for this model: the K mean "
+        "in the basis of its spec, with the preset's name and spec (--basis is then ignored)",
+    )
     ca.add_argument("-o", "--output", default="kv-mean-center.gguf", help="output GGUF file")
     ca.add_argument("--quiet", action="store_true", help="no progress bars")
     ca.set_defaults(func=_cmd_calibrate)
+
+    re_ = sub.add_parser(
+        "recommend",
+        help="pick the best cache spec for a bit budget on calibration text and write it as a preset file",
+        description="Run every candidate spec that fits --bits (bits per element, K and V together, every "
+        "overhead counted) on calibration text: the K mean comes from its first half, the candidates are "
+        "ranked by mean KLD on windows of its second half. Prints the table and writes the winner with its "
+        "K mean as a GGUF preset file for this model. It never reads your evaluation text: evaluate the "
+        "file afterwards with `walshkv eval --codec walshkv:B --kv-mean-center FILE --text OTHER`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    re_.add_argument("--model", default=DEFAULT_MODEL, help="model name or path, as for eval")
+    re_.add_argument("--text", default=DEFAULT_TEXT, help="calibration text (not the text you evaluate on)")
+    re_.add_argument("--bits", type=float, required=True, help="budget in bits per element, e.g. 3, 3.5 or 4.5")
+    re_.add_argument("--windows", type=int, default=4, help="selection windows")
+    re_.add_argument("--ctx", type=int, default=512, help="tokens per window")
+    re_.add_argument("--calib-tokens", type=int, default=8192, help="tokens for the K mean")
+    re_.add_argument("--candidate", action="append", metavar="SPEC", help="an extra candidate spec, repeatable")
+    re_.add_argument("-o", "--output", help="preset file (default MODEL-walshkv-B.gguf)")
+    re_.add_argument("--json", metavar="PATH", help="write the candidates' results as JSON")
+    re_.add_argument("--quiet", action="store_true", help="no progress bars")
+    re_.set_defaults(func=_cmd_recommend)
 
     mo = sub.add_parser(
         "models",

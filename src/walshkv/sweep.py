@@ -51,6 +51,9 @@ _BANDS = ("4", "5,3", "5,4,3", "5,4,4,3", "5,5,4,3,3", "5,5,4,4,4,4,3,3")
 _ORDERS = ("natural", "sequency", "squarefree", "squarefree-dc", "variance")
 _V_FORMATS = ("vht2:3", "vht2:4", "vht2:5", "vht2:4,3,3,2", "vht2:4,4,3,3", "vht2:5,4,3,2", "vzc")
 
+# Hugging Face's QuantizedCache backends in the peers preset (left out where they cannot run).
+HF_PEERS = ("hf-quanto:4", "hf-quanto:2", "hf-hqq:4", "hf-hqq:3", "hf-fp8")
+
 PRESETS: dict[str, tuple[str, list[str]]] = {
     "baseline": (
         "The foundation's default codec list (walshkv.eval.DEFAULT_CODECS: fp16, int8..int2, with and "
@@ -88,7 +91,9 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
         "Every codec users compare against, at the bits they ship: llama.cpp's cache types with and without "
         "the Walsh-Hadamard rotation (q8_0 .. iq4_nl, and q8_0 K with q4_0 V), KIVI (2/4-bit, G=32, R=32), "
         "TurboQuant-class (tq:2..4, 2.5, 3.5; tqprod:3), and walshkv's own: rot+intB, VHT2 5/5/4/3+V3, "
-        "and K mean-centering (center+..., needs --kv-mean-center FILE or --calib-text).",
+        "and K mean-centering (center+..., needs --kv-mean-center FILE or --calib-text); Hugging Face's "
+        "QuantizedCache (hf-quanto:2/4, hf-hqq:3/4, hf-fp8: needs walshkv[hf]; fed token by token; "
+        "full-attention models only, left out elsewhere).",
         [
             *(f"{r}{t}" for t in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl") for r in ("", "rot+")),
             "q8_0/q4_0",
@@ -109,6 +114,7 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
             "center+rot+int4",
             "center+rot+int3",
             "center+rot+int4/rot+int3",
+            *HF_PEERS,
         ],
     ),
     "vht2-claims": (
@@ -289,6 +295,27 @@ def canonical_specs(specs: Sequence[str], head_dim: int | None) -> list[str]:
             out.append(parsed.spec)
     if not out:
         raise ValueError("the grid has no cache specs")
+    return out
+
+
+def _unrunnable_specs(specs: Sequence[str], lm: Any) -> dict[str, str]:
+    """Peer specs this model or environment cannot run, with the reason.
+
+    A sweep leaves them out (and says so in its table) instead of failing: Hugging Face ``hf-*``
+    caches without their optional backend, and caches that support full-attention layers only
+    (``hf-*``, KIVI) on a model with sliding-window layers (gemma3).
+    """
+    from walshkv.cache import make_cache
+    from walshkv.codecs import parse_cache_spec
+
+    out = {}
+    for spec in specs:
+        parsed = parse_cache_spec(spec)
+        if spec.startswith("hf-") or getattr(getattr(parsed, "k", None), "token_grouped", False):
+            try:
+                make_cache(parsed, lm.model.config)
+            except (ImportError, ValueError) as err:
+                out[spec] = str(err)
     return out
 
 
@@ -496,6 +523,7 @@ def run_sweep(
     chunk: int = 4,
     title: str = "sweep",
     description: str = "",
+    decode_chunk: int = 1,
 ) -> list[dict[str, Any]]:
     """Evaluate every spec not already finished in ``out_dir``, then write the combined outputs.
 
@@ -524,6 +552,8 @@ def run_sweep(
         chunk: specs per :func:`~walshkv.eval.evaluate` call (at least 1).
         title: heading of ``results.md`` and of the plot (e.g. the grid name).
         description: one paragraph under the heading of ``results.md``.
+        decode_chunk: scored tokens per forward for Hugging Face ``hf-*`` rows (fed as in generation; see
+            :func:`walshkv.eval.evaluate`); part of those rows' settings.
 
     Returns:
         The result rows (``evaluate``'s metric dicts), sorted by ``bits_per_element``.
@@ -537,6 +567,12 @@ def run_sweep(
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1, got {chunk}")
     canon = canonical_specs(specs, lm.info["head_dim"])
+    skipped = _unrunnable_specs(canon, lm)
+    for spec in skipped:
+        _say(progress, f"sweep: skipping {spec}: {skipped[spec]}")
+    canon = [s for s in canon if s not in skipped]
+    if not canon:
+        raise ValueError("no runnable cache specs left: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     calibrated = {s for s in canon if needs_calibration(s)}
     if calibrated and calibration is None:
         raise ValueError(
@@ -547,6 +583,9 @@ def run_sweep(
     (out / "rows").mkdir(parents=True, exist_ok=True)
     base = _settings(lm, text, ctx, windows, score, residual)
     settings = {s: {**base, "calibration": _calibration_key(calibration) if s in calibrated else None} for s in canon}
+    for s in canon:  # Hugging Face caches are fed token by token, decode_chunk tokens per forward
+        if s.startswith("hf-"):
+            settings[s]["decode_chunk"] = decode_chunk
 
     records: dict[str, dict[str, Any]] = {}
     pending: list[str] = []
@@ -566,7 +605,16 @@ def run_sweep(
         _say(progress, f"[{first}{'' if last == first else f'-{last}'}/{total}] {', '.join(part)}")
         extra = {"calibration": calibration} if calibrated.intersection(part) else {}
         result = evaluate(
-            lm, text, part, ctx=ctx, windows=windows, score=score, residual=residual, progress=progress, **extra
+            lm,
+            text,
+            part,
+            ctx=ctx,
+            windows=windows,
+            score=score,
+            residual=residual,
+            progress=progress,
+            decode_chunk=decode_chunk,
+            **extra,
         )
         result.meta["command"] = command
         for spec, row in zip(part, result.results, strict=True):
@@ -588,6 +636,8 @@ def run_sweep(
             + "; ".join(_describe_calibration(c) for c in map(json.loads, sorted(used)))
             + " (never the evaluation text)."
         )
+    if skipped:
+        notes.append("Left out: " + "; ".join(f"`{k}` ({v})" for k, v in skipped.items()) + ".")
     _write_outputs(out, rows, meta, command, title, description, notes)
     return rows
 
@@ -601,7 +651,7 @@ def _write_outputs(
     description: str,
     notes: list[str],
 ) -> None:
-    from walshkv.eval.report import describe_run, format_table, write_csv
+    from walshkv.eval.report import decode_note, describe_run, format_table, write_csv
 
     write_csv(out / "results.csv", rows)
     front = pareto_front(rows)
@@ -623,6 +673,8 @@ def _write_outputs(
     if command:
         paras.append(f"Produced by `{command}`.")
     paras.append(format_table(rows, "github"))
+    if note := decode_note(rows):
+        paras.append(note)
     paras.append(
         "Pareto front (no other row has a lower mean KLD at fewer or equal bits per element): "
         + ", ".join(f"`{r['codec']}`" for r in front)
@@ -710,6 +762,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     head_dim = lm.info["head_dim"]
     specs = [substitute_head_dim(s, head_dim) for s in raw_specs]
     calibration = calibrate_if_needed(lm, specs, args, text)
+    from walshkv.presets import resolve_specs
+
+    specs, preset_of = resolve_specs(specs, calibration)  # a preset file may choose its spec
+    for spec, preset in preset_of.items():
+        _say(not args.quiet, f"{preset} = {spec}")
     out = Path(args.out or f"sweep-{_slug(name)}-{_slug(lm.name)}")
     command = "walshkv " + " ".join(shlex.quote(a) for a in (args.argv or []))
     rows = run_sweep(
@@ -727,6 +784,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         chunk=args.chunk,
         title=name,
         description=description,
+        decode_chunk=args.decode_chunk,
     )
     print(format_table(rows))
     print("Pareto front: " + ", ".join(r["codec"] for r in pareto_front(rows)))
@@ -782,6 +840,14 @@ def add_sweep_parser(sub: argparse._SubParsersAction) -> None:
     )
     sw.add_argument(
         "--chunk", type=int, default=4, help="specs per evaluation pass, sharing one reference (default %(default)s)"
+    )
+    sw.add_argument(
+        "--decode-chunk",
+        type=int,
+        default=1,
+        metavar="N",
+        help="hf-* rows are fed as in generation: N scored tokens per forward (default %(default)s, exactly "
+        "as in generation; larger is faster and the extra full-precision context is reported)",
     )
     from walshkv.cli import add_calibration_args
 

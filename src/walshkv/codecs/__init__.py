@@ -7,6 +7,7 @@ from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.spec import (
     CacheSpec,
+    HFCacheSpec,
     available_codecs,
     parse_cache_spec,
     parse_codec,
@@ -20,6 +21,7 @@ __all__ = [
     "Field",
     "FloatCodec",
     "GGMLCodec",
+    "HFCacheSpec",
     "IntCodec",
     "Packed",
     "Rotated",

@@ -6,7 +6,14 @@ For each window of ``ctx`` tokens (each from an empty cache, one forward per win
    ``DynamicCache`` at the model's dtype, float32 by default), computed once per
    window and reused for every codec;
 2. for each codec: the same forward with a :class:`~walshkv.cache.CompressedCache`,
-   so the whole window's K/V is compressed on write before attention reads it.
+   so the whole window's K/V is compressed on write before attention reads it
+   (``feed="window"``).
+
+Hugging Face's ``QuantizedCache`` (``hf-quanto:B``, ``hf-hqq:B``, ``hf-fp8``) returns the
+first write unquantized, so one forward per window would measure nothing. Those caches are
+fed as in generation (``feed="decode"``): the unscored prefix in one forward, then every
+scored token in its own forward. Each such row records how much of the context its scored
+tokens saw in full precision.
 
 Scored logits (see :func:`~walshkv.eval.windows.scored_positions`) are compared in
 float64 over the full vocabulary.
@@ -22,8 +29,8 @@ from typing import Any
 
 import torch
 
-from walshkv.cache import CompressedCache
-from walshkv.codecs.spec import parse_cache_spec
+from walshkv.cache import CompressedCache, context_state, hf_cache_nbytes, make_cache
+from walshkv.codecs.spec import HFCacheSpec, parse_cache_spec
 from walshkv.data import Text
 from walshkv.eval.metrics import TokenMetrics, compare_logits
 from walshkv.eval.windows import make_windows, scored_positions
@@ -59,9 +66,46 @@ def library_versions() -> dict[str, str]:
     }
 
 
+FEEDS = ("auto", "window", "decode")
+
+
 def _forward(model: Any, ids: torch.Tensor, cache: Any, keep: int) -> torch.Tensor:
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep)
     return out.logits[0]
+
+
+def _decode(
+    model: Any, ids: torch.Tensor, cache: Any, first: int, last: int, chunk: int = 1
+) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Prefix ``0..first-1`` in one forward, then positions ``first..last-1`` ``chunk`` tokens per forward.
+
+    Returns:
+        ``(logits [last - first, vocab], per scored token (positions it attended to, of which held in full
+        precision with the token itself, of which earlier than the token))``, from
+        :func:`~walshkv.cache.context_state` of layer 0.
+    """
+    if first > 0:
+        _forward(model, ids[:, :first], cache, 1)
+    rows, states = [], []
+    for p in range(first, last, chunk):
+        n = min(chunk, last - p)
+        cached, window, exact = context_state(cache)
+        for j in range(n):  # earlier tokens of this forward are full precision too if the cache shows them so
+            earlier = window + (j if exact else 0)
+            states.append((cached + j + 1, earlier + exact, earlier))
+        rows.append(_forward(model, ids[:, p : p + n], cache, n))
+    return torch.cat(rows), states
+
+
+def _feed_for(spec: Any, feed: str) -> str:
+    if feed == "auto":
+        return "decode" if isinstance(spec, HFCacheSpec) else "window"
+    if feed == "window" and isinstance(spec, HFCacheSpec):
+        raise ValueError(
+            f"{spec.spec} returns the first write unquantized: one forward per window would measure nothing; "
+            "use feed='decode' (CLI: --feed decode) or 'auto'"
+        )
+    return feed
 
 
 @torch.inference_mode()
@@ -75,6 +119,8 @@ def evaluate(
     score: str = "half",
     residual: int = 0,
     calibration: Any = None,
+    feed: str = "auto",
+    decode_chunk: int = 1,
     progress: bool = True,
 ) -> EvalResult:
     """Measure each codec against the uncompressed cache on the same tokens.
@@ -88,6 +134,12 @@ def evaluate(
         score: ``"half"`` (second half of each window) or ``"all"``.
         residual: full-precision window of recent tokens (0 = compress every token).
         calibration: :class:`walshkv.calibration.KVStats` from *other* text, for calibrated codecs.
+        feed: ``"window"`` (one forward per window, every token compressed on write),
+            ``"decode"`` (the unscored prefix in one forward, then one forward per scored token, as in
+            generation) or ``"auto"`` (decode for Hugging Face ``hf-*`` caches, window otherwise).
+        decode_chunk: scored tokens per forward when decoding (1: exactly as in generation; more is
+            faster, and a cache that shows its current write unquantized then shows up to
+            ``decode_chunk - 1`` more recent tokens in full precision: measured in ``fp_context_mean``).
         progress: show a progress bar.
 
     Returns:
@@ -98,6 +150,11 @@ def evaluate(
     specs = [parse_cache_spec(c) for c in codecs]  # fail fast on typos
     if not specs:
         raise ValueError("give at least one --codec")
+    if feed not in FEEDS:
+        raise ValueError(f"feed must be one of {', '.join(FEEDS)}, got {feed!r}")
+    feeds = {s.spec: _feed_for(s, feed) for s in specs}
+    if decode_chunk < 1:
+        raise ValueError(f"decode_chunk must be at least 1 token, got {decode_chunk}")
     head_dim = lm.info["head_dim"]
     for spec in specs:
         spec.check_head_dim(head_dim)
@@ -107,7 +164,7 @@ def evaluate(
     if calibration is not None and text.name in {getattr(c, "text", None) for c in sources if c is not None}:
         raise ValueError(f"calibration text and evaluation text are both {text.name!r}; calibrate on other text")
     for spec in specs:  # bind every codec once now: calibration mismatches fail before any forward
-        CompressedCache(spec, config=lm.model.config, residual=residual, calibration=calibration)
+        make_cache(spec, config=lm.model.config, residual=residual, calibration=calibration)
     first, last = scored_positions(ctx, score)
     win = make_windows(lm.tokenizer, text.content, ctx, windows)
     n_win = win.ids.shape[0]
@@ -116,6 +173,7 @@ def evaluate(
     kv_bytes: dict[str, int] = {}
     layout_bits: dict[str, float] = {}
     kv_bits: dict[str, tuple[float, float]] = {}
+    fp_context: dict[str, list[tuple[int, int, int]]] = {s.spec: [] for s in specs if feeds[s.spec] == "decode"}
     seconds = dict.fromkeys(metrics, 0.0)
     model = lm.model
     device = next(model.parameters()).device
@@ -133,13 +191,23 @@ def evaluate(
         for spec in specs:
             bar.set_postfix_str(f"window {w + 1}/{n_win}: {spec.spec}")
             t0 = time.perf_counter()
-            cache = CompressedCache(spec, config=model.config, residual=residual, calibration=calibration)
-            logits = _forward(model, ids, cache, keep)[: last - first]
+            cache = make_cache(spec, config=model.config, residual=residual, calibration=calibration)
+            if feeds[spec.spec] == "decode":
+                logits, states = _decode(model, ids, cache, first, last, decode_chunk)
+                fp_context[spec.spec].extend(states)
+            else:
+                logits = _forward(model, ids, cache, keep)[: last - first]
             seconds[spec.spec] += time.perf_counter() - t0
             if w == 0:
-                kv_bytes[spec.spec] = cache.nbytes()
-                layout_bits[spec.spec] = cache.bits_per_element()
-                kv_bits[spec.spec] = cache.bits_per_element_kv()
+                if isinstance(spec, HFCacheSpec):
+                    kb, vb, n = hf_cache_nbytes(cache)
+                    kv_bytes[spec.spec] = kb + vb
+                    layout_bits[spec.spec] = 8.0 * (kb + vb) / (2 * n)
+                    kv_bits[spec.spec] = (8.0 * kb / n, 8.0 * vb / n)
+                else:
+                    kv_bytes[spec.spec] = cache.nbytes()
+                    layout_bits[spec.spec] = cache.bits_per_element()
+                    kv_bits[spec.spec] = cache.bits_per_element_kv()
             metrics[spec.spec].add(*compare_logits(ref, logits, targets))
             del cache
             bar.update()
@@ -160,8 +228,18 @@ def evaluate(
                 "kv_bytes": kv_bytes[spec.spec],
                 "kv_bytes_fp16": fp16_bytes,
                 "seconds": seconds[spec.spec],
+                "feed": feeds[spec.spec],
+                "quantize_on_write": not isinstance(spec, HFCacheSpec),
             }
         )
+        states = fp_context.get(spec.spec)
+        if states:  # decode-fed rows: how much of what attention read was full precision
+            row["fp_context_mean"] = sum(fp / seen for seen, fp, _ in states) / len(states)
+            # every earlier position it attended to was quantized (the token itself may be exact)
+            row["scored_quantized_context_share"] = sum(earlier == 0 for _, _, earlier in states) / len(states)
+            row["decode_chunk"] = decode_chunk
+        if isinstance(spec, HFCacheSpec):
+            row["fp_window"] = spec.residual
         results.append(row)
     meta = {
         "model": {"name": lm.name, "source": lm.source, **lm.info},
@@ -180,7 +258,14 @@ def evaluate(
         "residual": residual,
         "calibration": None if calibration is None else calibration.describe(),
         "reference": f"same model, uncompressed DynamicCache at {next(model.parameters()).dtype!s}",
-        "quantize_on_write": True,
+        "quantize_on_write": (
+            True if all(not isinstance(s, HFCacheSpec) for s in specs) else "per row (hf-* caches: no, by design)"
+        ),
+        "feed": {
+            "window": "one forward per window; every token compressed on write before attention reads it",
+            "decode": f"tokens 0..{first - 1} in one forward, then {decode_chunk} scored position(s) per forward"
+            + (" (as in generation)" if decode_chunk == 1 else ""),
+        },
         "kv_bytes_note": "bytes held by the cache after one window of ctx tokens, batch 1",
         "metrics_dtype": "float64, full vocabulary",
         "seconds_total": time.perf_counter() - started,

@@ -9,7 +9,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-__all__ = ["TABLE_COLUMNS", "format_table", "write_csv", "write_json", "write_markdown"]
+__all__ = ["TABLE_COLUMNS", "decode_note", "format_table", "write_csv", "write_json", "write_markdown"]
 
 # (key, header, format)
 TABLE_COLUMNS: list[tuple[str, str, str]] = [
@@ -30,6 +30,8 @@ def _rows(results: list[dict[str, Any]]) -> list[list[str]]:
         row = []
         for key, _, fmt in TABLE_COLUMNS:
             text = fmt.format(r[key])
+            if key == "codec" and r.get("feed") == "decode":
+                text += " †"
             row.append(text[:-1] if key == "top1_agreement" else text)
         rows.append(row)
     return rows
@@ -51,6 +53,26 @@ def describe_run(meta: dict[str, Any]) -> str:
     )
 
 
+def decode_note(results: list[dict[str, Any]]) -> str:
+    """A footnote for rows marked † (fed token by token), or ``""`` when there are none."""
+    rows = [r for r in results if r.get("feed") == "decode"]
+    if not rows:
+        return ""
+    parts = []
+    for r in rows:
+        window = f"full-precision window {r['fp_window']} tokens, " if "fp_window" in r else ""
+        parts.append(
+            f"{r['codec']}: {window}{r['fp_context_mean']:.1%} of attended positions in full precision on average, "
+            f"{r['scored_quantized_context_share']:.1%} of scored tokens saw only quantized earlier context"
+        )
+    return (
+        "† fed as in generation: the unscored prefix in one forward, then one forward per scored token "
+        "(Hugging Face's QuantizedCache returns its first write unquantized, so one forward per window "
+        "would measure nothing). Bits per element are measured from the bytes held after the window, "
+        "scales, zero points and the full-precision window counted at 16 bits. " + "; ".join(parts) + "."
+    )
+
+
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
@@ -66,5 +88,8 @@ def write_csv(path: str | Path, results: list[dict[str, Any]]) -> None:
 
 
 def write_markdown(path: str | Path, meta: dict[str, Any], results: list[dict[str, Any]], command: str) -> None:
+    note = decode_note(results)
     body = f"{describe_run(meta)}\n\nProduced by `{command}`.\n\n{format_table(results, 'github')}\n"
+    if note:
+        body += f"\n{note}\n"
     Path(path).write_text(body)

@@ -101,6 +101,17 @@ class KMeanBias:
         return {"kind": "kv-mean-center file", "file": self.source, "basis": self.basis, **self.meta}
 
     def check_matches(self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None) -> None:
+        """Refuse a file made for another model (recorded name, or layer/head/head_dim shape).
+
+        Raises:
+            ValueError: naming both models and the command that makes a file for this one.
+        """
+        made_for = self.meta.get("walshkv.model")
+        if model and made_for and made_for != model:
+            raise ValueError(
+                f"{self.source} was calibrated on {made_for!r}, not {model!r}: a K mean (and a preset chosen with "
+                f"it) belongs to one model; run `walshkv calibrate --model {model} ...` for this one"
+            )
         have = tuple(self.plain.shape)
         want = (num_layers, num_kv_heads, head_dim)
         if have != want:
@@ -119,6 +130,7 @@ def write_kv_mean_center(
     tokens: int = 0,
     text: str = "",
     model: str = "",
+    extra: dict[str, str] | None = None,
 ) -> None:
     """Write a K bias file.
 
@@ -128,6 +140,7 @@ def write_kv_mean_center(
         arch: model architecture (``llama`` triggers the channel permutation).
         basis: ``plain`` or ``rot`` (Hadamard-rotated in llama.cpp's channel order).
         tokens, text, model: provenance written under ``walshkv.``.
+        extra: more string metadata, each key under ``walshkv.`` (e.g. ``walshkv.preset.spec``).
     """
     import gguf
 
@@ -151,7 +164,10 @@ def write_kv_mean_center(
         ("walshkv.text", text),
         ("walshkv.version", walshkv.__version__),
         ("walshkv.channel_order", "llama.cpp"),
+        *(extra or {}).items(),
     ):
+        if not key.startswith("walshkv."):
+            raise ValueError(f"extra metadata keys live under 'walshkv.', got {key!r}")
         writer.add_string(key, value)
     for key, value in (
         ("walshkv.layer_count", layers),

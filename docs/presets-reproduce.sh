@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Every figure in docs/presets.md. For each model and budget (3, 3.5, 4.5 bits per element):
+#   1. `walshkv recommend` chooses the spec on calibration text only (Python's docs: K mean from its
+#      first half, candidates ranked on 4 windows of its second half) and writes the preset file;
+#   2. `walshkv calibrate --preset` writes the built-in spec's file (K mean of python-docs);
+#   3. both are evaluated on Austen's Emma (8 windows of 512 tokens), which neither step has seen;
+# then scripts/presets_table.py sets them against the peers' rows of docs/baselines-reproduce.sh
+# (run it first: MODELS="..." bash docs/baselines-reproduce.sh) and checks the targets.
+# RECOMMEND=0 skips step 1 and evaluates the three built-in presets in one run, with the K mean
+# collected from python-docs in the same run (--calib-text): how qwen2.5-1.5b was measured so far.
+# Idempotent: finished files are kept. On 2 CPU cores: about 10 minutes for smollm2-135m, 40 for
+# qwen2.5-1.5b and 15 for gemma3-270m.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TEXT=../shared/data/austen_emma.txt
+for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
+  out=docs/results/presets/$model
+  mkdir -p "$out"
+  if [ "${RECOMMEND:-1}" = 0 ]; then
+    [ -f "$out/builtin.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec walshkv:3 \
+      --codec walshkv:3.5 --codec walshkv:4.5 --calib-text python-docs --windows 8 --quiet --json "$out/builtin.json"
+    continue
+  fi
+  for bits in 3 3.5 4.5; do
+    chosen="$out/walshkv-$bits.gguf"
+    builtin="$out/builtin-$bits.gguf"
+    [ -f "$chosen" ] || walshkv recommend --model "$model" --text python-docs --bits "$bits" --quiet \
+      -o "$chosen" --json "$out/recommend-$bits.json"
+    [ -f "$builtin" ] || walshkv calibrate --model "$model" --text python-docs --preset "walshkv:$bits" \
+      --quiet -o "$builtin"
+    [ -f "$out/eval-$bits.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec "walshkv:$bits" \
+      --kv-mean-center "$chosen" --windows 8 --quiet --json "$out/eval-$bits.json"
+    # the built-in spec is evaluated only where this model chose another one (same K mean otherwise:
+    # both files average the first 8192 tokens of python-docs)
+    winner=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['winner'])" "$out/recommend-$bits.json")
+    own=$(python -c "from walshkv.presets import BUILTIN; print(BUILTIN['walshkv:$bits'])")
+    if [ "$winner" != "$own" ] && [ ! -f "$out/builtin-$bits.json" ]; then
+      walshkv eval --model "$model" --text "$TEXT" --codec "walshkv:$bits" --kv-mean-center "$builtin" \
+        --windows 8 --quiet --json "$out/builtin-$bits.json"
+    fi
+  done
+done
+python scripts/presets_table.py docs/results > docs/results/presets/tables.md
+python scripts/update_readme.py docs/results/presets/tables.md docs/presets.md

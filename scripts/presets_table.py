@@ -1,0 +1,140 @@
+"""Tables of docs/presets.md: each preset against every peer at the same bits, and the targets.
+
+Usage: python scripts/presets_table.py docs/results > docs/results/presets/tables.md
+
+Reads, per model, docs/results/presets/MODEL/{eval,builtin}-B.json (``walshkv eval`` of the
+preset chosen by ``walshkv recommend`` for that model, and of the built-in spec) and the peers'
+rows docs/results/peers/MODEL/rows/*.json (docs/baselines-reproduce.sh). Both use Austen's Emma,
+8 windows of 512 tokens, second half scored; calibration and choice used Python's docs only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BUDGETS = ("3", "3.5", "4.5")
+MODELS = ("smollm2-135m", "qwen2.5-1.5b", "gemma3-270m")
+# (model, preset) -> mean KLD target, from the issue; every preset also needs top-1 >= 85%.
+TARGETS = {
+    ("qwen2.5-1.5b", "4.5"): 0.012,
+    ("qwen2.5-1.5b", "3.5"): 0.03,
+    ("smollm2-135m", "3.5"): 0.054,
+    ("smollm2-135m", "4.5"): 0.027,
+}
+TOP1 = 0.85
+
+
+def family(codec: str) -> str:
+    if codec.startswith("hf-"):
+        return "Hugging Face QuantizedCache"
+    if codec.startswith("kivi"):
+        return "KIVI"
+    if codec.startswith(("tq", "tqprod")):
+        return "TurboQuant-class"
+    base = codec.split("/")[0].replace("rot+", "")
+    if base.split(":")[0] in {"q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"}:
+        return "llama.cpp type"
+    return "walshkv"
+
+
+def _row(r: dict, label: str, fam: str) -> str:
+    return (
+        f"| {label} | {fam} | {r['bits_per_element']:.3f} | {r['kld_mean']:.6f} | {r['kld_p99']:.4f} | "
+        f"{r['top1_agreement']:.2%} | {r['ppl_ratio']:.4f} |"
+    )
+
+
+def model_section(root: Path, model: str) -> list[str]:
+    pre = root / "presets" / model
+    peers_dir = root / "peers" / model / "rows"
+    if not pre.is_dir():
+        return []
+    presets: dict[str, dict] = {}  # "eval-B" (chosen for this model) / "builtin-B" -> result row
+    runs = [p for p in sorted(pre.glob("*.json")) if not p.name.startswith("recommend-")]
+    for path in runs:
+        kind = "eval" if path.name.startswith("eval-") else "builtin"
+        for row in json.loads(path.read_text())["results"]:
+            if "preset" in row:
+                presets[f"{kind}-{row['preset'].split(':', 1)[1]}"] = row
+    peers = []
+    if peers_dir.is_dir():
+        for path in sorted(peers_dir.glob("*.json")):
+            r = json.loads(path.read_text())["result"]
+            if family(r["codec"]) != "walshkv":
+                peers.append(r)
+    out = [f"### {model}", ""]
+    if runs:
+        meta = json.loads(runs[0].read_text())["meta"]
+        chosen = any(k.startswith("eval-") for k in presets)
+        how = (
+            "each preset's spec chosen for this model by `walshkv recommend` on python-docs"
+            if chosen
+            else "built-in specs only (`walshkv recommend` not run for this model yet)"
+        )
+        out.append(
+            f"{meta['windows']} windows of {meta['ctx']} tokens of {meta['text']['name']}, {meta['scored_positions']}; "
+            f"{meta['scored_tokens']:,} scored tokens; {how}; K means calibrated on python-docs only."
+        )
+        out.append("")
+    out.append("| codec | what | bits/el | mean KLD | KLD p99 | same top-1 | PPL ratio |")
+    out.append("|---|---|---|---|---|---|---|")
+    lines = []
+    for key, r in presets.items():
+        kind, b = key.split("-", 1)
+        if kind == "builtin" and presets.get(f"eval-{b}", {}).get("codec") == r["codec"]:
+            continue  # the model's choice is the built-in spec: one row
+        label = f"**walshkv:{b}** = `{r['codec']}`"
+        what = "preset, chosen for this model" if kind == "eval" else "preset, built-in spec"
+        lines.append((r["bits_per_element"], 0, _row(r, label, what)))
+    for r in peers:
+        if r["bits_per_element"] <= 4.5 + 1e-9 or r["codec"] in ("q8_0/q4_0", "rot+q8_0/rot+q4_0"):
+            lines.append((r["bits_per_element"], 1, _row(r, f"`{r['codec']}`", family(r["codec"]))))
+    out.extend(line for _, _, line in sorted(lines, key=lambda x: (x[0], x[1])))
+    out.append("")
+    out.extend(_targets(model, presets, peers))
+    out.append("")
+    return out
+
+
+def _targets(model: str, presets: dict[str, dict], peers: list[dict]) -> list[str]:
+    out = ["| preset | mean KLD | target | top-1 >= 85% | best peer within the budget | verdict |"]
+    out.append("|---|---|---|---|---|---|")
+    for b in BUDGETS:
+        r = presets.get(f"eval-{b}") or presets.get(f"builtin-{b}")
+        if r is None:
+            continue
+        target = TARGETS.get((model, b))
+        budget = max(float(b), r["bits_per_element"])  # every peer the preset's budget allows
+        fits = [p for p in peers if p["bits_per_element"] <= budget + 1e-9]
+        best = min(fits, key=lambda p: p["kld_mean"]) if fits else None
+        peer = f"`{best['codec']}` {best['kld_mean']:.6f} ({best['bits_per_element']:.3f} b/el)" if best else "none"
+        verdicts = []
+        if target is not None:
+            verdicts.append("target met" if r["kld_mean"] <= target else "target missed")
+        verdicts.append("top-1 ok" if r["top1_agreement"] >= TOP1 else "top-1 below 85%")
+        if best is not None:
+            verdicts.append("beats every peer" if r["kld_mean"] < best["kld_mean"] else "a peer is better")
+        out.append(
+            f"| walshkv:{b} | {r['kld_mean']:.6f} | {'<= ' + str(target) if target else 'report'} | "
+            f"{r['top1_agreement']:.2%} | {peer} | {'; '.join(verdicts)} |"
+        )
+    return out
+
+
+def main(argv: list[str]) -> int:
+    root = Path(argv[0] if argv else "docs/results")
+    print("### Presets against every peer, on text not used for calibration\n")
+    print(
+        "Written by `python scripts/presets_table.py docs/results` from `docs/presets-reproduce.sh` and "
+        "`docs/baselines-reproduce.sh`. Peer rows: every llama.cpp type, KIVI, TurboQuant-class and Hugging "
+        "Face QuantizedCache row at <= 4.5 bits per element, plus q8_0 K / q4_0 V (6.5).\n"
+    )
+    for model in MODELS:
+        print("\n".join(model_section(root, model)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,174 @@
+"""Presets (walshkv:3 / 3.5 / 4.5): budgets, calibration files, ``recommend`` and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import walshkv.data
+import walshkv.models
+from walshkv.cache import CompressedCache
+from walshkv.cli import main
+from walshkv.codecs import parse_cache_spec
+from walshkv.data import Text
+from walshkv.export import read_kv_mean_center
+from walshkv.models import LoadedModel, _describe
+from walshkv.presets import (
+    BUILTIN,
+    CANDIDATES,
+    PRESET_BUDGETS,
+    candidates_for,
+    k_mean_basis,
+    recommend,
+    resolve_preset,
+    resolve_specs,
+    split_text,
+    write_preset_file,
+)
+
+TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(3000)))
+
+
+@pytest.fixture(scope="module")
+def hd64_lm():
+    """2-layer llama with head_dim 64 (the presets' block codecs need multiples of 32)."""
+    from tests.conftest import ToyTokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    return LoadedModel(model, ToyTokenizer(), "tiny-hd64", "test", _describe(model))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_presets_fit_their_budget_at_every_head_dim(head_dim):
+    for name, budget in PRESET_BUDGETS.items():
+        spec = parse_cache_spec(name)
+        assert spec.spec == BUILTIN[name] == resolve_preset(name).spec
+        spec.check_head_dim(head_dim)
+        assert spec.bits_per_element(head_dim) <= budget, name
+        assert spec.needs_calibration  # every preset centers K
+
+
+def test_candidates_parse_and_fit():
+    for budget, specs in CANDIDATES.items():
+        for s in specs:
+            assert parse_cache_spec(s).bits_per_element(64) <= budget + 1e-9, s
+    got = candidates_for(3.5, 64)
+    assert BUILTIN["walshkv:3.5"] in got and all(parse_cache_spec(s).bits_per_element(64) <= 3.5 for s in got)
+    bits = [parse_cache_spec(s).bits_per_element(64) for s in got]
+    assert bits == sorted(bits, reverse=True)
+    assert "int2" in candidates_for(3.0, 64, extra=["int2", "int8"])
+    assert "int8" not in candidates_for(3.0, 64, extra=["int2", "int8"])
+    with pytest.raises(ValueError, match="no candidate"):
+        candidates_for(1.0, 64)
+
+
+def test_unknown_preset_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"walshkv:3, walshkv:3\.5, walshkv:4\.5"):
+        resolve_preset("walshkv:5")
+    with pytest.raises(ValueError, match=r"walshkv:3, walshkv:3\.5"):
+        parse_cache_spec("walshkv:2")
+
+
+def test_k_mean_basis_and_split_text():
+    assert k_mean_basis("center+rot+q4_0") == "rot"
+    assert k_mean_basis("center+tq:3/tq:2.5") == "plain"
+    assert k_mean_basis("int4") == "plain"
+    a, b = split_text(TEXT)
+    assert a.content + b.content == TEXT.content and a.name == "toy[calib]" and b.name == "toy[select]"
+
+
+def test_preset_file_round_trip_and_model_check(hd64_lm, tmp_path):
+    from walshkv.calibration import collect_kv_stats
+
+    stats = collect_kv_stats(hd64_lm, TEXT, tokens=128, ctx=64, progress=False)
+    preset = resolve_preset("walshkv:4.5")
+    path = tmp_path / "p.gguf"
+    assert write_preset_file(path, hd64_lm, preset, stats) == k_mean_basis(preset.spec)
+    bias = read_kv_mean_center(path, model_arch="llama")
+    assert bias.meta["walshkv.preset.name"] == "walshkv:4.5" and bias.meta["walshkv.model"] == "tiny-hd64"
+    bias.check_matches(2, 1, 64, "tiny-hd64")
+    with pytest.raises(ValueError, match="calibrated on 'tiny-hd64', not 'other-model'"):
+        bias.check_matches(2, 1, 64, "other-model")
+    # a file that names another spec for the preset chooses it (for its own model)
+    other = resolve_preset("walshkv:4.5").__class__("walshkv:4.5", 4.5, "center+rot+int4", "recommend")
+    write_preset_file(tmp_path / "q.gguf", hd64_lm, other, stats)
+    chosen = read_kv_mean_center(tmp_path / "q.gguf", model_arch="llama")
+    assert resolve_preset("walshkv:4.5", chosen).spec == "center+rot+int4"
+    assert resolve_preset("walshkv:3.5", chosen).spec == BUILTIN["walshkv:3.5"]  # other names: built-in
+    assert resolve_specs(["int8", "walshkv:4.5"], chosen) == (
+        ["int8", "center+rot+int4"],
+        {"center+rot+int4": "walshkv:4.5"},
+    )
+    cache = CompressedCache.from_preset(hd64_lm.model, "walshkv:4.5", calibration=chosen)
+    assert cache.preset.spec == "center+rot+int4" and cache.preset.source.endswith("q.gguf")
+    ids = torch.randint(3, 96, (1, 40))
+    with torch.inference_mode():
+        out = hd64_lm.model(input_ids=ids, cache=cache, use_cache=True)
+    assert torch.isfinite(out.logits).all() and cache.bits_per_element() <= 4.5
+
+
+def test_recommend_ranks_candidates_on_the_second_half(hd64_lm):
+    rec = recommend(hd64_lm, TEXT, 4.5, windows=2, ctx=64, calib_tokens=128, progress=False)
+    assert rec.meta["text"]["name"] == "toy[select]" and rec.stats.text == "toy[calib]"
+    klds = [r["kld_mean"] for r in rec.rows]
+    assert klds == sorted(klds) and rec.preset.spec == rec.rows[0]["codec"]
+    assert rec.preset.name == "walshkv:4.5" and all(r["bits_per_element"] <= 4.5 for r in rec.rows)
+
+
+def test_cli_recommend_never_reads_the_evaluation_text(hd64_lm, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(walshkv.models, "load_model", lambda name, progress=True: hd64_lm)
+    loaded: list[str] = []
+    real = walshkv.data.load_text
+
+    def recording(name, *a, **kw):
+        loaded.append(str(name))
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(walshkv.data, "load_text", recording)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(TEXT.content)
+    out = tmp_path / "rec.gguf"
+    argv = ["recommend", "--text", str(calib), "--bits", "3.5", "--windows", "2", "--ctx", "64"]
+    argv += ["--calib-tokens", "128", "-o", str(out), "--json", str(tmp_path / "r.json"), "--quiet"]
+    assert main(argv) == 0
+    assert loaded == [str(calib)]
+    stdout = capsys.readouterr().out
+    assert "winner for walshkv:3.5" in stdout and "mean KLD" in stdout
+    saved = json.loads((tmp_path / "r.json").read_text())
+    bias = read_kv_mean_center(out)
+    assert bias.meta["walshkv.preset.spec"] == saved["winner"] and bias.meta["walshkv.preset.budget"] == "3.5"
+
+
+def test_cli_calibrate_preset_then_eval(hd64_lm, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(walshkv.models, "load_model", lambda name, progress=True: hd64_lm)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(TEXT.content)
+    evaltext = tmp_path / "eval.txt"
+    evaltext.write_text(TEXT.content[::-1])
+    out = tmp_path / "p.gguf"
+    argv = ["calibrate", "--preset", "walshkv:3.5", "--text", str(calib), "--tokens", "128", "--ctx", "64"]
+    assert main([*argv, "-o", str(out), "--quiet"]) == 0
+    assert read_kv_mean_center(out).basis == k_mean_basis(BUILTIN["walshkv:3.5"])
+    res = tmp_path / "e.json"
+    argv = ["eval", "--codec", "walshkv:3.5", "--codec", "int8", "--kv-mean-center", str(out), "--text"]
+    assert main([*argv, str(evaltext), "--ctx", "64", "--windows", "2", "--quiet", "--json", str(res)]) == 0
+    rows = json.loads(res.read_text())["results"]
+    assert rows[0]["codec"] == BUILTIN["walshkv:3.5"] and rows[0]["preset"] == "walshkv:3.5"
+    assert rows[0]["bits_per_element"] <= 3.5 and "preset" not in rows[1]
+    assert f"walshkv:3.5 = {BUILTIN['walshkv:3.5']}" in capsys.readouterr().err
+    assert main(["calibrate", "--preset", "walshkv:9", "--quiet"]) != 0
+    assert "unknown preset 'walshkv:9'" in capsys.readouterr().err
