@@ -43,6 +43,25 @@ def tiny_llama():
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_hd64():
+    """2-layer llama with head_dim 64 and one KV head (block codecs such as q4_0 need multiples of 32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3():
     """3-layer gemma3 text model: two sliding-window layers (window 6) and one full layer."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig

@@ -31,25 +31,9 @@ from walshkv.presets import (
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(3000)))
 
 
-@pytest.fixture(scope="module")
-def hd64_lm():
-    """2-layer llama with head_dim 64 (the presets' block codecs need multiples of 32)."""
-    from tests.conftest import ToyTokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=512,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    return LoadedModel(model, ToyTokenizer(), "tiny-hd64", "test", _describe(model))
+@pytest.fixture
+def hd64_lm(tiny_llama_hd64, toy_tokenizer):
+    return LoadedModel(tiny_llama_hd64, toy_tokenizer, "tiny-hd64", "test", _describe(tiny_llama_hd64))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
