@@ -7,16 +7,18 @@
 # there). The extra full-precision context that costs is measured and printed under each table, and
 # docs/results/peers/hf-decode-chunk.md compares 1 and 32 tokens per forward on smollm2-135m.
 # gemma3-270m: its sliding-window layers rule out hf-* and KIVI (left out, named under its table).
-# On 2 CPU cores: about 35 minutes for smollm2-135m, 60 for qwen2.5-1.5b, 15 for gemma3-270m. Resumable.
+# On 2 CPU cores: about 35 minutes for smollm2-135m, 20 for qwen2.5-1.5b (2 windows), 15 for
+# gemma3-270m. Resumable (rows are written 12 specs at a time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TEXT=../shared/data/austen_emma.txt
 for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
   bias="docs/results/mean-center/$model-rot.gguf"
   [ -f "$bias" ] || walshkv calibrate --model "$model" --text python-docs --tokens 8192 --basis rot --quiet -o "$bias"
-  decode_chunk=1
-  [ "$model" = qwen2.5-1.5b ] && decode_chunk=32
-  walshkv sweep --model "$model" --text "$TEXT" --grid peers --windows "${WINDOWS:-8}" --chunk 40 --quiet \
+  decode_chunk=1 windows=${WINDOWS:-8}
+  # qwen2.5-1.5b: 2 windows (510 scored tokens) unless WINDOWS says otherwise; 8 take about 3 hours
+  if [ "$model" = qwen2.5-1.5b ]; then decode_chunk=32 windows=${WINDOWS:-2}; fi
+  walshkv sweep --model "$model" --text "$TEXT" --grid peers --windows "$windows" --chunk 12 --quiet \
     --kv-mean-center "$bias" --decode-chunk "$decode_chunk" --out "docs/results/peers/$model"
 done
 # How much feeding 32 tokens per forward flatters transformers' QuantizedCache (smollm2-135m; the

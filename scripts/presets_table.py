@@ -59,11 +59,14 @@ def model_section(root: Path, model: str) -> list[str]:
             if "preset" in row:
                 presets[f"{kind}-{row['preset'].split(':', 1)[1]}"] = row
     peers = []
+    peer_windows = set()
     if peers_dir.is_dir():
         for path in sorted(peers_dir.glob("*.json")):
-            r = json.loads(path.read_text())["result"]
+            record = json.loads(path.read_text())
+            r = record["result"]
             if family(r["codec"]) != "walshkv":
                 peers.append(r)
+                peer_windows.add((record["meta"]["windows"], record["meta"]["scored_tokens"]))
     out = [f"### {model}", ""]
     if runs:
         meta = json.loads(runs[0].read_text())["meta"]
@@ -77,6 +80,14 @@ def model_section(root: Path, model: str) -> list[str]:
             f"{meta['windows']} windows of {meta['ctx']} tokens of {meta['text']['name']}, {meta['scored_positions']}; "
             f"{meta['scored_tokens']:,} scored tokens; {how}; K means calibrated on python-docs only."
         )
+        other = sorted(w for w in peer_windows if w[0] != meta["windows"])
+        if other:
+            out.append("")
+            out.append(
+                "Peer rows here come from fewer windows ("
+                + ", ".join(f"{w} windows, {n:,} scored tokens" for w, n in other)
+                + "): the first windows of the same text, so the same tokens in part, not in whole."
+            )
         out.append("")
     out.append("| codec | what | bits/el | mean KLD | KLD p99 | same top-1 | PPL ratio |")
     out.append("|---|---|---|---|---|---|---|")
