@@ -20,45 +20,33 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+def _tiny_llama(seed: int, **config):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    base = {"vocab_size": 96, "intermediate_size": 128, "num_hidden_layers": 2, "max_position_embeddings": 512}
+    return LlamaForCausalLM(LlamaConfig(**base, **config)).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     """2-layer llama, head_dim 16, 4 query heads over 2 KV heads (GQA)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1)
-    cfg = LlamaConfig(
-        vocab_size=96,
+    return _tiny_llama(
+        1,
         hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=512,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
     )
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_hd64():
     """2-layer llama with head_dim 64 and one KV head (block codecs such as q4_0 need multiples of 32)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return _tiny_llama(3, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
 
 
 @pytest.fixture(scope="session")
