@@ -168,6 +168,11 @@ def test_decode_chunks_report_the_extra_full_precision_context(tiny_lm):
     assert one[0]["decode_chunk"] == 1 and four[0]["decode_chunk"] == 4
     assert four[0]["fp_context_mean"] > one[0]["fp_context_mean"] > 0
     assert four[0]["scored_quantized_context_share"] < one[0]["scored_quantized_context_share"]
+    # KIVI's window holds the newest tokens in fp16: context_state says so
+    kivi = CompressedCache("kivi2", config=tiny_lm.model.config)
+    kivi.update(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16), 0)
+    cached, window, exact = context_state(kivi)
+    assert cached == 40 and 32 <= window < 64 and exact
     # walshkv quantizes on write: chunking changes nothing
     assert four[1]["kld_mean"] == pytest.approx(one[1]["kld_mean"], rel=1e-3, abs=1e-6)
     assert four[1]["fp_context_mean"] == 0.0

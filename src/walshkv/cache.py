@@ -604,7 +604,8 @@ def context_state(cache: Cache) -> tuple[int, int, bool]:
     """``(cached_tokens, full_precision_cached_tokens, current_token_exact)`` of layer 0 before a write.
 
     ``current_token_exact``: attention sees the token being written unquantized (transformers'
-    ``QuantizedLayer`` returns it as is; walshkv only within a ``residual`` window).
+    ``QuantizedLayer`` returns it as is; walshkv only within a full-precision window: ``residual``
+    tokens, or KIVI's fp16 window, which every token enters first).
     """
     from transformers.cache_utils import QuantizedLayer
 
@@ -612,7 +613,7 @@ def context_state(cache: Cache) -> tuple[int, int, bool]:
     if not layer.is_initialized:
         return 0, 0, True
     window = layer.keys.shape[-2] if layer.keys.dim() == 4 else 0
-    exact = isinstance(layer, QuantizedLayer) or getattr(layer, "residual", 0) > 0
+    exact = isinstance(layer, (QuantizedLayer, KiviLayer)) or getattr(layer, "residual", 0) > 0
     return layer.get_seq_length(), window, exact
 
 
