@@ -40,3 +40,24 @@ def test_qwen_non_collapsing_codecs(qwen):
     res = evaluate(qwen, load_text(), NON_COLLAPSING, ctx=512, windows=2, calibration=stats, progress=False)
     for row in res.results:
         assert row["top1_agreement"] >= 0.85, row
+
+
+def test_qwen_keys_before_rope_include_the_k_bias(qwen):
+    """The spectral lab's pre-RoPE K is the K projection's output, bias included (qwen2's K bias is what
+    makes its K channels offset: the reason llama.cpp's K types collapse here)."""
+    import torch
+
+    from walshkv.lab.capture import unrotate_keys
+    from walshkv.lab.rd import capture_window
+
+    attn = qwen.model.model.layers[3].self_attn
+    assert attn.k_proj.bias is not None
+    ids = torch.tensor(qwen.tokenizer(load_text().content[:3000], add_special_tokens=False)["input_ids"][:64])
+    seen = {}
+    hook = attn.k_proj.register_forward_hook(lambda m, a, out: seen.__setitem__("k", out.detach()))
+    try:
+        ks, _, _ = capture_window(qwen, ids, queries=False)
+    finally:
+        hook.remove()
+    pre = seen["k"].view(1, 64, -1, attn.head_dim).transpose(1, 2)
+    assert torch.allclose(unrotate_keys(qwen.model, 3, ks[3]), pre, atol=1e-3 * float(pre.abs().max()))

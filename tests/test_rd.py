@@ -172,4 +172,4 @@ def test_plot_skipped_without_matplotlib(tmp_path, tiny_lm, monkeypatch, capsys)
     res = measure_rd(tiny_lm, TEXT, ["int4"], tokens=64, ctx=64, progress=False)
     written = rd.write_rd_outputs(res, tmp_path)
     assert [p.name for p in written] == ["rd.json", "rd.csv", "rd.md"]
-    assert "rd.png skipped: matplotlib is not installed" in capsys.readouterr().err
+    assert "rd plots skipped: matplotlib is not installed" in capsys.readouterr().err

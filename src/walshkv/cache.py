@@ -23,15 +23,22 @@ from walshkv.codecs.base import Packed
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, parse_cache_spec
 
 __all__ = [
+    "FUSED_ATTENTION",
     "CompressedCache",
     "CompressedLayer",
     "CompressedSlidingWindowLayer",
     "KiviLayer",
     "context_state",
+    "enable_fused_attention",
+    "fused_attention",
     "hf_cache_nbytes",
     "make_cache",
     "make_hf_cache",
 ]
+
+
+#: The attention implementation name :func:`enable_fused_attention` registers with transformers.
+FUSED_ATTENTION = "walshkv_fused"
 
 
 def _cat_packed(a: Packed | None, b: Packed | None) -> Packed | None:
@@ -40,6 +47,13 @@ def _cat_packed(a: Packed | None, b: Packed | None) -> Packed | None:
     if b is None:
         return a
     return Packed.cat([a, b])
+
+
+def _marker(layer: CompressedLayer, like: torch.Tensor) -> torch.Tensor:
+    """An empty ``[batch, heads, 0, head_dim]`` tensor that tells :func:`fused_attention` which layer to read."""
+    marker = like.new_empty((*like.shape[:2], 0, like.shape[-1]))
+    marker.walshkv_layer = layer  # type: ignore[attr-defined]
+    return marker
 
 
 def _seq(t: torch.Tensor | None) -> int:
@@ -65,6 +79,7 @@ class CompressedLayer(CacheLayerMixin):
             raise ValueError(f"residual must be >= 0 tokens, got {residual}")
         self.spec = parse_cache_spec(spec)
         self.residual = residual
+        self.fused = False  # set by CompressedCache(..., fused=True) on full-attention layers
         self.packed_k: Packed | None = None
         self.packed_v: Packed | None = None
         self.cumulative_length = 0
@@ -123,10 +138,13 @@ class CompressedLayer(CacheLayerMixin):
         new_k = self.spec.k.encode(window_k[:, :, :n_encode]) if n_encode else None
         new_v = self.spec.v.encode(window_v[:, :, :n_encode]) if n_encode else None
 
-        parts_k = [self.spec.k.decode(p) for p in (self.packed_k, new_k) if p is not None]
-        parts_v = [self.spec.v.decode(p) for p in (self.packed_v, new_v) if p is not None]
-        out_k = torch.cat([*parts_k, window_k[:, :, n_encode:]], dim=-2)
-        out_v = torch.cat([*parts_v, window_v[:, :, n_encode:]], dim=-2)
+        if self.fused:  # attention reads the packed codes itself (fused_attention): hand it markers
+            out_k, out_v = _marker(self, key_states), _marker(self, value_states)
+        else:
+            parts_k = [self.spec.k.decode(p) for p in (self.packed_k, new_k) if p is not None]
+            parts_v = [self.spec.v.decode(p) for p in (self.packed_v, new_v) if p is not None]
+            out_k = torch.cat([*parts_k, window_k[:, :, n_encode:]], dim=-2)
+            out_v = torch.cat([*parts_v, window_v[:, :, n_encode:]], dim=-2)
 
         self.packed_k = _cat_packed(self.packed_k, new_k)
         self.packed_v = _cat_packed(self.packed_v, new_v)
@@ -391,6 +409,11 @@ class CompressedCache(Cache):
             every layer is a full-attention layer created on first use.
         residual: keep the most recent ``residual`` tokens of each layer in full
             precision (default 0: every token is compressed before attention).
+        fused: attention reads the packed codes directly (no float copy of the cache): decode steps
+            through :func:`walshkv.ops.attention.decode_attention` (the fused CPU kernel where it reads
+            the codecs), prefill through :func:`walshkv.ops.attention_chunked.chunked_attention`. Needs
+            ``enable_fused_attention(model)`` first (the model's attention then asks the cache). Same
+            quantization, so the same results as the default path up to float rounding.
 
     Example:
         >>> cache = CompressedCache("rot+int4", config=model.config)  # doctest: +SKIP
@@ -405,6 +428,7 @@ class CompressedCache(Cache):
         *,
         residual: int = 0,
         calibration: Any = None,
+        fused: bool = False,
     ) -> None:
         parsed = parse_cache_spec(spec)
         if isinstance(parsed, HFCacheSpec):
@@ -415,6 +439,12 @@ class CompressedCache(Cache):
         self.cache_spec = parsed
         self.residual = residual
         self.calibration = calibration
+        self.fused = fused
+        if fused and (config is None or getattr(config, "_attn_implementation", None) != FUSED_ATTENTION):
+            raise ValueError(
+                "fused=True needs the model's attention to read the packed cache: call "
+                "walshkv.cache.enable_fused_attention(model) first and pass config=model.config"
+            )
         if residual < 0:
             raise ValueError(f"residual must be >= 0 tokens, got {residual}")
         if self.cache_spec.needs_calibration and calibration is None:
@@ -440,6 +470,7 @@ class CompressedCache(Cache):
                 layers.append(KiviLayer(spec_i))
             elif layer_type == "full_attention":
                 layers.append(CompressedLayer(spec_i, residual))
+                layers[-1].fused = fused
             elif layer_type in _SLIDING_TYPES:
                 layers.append(CompressedSlidingWindowLayer(spec_i, kwargs["sliding_window"], residual))
             else:
@@ -627,3 +658,96 @@ def make_cache(
             raise ValueError(f"{parsed.spec} has its own window (':r=TOKENS'); do not combine it with residual")
         return make_hf_cache(parsed, config)
     return CompressedCache(parsed, config=config, residual=residual, calibration=calibration)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention straight from the packed cache (CompressedCache(..., fused=True))
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _all_visible(mask: torch.Tensor | None) -> bool:
+    if mask is None:
+        return True
+    return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
+
+
+def fused_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function that reads a fused :class:`CompressedLayer`'s packed codes.
+
+    ``key``/``value`` are the markers the layer's ``update`` returned; anything else (sliding-window
+    layers, other caches) goes to torch SDPA unchanged. One query token with nothing masked uses
+    :func:`walshkv.ops.attention.decode_attention`; otherwise (prefill, padding)
+    :func:`walshkv.ops.attention_chunked.chunked_attention` with the model's mask.
+
+    Args:
+        query: ``[batch, num_q_heads, T, head_dim]``.
+
+    Returns:
+        ``([batch, T, num_q_heads, head_dim], None)``, as transformers' attention functions return.
+    """
+    layer = getattr(key, "walshkv_layer", None)
+    if layer is None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    if kwargs.get("softcap") is not None:
+        raise ValueError("fused attention does not apply logit soft-capping; use CompressedCache(..., fused=False)")
+    from walshkv.ops.attention import decode_attention
+    from walshkv.ops.attention_chunked import chunked_attention
+
+    window_k = layer.keys if layer.keys.shape[-2] else None
+    window_v = layer.values if layer.values.shape[-2] else None
+    t = query.shape[2]
+    visible = _all_visible(attention_mask)
+    if t == 1 and visible:
+        out = decode_attention(
+            query,
+            layer.packed_k,
+            layer.packed_v,
+            layer.spec.k,
+            layer.spec.v,
+            scale=scaling,
+            window_k=window_k,
+            window_v=window_v,
+        )
+    else:
+        out = chunked_attention(
+            query,
+            layer.packed_k,
+            layer.packed_v,
+            layer.spec.k,
+            layer.spec.v,
+            offset=layer._stored_length() - t,
+            scale=scaling,
+            window_k=window_k,
+            window_v=window_v,
+            mask=None if visible else attention_mask,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def enable_fused_attention(model: Any) -> None:
+    """Register :func:`fused_attention` with transformers and make ``model`` use it.
+
+    Layers that are not fused compressed layers (sliding windows, other caches) still run torch SDPA,
+    so the model stays usable with any cache. Undo with ``model.set_attn_implementation("sdpa")``.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if FUSED_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(FUSED_ATTENTION, fused_attention)
+        AttentionMaskInterface.register(FUSED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(FUSED_ATTENTION)

@@ -27,6 +27,10 @@ examples:
   walshkv eval --codec hf-quanto:4 --codec rot+q4_0 --text ../shared/data/austen_emma.txt
   walshkv models list
   walshkv codecs --head-dim 128
+  walshkv rope sweep --text ../shared/data/austen_emma.txt      # PrimePE: alpha vs PPL/KLD
+  walshkv spectrum --text ../shared/data/austen_emma.txt        # K/V energy per WHT band
+  walshkv reconstruct --text ../shared/data/austen_emma.txt     # Walsh vs DCT/Fourier/Vilenkin
+  walshkv bench --part attention --kv-len 1024,16384          # packed-code attention vs torch SDPA
 
 cache specs: KSPEC/VSPEC or one SPEC for both; SPEC = [rot+|rrot[:SEED]+]BASE, BASE in
 fp16, bf16, fp32, int2..int8, vht2:B1,..,Bn[:order=O][:sk=N], vht2:auto@BITS, vzc, sqfree:B.
@@ -429,6 +433,18 @@ def build_parser() -> argparse.ArgumentParser:
     from walshkv.lab.rd import add_rd_parser
 
     add_rd_parser(sub)
+    from walshkv.lab.rope_sweep import add_rope_parser
+
+    add_rope_parser(sub)
+    from walshkv.lab.spectrum import add_spectrum_parser
+
+    add_spectrum_parser(sub)
+    from walshkv.lab.reconstruct_run import add_reconstruct_parser
+
+    add_reconstruct_parser(sub)
+    from walshkv.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

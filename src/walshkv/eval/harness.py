@@ -33,7 +33,7 @@ from walshkv.cache import CompressedCache, context_state, hf_cache_nbytes, make_
 from walshkv.codecs.spec import HFCacheSpec, parse_cache_spec
 from walshkv.data import Text
 from walshkv.eval.metrics import TokenMetrics, compare_logits
-from walshkv.eval.windows import make_windows, scored_positions
+from walshkv.eval.windows import describe_scored, make_windows, scored_positions
 from walshkv.models import LoadedModel
 
 __all__ = ["DEFAULT_CODECS", "EvalResult", "evaluate"]
@@ -249,10 +249,7 @@ def evaluate(
         "tokens_evaluated": n_win * ctx,
         "window_starts": [w * ctx for w in range(n_win)],
         "score": score,
-        "scored_positions": (
-            f"logits at positions {first}..{last - 1} of each window, predicting tokens "
-            f"{first + 1}..{last} ({last - first} per window)"
-        ),
+        "scored_positions": describe_scored(first, last),
         "scored_tokens": n_win * (last - first),
         "bos_first_token": win.bos,
         "residual": residual,

@@ -26,12 +26,15 @@ class TokenMetrics:
         self.same_top1.append(same)
 
     def summary(self) -> dict[str, float]:
-        """``kld_mean``, ``kld_p99``, ``kld_median``, ``top1_agreement``, ``ppl``, ``ppl_ref``, ``ppl_ratio``."""
+        """``kld_mean``, ``kld_p99``, ``kld_median``, ``top1_agreement``, ``ppl``, ``ppl_ref``, ``ppl_ratio``,
+        ``ppl_ratio_ci95``, ``scored_tokens``."""
         kl = torch.cat(self.kl)
         nll = torch.cat(self.nll)
         nll_ref = torch.cat(self.nll_ref)
         ppl = math.exp(float(nll.mean()))
         ppl_ref = math.exp(float(nll_ref.mean()))
+        diff = (nll - nll_ref).double()  # paired per-token log perplexity ratio
+        half = 1.96 * float(diff.std()) / math.sqrt(diff.numel()) if diff.numel() > 1 else math.inf
         return {
             "kld_mean": float(kl.mean()),
             "kld_p99": float(torch.quantile(kl, 0.99)),
@@ -40,6 +43,9 @@ class TokenMetrics:
             "ppl": ppl,
             "ppl_ref": ppl_ref,
             "ppl_ratio": ppl / ppl_ref,
+            # 95% interval of the ratio from the paired per-token differences (normal approximation;
+            # tokens within a window are correlated, so read it as a lower bound on the uncertainty)
+            "ppl_ratio_ci95": [math.exp(float(diff.mean()) - half), math.exp(float(diff.mean()) + half)],
             "scored_tokens": int(kl.numel()),
         }
 

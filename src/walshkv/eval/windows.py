@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Windows", "make_windows", "scored_positions"]
+__all__ = ["Windows", "describe_scored", "make_windows", "scored_positions"]
 
 SCORE_MODES = ("half", "all")
 
@@ -39,6 +39,14 @@ def scored_positions(ctx: int, score: str) -> tuple[int, int]:
         raise ValueError(f"--score must be one of {', '.join(SCORE_MODES)}, got {score!r}")
     first = ctx // 2 if score == "half" else 0
     return first, ctx - 1
+
+
+def describe_scored(first: int, last: int) -> str:
+    """The scored positions ``[first, last)`` of :func:`scored_positions` in words, for result files."""
+    return (
+        f"logits at positions {first}..{last - 1} of each window, predicting tokens "
+        f"{first + 1}..{last} ({last - first} per window)"
+    )
 
 
 def make_windows(tokenizer: Any, text: str, ctx: int, windows: int | None) -> Windows:

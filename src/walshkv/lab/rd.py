@@ -24,11 +24,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
-import json
 import math
 import re
-import shlex
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -40,6 +37,7 @@ from typing import Any
 import torch
 
 from walshkv.eval.harness import library_versions
+from walshkv.lab.report import command_line, write_result_files
 
 __all__ = [
     "DEFAULT_RD_CODECS",
@@ -615,26 +613,8 @@ def _describe(meta: dict[str, Any]) -> str:
 
 def write_rd_outputs(result: RDResult, out_dir: str | Path, plot: bool = True) -> list[Path]:
     """Write ``rd.json``, ``rd.csv``, ``rd.md`` and (with matplotlib) ``rd.png``; return the paths written."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    path = out / "rd.json"
-    path.write_text(json.dumps(result.to_json(), indent=2, allow_nan=True) + "\n", encoding="utf-8")
-    written.append(path)
-    path = out / "rd.csv"
-    with path.open("w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(_CSV_KEYS), extrasaction="ignore")
-        writer.writeheader()
-        for r in result.rows:
-            writer.writerow({k: r.get(k) for k in _CSV_KEYS})
-    written.append(path)
-    path = out / "rd.md"
-    lines = [
-        f"# Rate-distortion: {result.meta['model']['name']} on {result.meta['text']['name']}",
-        "",
-        _describe(result.meta),
-        "",
-    ]
+    lines = [f"# Rate-distortion: {result.meta['model']['name']} on {result.meta['text']['name']}", ""]
+    lines += [_describe(result.meta), ""]
     if result.meta.get("command"):
         lines += [f"Produced by `{result.meta['command']}`.", ""]
     lines += [format_rd_table(result.rows, "github"), ""]
@@ -646,16 +626,12 @@ def write_rd_outputs(result: RDResult, out_dir: str | Path, plot: bool = True) -
         + ".",
         "",
     ]
-    path.write_text("\n".join(lines), encoding="utf-8")
-    written.append(path)
-    if plot:
-        try:
-            png = out / "rd.png"
-            plot_rd(result.rows, png, _describe(result.meta))
-            written.append(png)
-        except ImportError:
-            print("rd.png skipped: matplotlib is not installed (pip install 'walshkv[plot]')", file=sys.stderr)
-    return written
+
+    def draw(out: Path) -> list[Path]:
+        plot_rd(result.rows, out / "rd.png", _describe(result.meta))
+        return [out / "rd.png"]
+
+    return write_result_files(out_dir, "rd", result.to_json(), result.rows, _CSV_KEYS, lines, draw if plot else None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -686,7 +662,7 @@ def _cmd_rd(args: argparse.Namespace) -> int:
     for s in skipped:
         print(f"rd: skipped {s['codec']}: {s['reason']}", file=sys.stderr)
     calibration = calibrate_if_needed(lm, specs, args, text)
-    command = "walshkv " + " ".join(shlex.quote(a) for a in (getattr(args, "argv", None) or []))
+    command = command_line(args)
     result = measure_rd(
         lm,
         text,

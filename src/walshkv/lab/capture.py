@@ -1,0 +1,134 @@
+"""Capture a model's K (after and before RoPE) and V on real text, for the spectral lab.
+
+K after RoPE is what ``Cache.update`` receives (captured as :func:`walshkv.lab.rd.capture_window` does).
+K before RoPE is recovered exactly by rotating every key back by its own angle: RoPE at position ``p``
+is the orthogonal map ``k' = k cos(p theta) + rotate_half(k) sin(p theta)``, so
+``k = k' cos(p theta) - rotate_half(k') sin(p theta)`` (divided by the square of the table's attention
+scaling where a RoPE variant scales cos and sin). The cos/sin come from the model's own rotary module,
+with each layer's table (gemma3: local or global), so PrimePE-modified tables are undone too. The
+result is the K projection's output after any K normalisation (gemma3's ``k_norm``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["CHANNEL_ORDERS", "KVCapture", "capture_kv", "unrotate_keys"]
+
+
+@dataclass
+class KVCapture:
+    """K after RoPE, K before RoPE and V, each ``[layers, kv_heads, tokens, head_dim]`` float32.
+
+    ``tokens`` is windows x ctx; positions restart at 0 in every window (each runs from an empty cache).
+    """
+
+    k_post: torch.Tensor
+    k_pre: torch.Tensor
+    v: torch.Tensor
+    windows: int
+    ctx: int
+    channel_order: str = "hf"
+
+    def kinds(self) -> dict[str, torch.Tensor]:
+        """``{"k_post": ..., "k_pre": ..., "v": ...}``."""
+        return {"k_post": self.k_post, "k_pre": self.k_pre, "v": self.v}
+
+
+def _rotary_module(model: Any) -> Any:
+    for _, module in model.named_modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            return module
+    raise ValueError("no rotary embedding module found: K before RoPE needs a RoPE model")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def unrotate_keys(model: Any, layer: int, k: torch.Tensor) -> torch.Tensor:
+    """Undo RoPE on post-RoPE keys of one layer, positions ``0 .. T-1``.
+
+    Args:
+        model: the Hugging Face model (its rotary module gives cos/sin).
+        layer: the layer index (picks gemma3's local/global table).
+        k: ``[batch, kv_heads, T, head_dim]`` keys after RoPE.
+
+    Returns:
+        ``[batch, kv_heads, T, head_dim]`` float32 keys before RoPE.
+    """
+    rotary = _rotary_module(model)
+    t = k.shape[-2]
+    device = next(rotary.buffers()).device if any(True for _ in rotary.buffers()) else k.device
+    x = torch.zeros(1, t, k.shape[-1], dtype=torch.float32, device=device)
+    pos = torch.arange(t, device=device).view(1, t)
+    kwargs = {}
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        cfg = model.config.get_text_config(decoder=True)
+        kwargs["layer_type"] = cfg.layer_types[layer]
+    with torch.no_grad():
+        cos, sin = rotary(x, pos, **kwargs)
+    cos = cos[0].to(torch.float32).cpu()
+    sin = sin[0].to(torch.float32).cpu()
+    if cos.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"partial rotary embeddings are not supported (rotary dim {cos.shape[-1]}, head_dim {k.shape[-1]})"
+        )
+    scale2 = cos[0] ** 2 + sin[0] ** 2  # attention scaling squared (1 for plain RoPE)
+    kf = k.to(torch.float32).cpu()
+    return (kf * cos - _rotate_half(kf) * sin) / scale2
+
+
+CHANNEL_ORDERS = ("hf", "llamacpp")
+
+
+@torch.inference_mode()
+def capture_kv(
+    lm: Any, text: Any, *, tokens: int = 2048, ctx: int = 512, channel_order: str = "hf", progress: bool = True
+) -> KVCapture:
+    """Run ``tokens // ctx`` windows of ``text`` and keep every layer's K (post and pre RoPE) and V.
+
+    Args:
+        lm: a :class:`walshkv.models.LoadedModel`.
+        text: a :class:`walshkv.data.Text`.
+        tokens: tokens to capture (whole windows of ``ctx``).
+        ctx: tokens per window.
+        channel_order: ``hf`` (Hugging Face's K channel order, rotary pairs ``(i, i + d/2)``, what walshkv's
+            codecs transform) or ``llamacpp`` (llama.cpp's, which differs for llama-architecture models:
+            pairs ``(2i, 2i + 1)`` adjacent; what a WHT inside llama.cpp sees). V is never permuted.
+        progress: show a progress bar.
+
+    Returns:
+        A :class:`KVCapture`.
+    """
+    from tqdm.auto import tqdm
+
+    from walshkv.eval.windows import make_windows
+    from walshkv.export.kv_mean_center import to_llamacpp_channel_order
+    from walshkv.lab.rd import capture_window
+
+    if channel_order not in CHANNEL_ORDERS:
+        raise ValueError(f"channel order must be one of {', '.join(CHANNEL_ORDERS)}, got {channel_order!r}")
+    if ctx < 4 or tokens < ctx:
+        raise ValueError(f"--tokens ({tokens}) must be at least --ctx ({ctx}), and --ctx at least 4")
+    win = make_windows(lm.tokenizer, text.content, ctx, tokens // ctx)
+    posts, pres, vs = [], [], []
+    for w in tqdm(range(win.ids.shape[0]), desc="capture", unit="window", disable=not progress):
+        ks, vals, _ = capture_window(lm, win.ids[w], queries=False)
+        posts.append(torch.cat(ks, dim=0))
+        pres.append(torch.cat([unrotate_keys(lm.model, i, k) for i, k in enumerate(ks)], dim=0))
+        vs.append(torch.cat(vals, dim=0))
+    arch = lm.info["arch"] if channel_order == "llamacpp" else ""
+    return KVCapture(
+        k_post=to_llamacpp_channel_order(torch.cat(posts, dim=2), arch),
+        k_pre=to_llamacpp_channel_order(torch.cat(pres, dim=2), arch),
+        v=torch.cat(vs, dim=2),
+        windows=win.ids.shape[0],
+        ctx=ctx,
+        channel_order=channel_order,
+    )

@@ -1,0 +1,78 @@
+"""``walshkv bench``: rows, ratios, crossover, outputs (tiny sizes; timings are not asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from walshkv.bench import bench_attention, bench_generation, copy_bandwidth, crossover, machine_description
+from walshkv.cli import main
+
+
+def test_attention_rows():
+    rows = bench_attention([64, 100], ["int4", "rot+int3", "vht2:5,5,4,3"], repeats=1, progress=False)
+    assert len(rows) == 2 * (3 + 3)
+    for r in rows:
+        assert r["seconds"] > 0 and r["cache_bytes"] > 0 and r["speedup_vs_sdpa_fp16"] > 0
+    fp16 = next(r for r in rows if r["kv_len"] == 100 and r["method"] == "sdpa-fp16")
+    assert fp16["speedup_vs_sdpa_fp16"] == 1.0 and fp16["cache_bytes"] == 2 * 3 * 100 * 64 * 2
+    int4 = next(r for r in rows if r["kv_len"] == 100 and r["method"] == "int4")
+    assert int4["cache_bytes"] == 2 * 3 * 100 * 34  # 32 code bytes + an fp16 scale per vector, K and V
+    assert next(r for r in rows if r["method"] == "vht2:5,5,4,3")["backend"] == "reference"
+
+
+def test_crossover():
+    def row(ctx, kind, x):
+        return {"ctx": ctx, "cache": kind, "speedup_vs_dynamic": x}
+
+    rows = [row(1, "dynamic", 1), row(1, "fused", 0.8), row(8, "fused", 1.1), row(32, "fused", 1.3)]
+    assert crossover(rows) == 8
+    assert crossover([row(1, "fused", 1.2), row(8, "fused", 0.9)]) is None
+    assert crossover([row(1, "fused", 1.0)]) == 1
+
+
+def test_machine_and_bandwidth():
+    m = machine_description()
+    assert m["logical_cpus"] >= 1 and m["torch_threads"] >= 1
+    assert copy_bandwidth(megabytes=8, repeats=1) > 0
+
+
+def test_cli_attention(tmp_path, capsys):
+    out = tmp_path / "b"
+    assert (
+        main(
+            [
+                "bench",
+                "--part",
+                "attention",
+                "--kv-len",
+                "64",
+                "--codec",
+                "int4",
+                "--repeats",
+                "1",
+                "--out",
+                str(out),
+                "--quiet",
+                "--no-plot",
+            ]
+        )
+        == 0
+    )
+    data = json.loads((out / "bench.json").read_text())
+    assert data["meta"]["copy_bandwidth_gb_per_s"] > 0 and len(data["attention"]) == 4
+    assert "x vs SDPA fp16" in (out / "bench.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["bench", "--kv-len", "0"])
+    assert "positive" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_generation_rows(smollm2):
+    rows = bench_generation("smollm2-135m", [96], "rot+int4", new_tokens=2, prefill_chunk=64, progress=False)
+    assert [r["cache"] for r in rows] == ["dynamic", "fused"]
+    dyn, fused = rows
+    assert dyn["speedup_vs_dynamic"] == 1.0 and fused["decode_tokens_per_s"] > 0
+    assert 0 < fused["cache_bytes"] < dyn["cache_bytes"] / 3  # packed 4-bit codes against an fp32 cache
+    assert fused["peak_rss"] >= fused["rss_after_load"] > fused["weights_bytes"]

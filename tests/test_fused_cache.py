@@ -1,0 +1,104 @@
+"""CompressedCache(..., fused=True): attention reads the packed codes, with the same results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from walshkv.cache import CompressedCache, enable_fused_attention
+from walshkv.codecs import parse_cache_spec
+from walshkv.ops.attention_chunked import chunked_attention
+
+
+@pytest.fixture(scope="module")
+def gqa_llama():
+    """head_dim 64, 6 query heads over 2 KV heads (GQA ratio 3)."""
+    from conftest import _tiny_llama
+
+    return _tiny_llama(5, hidden_size=192, num_attention_heads=6, num_key_value_heads=2, head_dim=64)
+
+
+def _run(model, spec, residual, fused, ids, splits):
+    model.set_attn_implementation("sdpa")
+    if fused:
+        enable_fused_attention(model)
+    cache = CompressedCache(spec, config=model.config, residual=residual, fused=fused)
+    outs, s = [], 0
+    with torch.inference_mode():
+        for e in splits:
+            outs.append(model(input_ids=ids[:, s:e], cache=cache).logits)
+            s = e
+    model.set_attn_implementation("sdpa")
+    return outs, cache
+
+
+@pytest.mark.parametrize(
+    ("spec", "residual"),
+    [("rot+int4", 0), ("int4", 0), ("q4_0", 0), ("q8_0", 0), ("rot+int4/int3", 5), ("vht2:5,5,4,3", 0), ("int8", 3)],
+)
+def test_fused_matches_the_decoding_path(gqa_llama, spec, residual):
+    ids = torch.randint(3, 90, (2, 41), generator=torch.Generator().manual_seed(1))
+    splits = [23, 24, 25, 33, 41]  # prefill, two decode steps, two more blocks
+    ref, cache_ref = _run(gqa_llama, spec, residual, False, ids, splits)
+    got, cache = _run(gqa_llama, spec, residual, True, ids, splits)
+    for a, b in zip(ref, got, strict=True):
+        assert torch.allclose(a, b, atol=2e-5), float((a - b).abs().max())
+    assert cache.nbytes() == cache_ref.nbytes()  # the same packed store
+
+
+def test_fused_generate_and_sliding_layers(tiny_gemma3):
+    ids = torch.randint(3, 90, (1, 14), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        tiny_gemma3.set_attn_implementation("sdpa")
+        ref = tiny_gemma3.generate(
+            ids, cache=CompressedCache("int8", config=tiny_gemma3.config), max_new_tokens=6, do_sample=False
+        )
+        enable_fused_attention(tiny_gemma3)  # sliding layers keep running SDPA on decoded K/V
+        got = tiny_gemma3.generate(
+            ids, cache=CompressedCache("int8", config=tiny_gemma3.config, fused=True), max_new_tokens=6, do_sample=False
+        )
+        tiny_gemma3.set_attn_implementation("sdpa")
+    assert torch.equal(ref, got)
+
+
+def test_fused_needs_the_attention_function(tiny_llama):
+    tiny_llama.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="enable_fused_attention"):
+        CompressedCache("int4", config=tiny_llama.config, fused=True)
+    with pytest.raises(ValueError, match="enable_fused_attention"):
+        CompressedCache("int4", fused=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_attention_against_sdpa(dtype):
+    gen = torch.Generator().manual_seed(3)
+    spec = parse_cache_spec("rot+int4")
+    k, v = torch.randn(2, 2, 37, 64, generator=gen), torch.randn(2, 2, 37, 64, generator=gen)
+    pk, pv = spec.k.encode(k[:, :, :30]), spec.v.encode(v[:, :, :30])
+    q = torch.randn(2, 6, 9, 64, generator=gen).to(dtype)  # the last 9 positions (28..36)
+    full_k = torch.cat([spec.k.decode(pk), k[:, :, 30:]], dim=-2)
+    full_v = torch.cat([spec.v.decode(pv), v[:, :, 30:]], dim=-2)
+    mask = torch.ones(9, 37, dtype=torch.bool).tril(28)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), full_k, full_v, attn_mask=mask, enable_gqa=True)
+    got = chunked_attention(
+        q, pk, pv, spec.k, spec.v, offset=28, window_k=k[:, :, 30:], window_v=v[:, :, 30:], q_block=4, kv_chunk=8
+    )
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert got.dtype == dtype and torch.allclose(got.float(), ref, atol=tol)
+    padded = mask.clone().expand(2, 1, 9, 37).clone()
+    padded[1, :, :, :3] = False  # the second sequence starts with 3 padding tokens
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), full_k, full_v, attn_mask=padded, enable_gqa=True)
+    got = chunked_attention(
+        q,
+        pk,
+        pv,
+        spec.k,
+        spec.v,
+        offset=28,
+        window_k=k[:, :, 30:],
+        window_v=v[:, :, 30:],
+        mask=padded,
+        q_block=4,
+        kv_chunk=8,
+    )
+    assert torch.allclose(got.float(), ref, atol=tol)
