@@ -93,7 +93,8 @@ def _rope(name: str, res: dict[str, Any]) -> list[str]:
             + ", ".join(f"{r['generator']}/{r['convention']} x{r['ppl_ratio']:.3g}" for r in one)
             + f"; closest to the document's x8.6: {near['generator']}/{near['convention']}"
             + (
-                " (within 30%: the document's numbers are consistent with this convention and pairing)."
+                " (within 30% of the document's ratio, on another model: a hint, not a proof, of the "
+                "convention its numbers used)."
                 if abs(near["ppl_ratio"] / (94.8 / 11.03) - 1) <= 0.3
                 else " (not within 30%)."
             )

@@ -76,3 +76,57 @@ def test_generation_rows(smollm2):
     assert dyn["speedup_vs_dynamic"] == 1.0 and fused["decode_tokens_per_s"] > 0
     assert 0 < fused["cache_bytes"] < dyn["cache_bytes"] / 3  # packed 4-bit codes against an fp32 cache
     assert fused["peak_rss"] >= fused["rss_after_load"] > fused["weights_bytes"]
+
+
+def test_targets_and_markdown():
+    from walshkv.bench import bench_markdown, targets
+
+    att = [
+        {
+            "kv_len": 16384,
+            "method": m,
+            "speedup_vs_sdpa_fp16": x,
+            "speedup_vs_sdpa_fp32": 1.0,
+            "ms": 1.0,
+            "cache_bytes": 2**20,
+            "gb_per_s": 1.0,
+            "backend": "cpu",
+        }
+        for m, x in (("sdpa-fp16", 1.0), ("rot+int4", 2.6), ("rot+int3", 2.9))
+    ]
+    gen = [
+        {
+            "model": "m",
+            "ctx": c,
+            "cache": k,
+            "codec": None if k == "dynamic" else "rot+int4",
+            "speedup_vs_dynamic": x,
+            "decode_tokens_per_s": 1.0,
+            "prefill_seconds": 1.0,
+            "cache_bytes": cb,
+            "rss_after_load": 100 * 2**20,
+            "peak_rss": pk,
+            "peak_minus_loaded_minus_cache": 0,
+        }
+        for c, k, x, cb, pk in (
+            (1024, "dynamic", 1.0, 10 * 2**20, 200 * 2**20),
+            (1024, "fused", 0.9, 2**20, 150 * 2**20),
+            (8192, "dynamic", 1.0, 80 * 2**20, 300 * 2**20),
+            (8192, "fused", 1.5, 10 * 2**20, 170 * 2**20),
+        )
+    ]
+    result = {
+        "meta": {
+            "machine": {"cpu": "cpu", "logical_cpus": 2, "torch": "t", "torch_threads": 2},
+            "command": "walshkv bench",
+            "copy_bandwidth_gb_per_s": 10.0,
+            "crossover_context": 8192,
+        },
+        "attention": att,
+        "generation": gen,
+    }
+    lines = targets(result)
+    assert "x2.60: met" in lines[0] and "x2.90: missed" in lines[1] and "x1.50" in lines[2] and "met" in lines[2]
+    assert "limit 160 MiB, peak 170 MiB: missed" in lines[3]  # 100 + 1.15 x 10 + (150 - 100 - 1) = 160.5
+    md = "\n".join(bench_markdown(result))
+    assert "## Targets" in md and "Crossover" in md and "copy bandwidth 10.0 GB/s" in md

@@ -422,9 +422,10 @@ def plot_bench(result: dict[str, Any], path: Path) -> list[Path]:
                 ls="--" if m.startswith("sdpa") else "-",
             )
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.axhline(1, color="grey", lw=0.8)
         ax.set_xlabel("kv_len (tokens)")
-        ax.set_ylabel("speed vs SDPA over an fp16 cache (x)")
+        ax.set_ylabel("speed vs SDPA over an fp16 cache (x, log)")
         ax.set_title("decode attention, one step", fontsize=9)
         ax.legend(fontsize=7)
         i += 1
@@ -458,6 +459,75 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _best(rows: Sequence[dict[str, Any]], methods: Sequence[str], min_len: int) -> dict[str, Any] | None:
+    cand = [r for r in rows if r["method"] in methods and r["kv_len"] >= min_len]
+    return min(cand, key=lambda r: r["speedup_vs_sdpa_fp16"]) if cand else None
+
+
+def targets(result: dict[str, Any]) -> list[str]:
+    """Issue 7's targets, each checked against the rows of this run (worst case over the measured sizes)."""
+    out = []
+    att = result.get("attention") or []
+    for label, methods, want in (("4-bit", ("rot+int4", "int4"), 2.5), ("3-bit", ("rot+int3", "int3"), 3.0)):
+        worst = _best(att, methods, 16384)
+        if worst is not None:
+            ok = worst["speedup_vs_sdpa_fp16"] >= want
+            out.append(
+                f"- Decode attention over a {label} cache at kv_len >= 16k at least {want}x SDPA over fp16: worst "
+                f"{worst['method']} at {worst['kv_len']:,}: x{worst['speedup_vs_sdpa_fp16']:.2f}: "
+                f"{'met' if ok else 'missed'}."
+            )
+    gen = result.get("generation") or []
+    long = [r for r in gen if r["cache"] == "fused" and r["ctx"] >= 8192]
+    if long:
+        worst = min(long, key=lambda r: r["speedup_vs_dynamic"])
+        out.append(
+            f"- Decode tokens/s at >= 8k context at least DynamicCache's: worst x{worst['speedup_vs_dynamic']:.2f} "
+            f"at {worst['ctx']:,}: {'met' if worst['speedup_vs_dynamic'] >= 1 else 'missed'}."
+        )
+    fused = sorted((r for r in gen if r["cache"] == "fused"), key=lambda r: r["ctx"])
+    if len(fused) >= 2:
+        small, big = fused[0], fused[-1]
+        overhead = small["peak_rss"] - small["rss_after_load"] - small["cache_bytes"]
+        limit = big["rss_after_load"] + 1.15 * big["cache_bytes"] + overhead
+        out.append(
+            f"- Peak memory at {big['ctx']:,} tokens at most (model loaded) + 1.15 x cache + the overhead measured at "
+            f"{small['ctx']:,} tokens ({overhead / 2**20:.0f} MiB): limit {limit / 2**20:.0f} MiB, peak "
+            f"{big['peak_rss'] / 2**20:.0f} MiB: {'met' if big['peak_rss'] <= limit else 'missed'}."
+        )
+    return out
+
+
+def bench_markdown(result: dict[str, Any]) -> list[str]:
+    """The lines of ``bench.md`` for a result (also used to re-render a saved ``bench.json``)."""
+    meta = result["meta"]
+    m = meta["machine"]
+    lines = [
+        "# walshkv bench",
+        "",
+        f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, torch {m['torch']} with "
+        f"{m['torch_threads']} threads. Produced by `{meta['command']}`.",
+        "",
+    ]
+    if result.get("attention"):
+        bw = meta["copy_bandwidth_gb_per_s"]
+        lines += [f"## Decode attention (copy bandwidth {bw:.1f} GB/s)", ""]
+        lines += [format_attention_table(result["attention"], bw, "github"), ""]
+    if result.get("generation"):
+        gen = result["generation"]
+        codec = next(r["codec"] for r in gen if r["codec"])
+        lines += [f"## Generation ({gen[0]['model']}, {codec})", "", format_generation_table(gen, "github"), ""]
+        lines += [
+            "Crossover (smallest measured context from which the fused compressed cache decodes at least as "
+            f"fast as DynamicCache): {meta.get('crossover_context')}.",
+            "",
+        ]
+    checks = targets(result)
+    if checks:
+        lines += ["## Targets", "", *checks, ""]
+    return lines
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from walshkv.lab.report import command_line, write_result_files
 
@@ -467,27 +537,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     result: dict[str, Any] = {"meta": meta}
-    lines = ["# walshkv bench", ""]
-    m = meta["machine"]
-    lines += [
-        f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, torch {m['torch']} with "
-        f"{m['torch_threads']} threads. Produced by `{meta['command']}`.",
-        "",
-    ]
     if args.part in ("all", "attention"):
         meta["copy_bandwidth_gb_per_s"] = copy_bandwidth()
         att = bench_attention(
             args.kv_len, args.codec or DEFAULT_ATTENTION_CODECS, repeats=args.repeats, progress=not args.quiet
         )
         result["attention"] = att
-        table = format_attention_table(att, meta["copy_bandwidth_gb_per_s"])
-        print(table)
-        lines += [
-            f"## Decode attention (copy bandwidth {meta['copy_bandwidth_gb_per_s']:.1f} GB/s)",
-            "",
-            format_attention_table(att, meta["copy_bandwidth_gb_per_s"], "github"),
-            "",
-        ]
+        print(format_attention_table(att, meta["copy_bandwidth_gb_per_s"]))
     if args.part in ("all", "generation"):
         gen = bench_generation(
             args.model,
@@ -502,15 +558,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         meta["crossover_context"] = crossover(gen)
         print(format_generation_table(gen))
         print(f"crossover: {meta['crossover_context']}")
-        lines += [
-            f"## Generation ({args.model}, {args.gen_codec})",
-            "",
-            format_generation_table(gen, "github"),
-            "",
-            f"Crossover (smallest measured context from which the fused compressed cache decodes at least as "
-            f"fast as DynamicCache): {meta['crossover_context']}.",
-            "",
-        ]
+    for line in targets(result):
+        print(line)
     rows = [*(result.get("attention") or []), *(result.get("generation") or [])]
     keys = sorted({k for r in rows for k in r})
     written = write_result_files(
@@ -519,7 +568,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         result,
         rows,
         keys,
-        lines,
+        bench_markdown(result),
         None if args.no_plot else (lambda out: plot_bench(result, out / "bench.png")),
     )
     print("wrote " + ", ".join(str(p) for p in written))
