@@ -22,7 +22,11 @@ from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.spec import parse_codec
 from walshkv.ops import attention as attn
 from walshkv.ops import attention_cpu
-from walshkv.ops.attention import BACKENDS, decode_attention, decode_attention_reference
+from walshkv.ops.attention import BACKENDS as ALL_BACKENDS
+from walshkv.ops.attention import decode_attention, decode_attention_reference
+
+#: CPU backends; the Triton backend runs under its interpreter in tests/ops/test_attention_triton.py
+BACKENDS = tuple(b for b in ALL_BACKENDS if b != "triton")
 
 CPU_CODECS = ["int2", "int3", "int4", "int5", "int6", "int7", "int8", "rot+int4", "rot+int3", "rrot:7+int4", "q4_0"]
 CPU_CODECS += ["q8_0"]

@@ -24,9 +24,14 @@ ggml types other than q4_0/q8_0 and float codecs go through the reference (corre
 each chunk to float, so it is no faster than decoding the cache); only one query token per call.
 
 Backends (:func:`decode_attention`): ``"reference"`` (pure torch, any codec, decodes chunks of at
-most ``chunk`` tokens) and ``"cpu"`` (the fused C++ kernel of :mod:`walshkv.ops.attention_cpu`, for
-int2..int8 and ggml q4_0/q8_0, also under rot+/rrot+/center+). ``"auto"`` picks ``"cpu"`` when it reads
-both codecs and the tensors are on the CPU, else the reference.
+most ``chunk`` tokens), ``"cpu"`` (the fused C++ kernel of :mod:`walshkv.ops.attention_cpu`, for
+int2..int8 and ggml q4_0/q8_0, also under rot+/rrot+/center+) and ``"triton"`` (the fused GPU kernel of
+:mod:`walshkv.ops.attention_triton`, same codecs, CUDA tensors; on CPU tensors only under the Triton
+interpreter, ``TRITON_INTERPRET=1``, which is how the tests run it). The CPU and Triton kernels return
+the partial softmax state of the packed tokens; the rotations and the window are applied here, as for
+the reference. ``"auto"`` picks ``"cpu"`` when it reads both codecs and the tensors are on the CPU,
+``"triton"`` when they are on a CUDA device, triton is importable and it reads both codecs, else the
+reference.
 
 Example::
 
@@ -44,11 +49,18 @@ import torch
 from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.rotation import Rotated
 from walshkv.ops.attention_cpu import CPU_SUPPORTED, CpuPlan, cpu_plan, cpu_supports, fused_decode_cpu, peel
+from walshkv.ops.attention_triton import (
+    TRITON_SUPPORTED,
+    fused_decode_triton,
+    triton_available,
+    triton_interpret,
+    triton_supports,
+)
 
 __all__ = ["BACKENDS", "decode_attention", "decode_attention_reference"]
 
 #: Accepted values of ``backend``.
-BACKENDS = ("auto", "reference", "cpu")
+BACKENDS = ("auto", "reference", "cpu", "triton")
 
 _Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -225,8 +237,10 @@ def _attend(
     window_v: torch.Tensor | None,
     chunk: int,
     plan: CpuPlan | None,
+    use_triton: bool = False,
 ) -> torch.Tensor:
-    """Shared body of the backends; ``plan`` selects the fused CPU kernel (``None``: the reference)."""
+    """Shared body of the backends; ``plan`` selects the fused CPU kernel, ``use_triton`` the Triton one
+    (neither: the reference)."""
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk!r}")
     sm_scale = _validate(q, packed_k, packed_v, k_codec, v_codec, window_k, window_v, scale, plan is None)
@@ -242,7 +256,10 @@ def _attend(
             k_rots, k_core = peel(k_codec)
             v_rots, v_core = peel(v_codec)
             qk = _rotate(q0 * sm_scale, k_rots)
-            m, l_sum, acc = _reference_partial(qk, packed_k, packed_v, k_core, v_core, chunk)
+            if use_triton:
+                m, l_sum, acc = fused_decode_triton(qk, packed_k, packed_v, k_core, v_core)
+            else:
+                m, l_sum, acc = _reference_partial(qk, packed_k, packed_v, k_core, v_core, chunk)
             state = (m, l_sum, _unrotate(acc, v_rots))  # the V sum, unrotated once
     if window_k is not None and window_v is not None and window_k.shape[2] > 0:
         if state is None:
@@ -317,14 +334,17 @@ def decode_attention(
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         window_k, window_v: optional full-precision recent tokens ``[batch, num_kv_heads, r, head_dim]``.
         backend: ``"auto"`` (``"cpu"`` when the fused kernel reads both codecs and ``q`` is on the CPU,
-            else ``"reference"``), ``"reference"`` or ``"cpu"``.
+            ``"triton"`` when ``q`` is on a CUDA device, triton is importable and its kernel reads both
+            codecs, else ``"reference"``), ``"reference"``, ``"cpu"`` or ``"triton"`` (CUDA tensors; CPU
+            tensors only with ``TRITON_INTERPRET=1`` set, which runs Triton's slow interpreter).
         chunk: tokens per chunk of the reference backend.
 
     Returns:
         ``[batch, num_q_heads, 1, head_dim]`` in ``q``'s dtype.
 
     Raises:
-        ValueError: an unknown backend, ``backend="cpu"`` with a codec or device it does not handle, or
+        ValueError: an unknown backend, ``backend="cpu"`` or ``"triton"`` with a codec or device it does not
+            handle (or ``"triton"`` without the triton package), or
             any of the input errors of :func:`decode_attention_reference`.
     """
     if backend not in BACKENDS:
@@ -345,4 +365,30 @@ def decode_attention(
             f"backend='cpu' does not read {', '.join(repr(s) for s in bad)} (at head_dim {d}); it reads "
             f"{CPU_SUPPORTED}. Use backend='reference' (or 'auto') for other codecs"
         )
-    return _attend(q, packed_k, packed_v, k_codec, v_codec, scale, window_k, window_v, chunk, plan)
+    use_triton = False
+    on_cuda = isinstance(q, torch.Tensor) and q.dim() == 4 and q.device.type == "cuda"
+    if backend == "auto" and on_cuda:
+        d = q.shape[-1]
+        use_triton = triton_supports(k_codec, d) and triton_supports(v_codec, d) and triton_available()
+    elif backend == "triton":
+        _validate(q, packed_k, packed_v, k_codec, v_codec, window_k, window_v, scale)  # input errors first
+        if not triton_available():
+            raise ValueError(
+                "backend='triton' needs the triton package, which cannot be imported (pip install triton); "
+                "use backend='auto' or 'reference'"
+            )
+        if not on_cuda and not triton_interpret():
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors, q is on {q.device}; CPU tensors run only under Triton's "
+                "interpreter (set TRITON_INTERPRET=1 in the environment; slow, meant for tests). Use "
+                "backend='cpu' or 'auto' on the CPU"
+            )
+        d = q.shape[-1]
+        bad = [c.spec for c in (k_codec, v_codec) if not triton_supports(c, d)]
+        if bad:
+            raise ValueError(
+                f"backend='triton' does not read {', '.join(repr(s) for s in bad)} (at head_dim {d}); it reads "
+                f"{TRITON_SUPPORTED}. Use backend='reference' (or 'auto') for other codecs"
+            )
+        use_triton = True
+    return _attend(q, packed_k, packed_v, k_codec, v_codec, scale, window_k, window_v, chunk, plan, use_triton)
