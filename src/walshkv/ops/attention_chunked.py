@@ -38,7 +38,7 @@ def chunked_attention(
     window_k: torch.Tensor | None = None,
     window_v: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
-    q_block: int = 1024,
+    q_block: int = 512,
     kv_chunk: int = 1024,
 ) -> torch.Tensor:
     """Causal attention of ``T`` queries over a packed cache plus a full-precision window.
