@@ -130,3 +130,11 @@ def test_targets_and_markdown():
     assert "limit 160 MiB, peak 170 MiB: missed" in lines[3]  # 100 + 1.15 x 10 + (150 - 100 - 1) = 160.5
     md = "\n".join(bench_markdown(result))
     assert "## Targets" in md and "Crossover" in md and "copy bandwidth 10.0 GB/s" in md
+
+
+def test_device_errors():
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        bench_attention([16], ["int4"], repeats=1, device="tpu", progress=False)
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            bench_attention([16], ["int4"], repeats=1, device="cuda", progress=False)

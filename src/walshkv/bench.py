@@ -79,26 +79,31 @@ def machine_description() -> dict[str, Any]:
     }
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2, budget: float = 2.0) -> float:
+def _median_seconds(
+    fn: Callable[[], Any], repeats: int, warmup: int = 2, budget: float = 2.0, device: str = "cpu"
+) -> float:
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(warmup):
         fn()
+    sync()
     times: list[float] = []
     started = time.perf_counter()
     while len(times) < repeats or (len(times) < 3 * repeats and time.perf_counter() - started < budget):
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
         if time.perf_counter() - started > 4 * budget and len(times) >= 3:
             break
     return statistics.median(times)
 
 
-def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """This machine's copy bandwidth in GB/s (bytes read + written per second), ``dst.copy_(src)``."""
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: str = "cpu") -> float:
+    """The device's copy bandwidth in GB/s (bytes read + written per second), ``dst.copy_(src)``."""
     n = megabytes * 2**20 // 4
-    src = torch.rand(n)
+    src = torch.rand(n, device=device)
     dst = torch.empty_like(src)
-    sec = _median_seconds(lambda: dst.copy_(src), repeats, warmup=1)
+    sec = _median_seconds(lambda: dst.copy_(src), repeats, warmup=1, device=device)
     return 2 * src.numel() * 4 / sec / 1e9
 
 
@@ -113,9 +118,13 @@ def bench_attention(
     batch: int = 1,
     repeats: int = 7,
     seed: int = 0,
+    device: str = "cpu",
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """Time one decode step per method and kv_len (see the module docstring).
+
+    ``device="cuda"`` times the same steps on a GPU (SDPA on CUDA tensors against the Triton backend,
+    which ``decode_attention`` picks for CUDA tensors; codecs it does not read use the reference).
 
     Returns:
         Rows ``{"kv_len", "method", "ms", "cache_bytes", "gb_per_s", "speedup_vs_sdpa_fp16",
@@ -127,7 +136,15 @@ def bench_attention(
     from walshkv.codecs import parse_cache_spec
     from walshkv.ops.attention import decode_attention
     from walshkv.ops.attention_cpu import cpu_supports
+    from walshkv.ops.attention_triton import triton_supports
 
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this torch has no CUDA device; use --device cpu")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
+    fast = (
+        (lambda c: triton_supports(c, head_dim)) if device.startswith("cuda") else (lambda c: cpu_supports(c, head_dim))
+    )
     specs = {c: parse_cache_spec(c) for c in codecs}
     for spec in specs.values():
         spec.check_head_dim(head_dim)
@@ -136,9 +153,9 @@ def bench_attention(
     jobs = len(kv_lens) * (len(SDPA_DTYPES) + len(codecs))
     bar = tqdm(total=jobs, desc="bench attention", unit="case", disable=not progress)
     for n in kv_lens:
-        k = torch.randn(batch, kv_heads, n, head_dim, generator=gen)
-        v = torch.randn(batch, kv_heads, n, head_dim, generator=gen)
-        q = torch.randn(batch, q_heads, 1, head_dim, generator=gen)
+        k = torch.randn(batch, kv_heads, n, head_dim, generator=gen).to(device)
+        v = torch.randn(batch, kv_heads, n, head_dim, generator=gen).to(device)
+        q = torch.randn(batch, q_heads, 1, head_dim, generator=gen).to(device)
         base: dict[str, float] = {}
         for name, dt in SDPA_DTYPES.items():
             kc, vc, qc = k.to(dt), v.to(dt), q.to(dt)
@@ -146,23 +163,24 @@ def bench_attention(
             def sdpa(qc: torch.Tensor = qc, kc: torch.Tensor = kc, vc: torch.Tensor = vc) -> torch.Tensor:
                 return torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, enable_gqa=True)
 
-            sec = _median_seconds(sdpa, repeats)
+            sec = _median_seconds(sdpa, repeats, device=device)
             base[name] = sec
             nbytes = 2 * kc.numel() * kc.element_size()
             rows.append(_row(n, f"sdpa-{name}", sec, nbytes, "torch"))
             bar.update()
         for spec_name, spec in specs.items():
             pk, pv = spec.k.encode(k), spec.v.encode(v)
-            backend = "cpu" if cpu_supports(spec.k, head_dim) and cpu_supports(spec.v, head_dim) else "reference"
+            kernel = "triton" if device.startswith("cuda") else "cpu"
+            backend = kernel if fast(spec.k) and fast(spec.v) else "reference"
 
             def fused(pk: Any = pk, pv: Any = pv, spec: Any = spec, q: torch.Tensor = q) -> torch.Tensor:
                 return decode_attention(q, pk, pv, spec.k, spec.v)
 
-            sec = _median_seconds(fused, repeats)
+            sec = _median_seconds(fused, repeats, device=device)
             rows.append(_row(n, spec_name, sec, pk.nbytes() + pv.nbytes(), backend))
             k1, v1 = k[:, :, -1:], v[:, :, -1:]  # writing one decode step's token (quantize on write)
             rows[-1]["encode_ms"] = 1e3 * _median_seconds(
-                lambda s=spec, a=k1, b=v1: (s.k.encode(a), s.v.encode(b)), repeats
+                lambda s=spec, a=k1, b=v1: (s.k.encode(a), s.v.encode(b)), repeats, device=device
             )
             bar.update()
         for r in rows:
@@ -506,7 +524,9 @@ def bench_markdown(result: dict[str, Any]) -> list[str]:
         "# walshkv bench",
         "",
         f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, torch {m['torch']} with "
-        f"{m['torch_threads']} threads. Produced by `{meta['command']}`.",
+        f"{m['torch_threads']} threads"
+        + (f"; GPU {m['gpu']}" if m.get("gpu") else "")
+        + f"; attention timed on {meta.get('device', 'cpu')}. Produced by `{meta['command']}`.",
         "",
     ]
     if result.get("attention"):
@@ -538,9 +558,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     }
     result: dict[str, Any] = {"meta": meta}
     if args.part in ("all", "attention"):
-        meta["copy_bandwidth_gb_per_s"] = copy_bandwidth()
+        meta["device"] = args.device
+        if args.device.startswith("cuda") and torch.cuda.is_available():
+            meta["machine"]["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+        meta["copy_bandwidth_gb_per_s"] = copy_bandwidth(device=args.device)
         att = bench_attention(
-            args.kv_len, args.codec or DEFAULT_ATTENTION_CODECS, repeats=args.repeats, progress=not args.quiet
+            args.kv_len,
+            args.codec or DEFAULT_ATTENTION_CODECS,
+            repeats=args.repeats,
+            device=args.device,
+            progress=not args.quiet,
         )
         result["attention"] = att
         print(format_attention_table(att, meta["copy_bandwidth_gb_per_s"]))
@@ -591,6 +618,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bp.add_argument("--kv-len", type=_ints, default=list(DEFAULT_KV_LENS), help="attention: cached tokens")
     bp.add_argument("--codec", action="append", metavar="SPEC", help="attention: codec (repeatable)")
     bp.add_argument("--repeats", type=int, default=7, help="attention: timed repeats per case (median)")
+    bp.add_argument(
+        "--device",
+        default="cpu",
+        help="attention: cpu (fused C++ kernel) or cuda[:N] (Triton kernel; pip install 'walshkv[gpu]')",
+    )
     bp.add_argument("--model", default=DEFAULT_MODEL, help="generation: model")
     bp.add_argument("--ctx", type=_ints, default=list(DEFAULT_CONTEXTS), help="generation: context lengths")
     bp.add_argument("--gen-codec", default="rot+int4", help="generation: the compressed cache's spec")
