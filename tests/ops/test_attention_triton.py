@@ -17,6 +17,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_attention import ATOL, _kv, _query  # the CPU backends' tests share their data helpers
+
 from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.spec import parse_codec
 from walshkv.ops import attention as attn
@@ -25,17 +27,6 @@ from walshkv.ops.attention import BACKENDS, decode_attention, decode_attention_r
 
 CODECS = ["int2", "int3", "int4", "int8", "q4_0", "q8_0", "rot+int4", "rrot:7+int4"]
 MIXED = [("rot+int4", "int8"), ("q8_0", "rrot:7+int4"), ("int5", "q4_0"), ("int4", "int2"), ("int6", "int7")]
-ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
-
-
-def _kv(b: int, kv: int, t: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return 1.5 * torch.randn(b, kv, t, d, generator=gen), torch.randn(b, kv, t, d, generator=gen)
-
-
-def _query(b: int, hq: int, d: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(b, hq, 1, d, generator=gen).to(dtype)
 
 
 def _cache(kspec: str, vspec: str, b: int, kv: int, t: int, d: int, seed: int) -> tuple[Codec, Codec, Packed, Packed]:
