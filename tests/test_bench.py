@@ -11,15 +11,16 @@ from walshkv.cli import main
 
 
 def test_attention_rows():
-    rows = bench_attention([64, 100], ["int4", "rot+int3", "vht2:5,5,4,3"], repeats=1, progress=False)
-    assert len(rows) == 2 * (3 + 3)
+    rows = bench_attention([64, 100], ["int4", "rot+int3", "vht2:5,5,4,3", "vzc"], repeats=1, progress=False)
+    assert len(rows) == 2 * (3 + 4)
     for r in rows:
         assert r["seconds"] > 0 and r["cache_bytes"] > 0 and r["speedup_vs_sdpa_fp16"] > 0
     fp16 = next(r for r in rows if r["kv_len"] == 100 and r["method"] == "sdpa-fp16")
     assert fp16["speedup_vs_sdpa_fp16"] == 1.0 and fp16["cache_bytes"] == 2 * 3 * 100 * 64 * 2
     int4 = next(r for r in rows if r["kv_len"] == 100 and r["method"] == "int4")
     assert int4["cache_bytes"] == 2 * 3 * 100 * 34  # 32 code bytes + an fp16 scale per vector, K and V
-    assert next(r for r in rows if r["method"] == "vht2:5,5,4,3")["backend"] == "reference"
+    assert next(r for r in rows if r["method"] == "vht2:5,5,4,3")["backend"] == "cpu"
+    assert next(r for r in rows if r["method"] == "vzc")["backend"] == "reference"
 
 
 def test_crossover():

@@ -298,3 +298,66 @@ def test_compressed_smaller_than_dynamic_fp16(tiny_llama):
     assert cache.fp16_nbytes() == fp16_bytes
     # head_dim 16: (8 code bytes + 2 scale bytes) / 32 fp16 bytes
     assert cache.nbytes() / fp16_bytes == pytest.approx(10 / 32)
+
+
+def test_packed_store_grows_in_place_and_bounded():
+    """Writes land in a preallocated store (no torch.cat of the cache per step); growth is by 1/8."""
+    from walshkv.cache import _GRANULE, _GROWTH
+
+    cache = CompressedCache("int4")
+    k, v = _kv(batch=1, seq=100)
+    cache.update(k, v, 0)
+    layer = cache.layers[0]
+    ptr = layer.packed_k.tensors["codes"].data_ptr()
+    capacity = layer._store_k.seq_len
+    assert capacity % _GRANULE == 0 and capacity >= 100
+    grown = 0
+    for _ in range(400):
+        k1, v1 = _kv(batch=1, seq=1)
+        cache.update(k1, v1, 0)
+        held = layer.packed_k.seq_len
+        if layer._store_k.seq_len != capacity:  # a write that did not fit: one copy into a larger store
+            grown += 1
+            assert layer._store_k.seq_len <= _GROWTH * capacity + _GRANULE
+            capacity = layer._store_k.seq_len
+            ptr = layer.packed_k.tensors["codes"].data_ptr()
+        assert layer.packed_k.tensors["codes"].data_ptr() == ptr  # otherwise written in place
+        assert held <= capacity <= max(_GROWTH * held, held) + _GRANULE
+    assert 0 < grown < 40
+    assert cache.nbytes() == cache.layout_nbytes()  # nbytes counts the tokens held, not the capacity
+    assert cache.nbytes() < cache.reserved_nbytes() <= _GROWTH * cache.nbytes() + 2 * _GRANULE * 34
+    ref = torch.cat([parse_codec("int4").decode(parse_codec("int4").encode(t)) for t in (k,)], dim=2)
+    assert torch.equal(cache.layers[0].spec.k.decode(layer.packed_k.slice_seq(0, 100)), ref)
+
+
+def test_max_cache_len_reserves_once(tiny_llama):
+    ids = torch.randint(3, 96, (1, 12))
+    cache = CompressedCache("int4", config=tiny_llama.config, max_cache_len=20)
+    kw = {"max_new_tokens": 8, "do_sample": False}
+    ref = tiny_llama.generate(ids, cache=CompressedCache("int4", config=tiny_llama.config), **kw)
+    out = tiny_llama.generate(ids, cache=cache, **kw)
+    assert torch.equal(ref, out)
+    layer = cache.layers[0]
+    assert layer._store_k.seq_len == 20 and layer.packed_k.seq_len == 19  # (the last token is never fed back)
+    assert cache.reserved_nbytes() > cache.nbytes() == cache.layout_nbytes()
+    with pytest.raises(ValueError, match="max_cache_len"):
+        CompressedCache("int4", max_cache_len=0)
+
+
+def test_crop_then_write_reuses_the_store_and_beam_reorder_reallocates():
+    cache = CompressedCache("int8")
+    k, v = _kv(batch=2, seq=30)
+    cache.update(k, v, 0)
+    layer = cache.layers[0]
+    store = layer._store_k
+    cache.crop(-10)
+    k2, v2 = _kv(batch=2, seq=5)
+    cache.update(k2, v2, 0)
+    assert layer._store_k is store and layer.packed_k.seq_len == 25
+    codec = parse_codec("int8")
+    want = torch.cat([codec.decode(codec.encode(k[:, :, :20])), codec.decode(codec.encode(k2))], dim=2)
+    assert torch.equal(codec.decode(layer.packed_k), want)
+    cache.reorder_cache(torch.tensor([1, 1]))
+    assert layer._store_k is None
+    cache.update(*_kv(batch=2, seq=1), 0)
+    assert torch.equal(codec.decode(layer.packed_k)[:, :, :25], want[[1, 1]])

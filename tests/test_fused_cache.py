@@ -102,3 +102,50 @@ def test_chunked_attention_against_sdpa(dtype):
         kv_chunk=8,
     )
     assert torch.allclose(got.float(), ref, atol=tol)
+
+
+def test_fused_attention_with_other_caches_and_padding(gqa_llama):
+    """The fused attention function also serves DynamicCache (SDPA fallback) and padded batches."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(3, 90, (2, 30), generator=torch.Generator().manual_seed(4))
+    pad = torch.ones(2, 30, dtype=torch.long)
+    pad[1, 8:11] = 0  # masked tokens in the second row (every query still sees a real token: no NaN rows)
+
+    def run(fused: bool, cache_kind: str, mask: torch.Tensor | None):
+        gqa_llama.set_attn_implementation("sdpa")
+        if fused:
+            enable_fused_attention(gqa_llama)
+        if cache_kind == "dynamic":
+            cache = DynamicCache()
+        else:
+            cache = CompressedCache("int8", config=gqa_llama.config, fused=fused)
+        outs = []
+        with torch.inference_mode():
+            for s, e in ((0, 17), (17, 26), (26, 30)):  # chunked prefill: the later chunks have q < kv
+                kw = {} if mask is None else {"attention_mask": mask[:, :e]}
+                outs.append(gqa_llama(input_ids=ids[:, s:e], cache=cache, **kw).logits)
+        gqa_llama.set_attn_implementation("sdpa")
+        return outs
+
+    for cache_kind in ("dynamic", "compressed"):
+        for mask in (None, pad):
+            ref, got = run(False, cache_kind, mask), run(True, cache_kind, mask)
+            for a, b in zip(ref, got, strict=True):
+                assert torch.allclose(a, b, atol=2e-5), (cache_kind, float((a - b).abs().max()))
+
+
+def test_fused_mask_skips_only_the_plain_causal_mask():
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    from walshkv.cache import _fused_mask
+
+    common = {"batch_size": 1, "q_length": 4, "kv_length": 10, "q_offset": 6, "device": "cpu"}
+    no_padding = torch.ones(1, 10, dtype=torch.bool)
+    assert _fused_mask(mask_function=causal_mask_function, attention_mask=no_padding, **common) is None
+    padded = torch.ones(1, 10, dtype=torch.bool)
+    padded[0, 0] = False
+    mask = _fused_mask(mask_function=causal_mask_function, attention_mask=padded, **common)
+    assert mask is not None and not bool(mask[0, 0, :, 0].any()) and bool(mask[0, 0, -1, -1])
+    sliding = _fused_mask(mask_function=sliding_window_causal_mask_function(3), local_size=3, **common)
+    assert sliding is not None and not bool(sliding[0, 0, -1, 0])

@@ -14,6 +14,7 @@ window's bytes count in :meth:`CompressedCache.nbytes` and
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -49,6 +50,78 @@ def _cat_packed(a: Packed | None, b: Packed | None) -> Packed | None:
     return Packed.cat([a, b])
 
 
+#: When a write does not fit, a layer's packed store grows to this factor of what it needs (so at most
+#: 1/9 of a grown store is unused); capacities are multiples of _GRANULE tokens.
+_GROWTH = 1.125
+_GRANULE = 64
+
+
+def _is_prefix(view: Packed, store: Packed) -> bool:
+    """True if every field of ``view`` starts where ``store``'s does, with the same layout."""
+    if view.tensors.keys() != store.tensors.keys():
+        return False
+    for name, t in store.tensors.items():
+        v = view.tensors[name]
+        if v.data_ptr() != t.data_ptr() or v.stride() != t.stride() or v.shape[:2] != t.shape[:2]:
+            return False
+        if v.shape[3:] != t.shape[3:] or v.dtype != t.dtype or v.device != t.device:
+            return False
+    return True
+
+
+def _append_packed(
+    store: Packed | None, view: Packed | None, new: Packed | None, reserve: int = 0, growth: float = _GROWTH
+) -> tuple[Packed | None, Packed | None]:
+    """Append ``new`` to the tokens ``view`` holds, in place when ``store`` has room.
+
+    Args:
+        store: the layer's allocation (``[batch, heads, capacity, ...]`` per field), or ``None``.
+        view: the tokens held so far (a prefix of ``store`` when they live in it), or ``None``.
+        new: the block to append, or ``None``.
+        reserve: allocate at least this many tokens the first time (``max_cache_len``).
+        growth: when the block does not fit, the new capacity is at least ``growth`` x the old one.
+
+    Returns:
+        ``(store, view)``: the (possibly new) allocation and the tokens held, a prefix view of it.
+
+    A block that does not fit allocates a new store and copies the held tokens once, instead of a
+    ``torch.cat`` of the whole cache at every step: fewer copies, and far fewer freed blocks of
+    growing sizes, which is what fragments the C heap and raised peak memory with context length.
+    """
+    if new is None:
+        return store, view
+    used = 0 if view is None else view.seq_len
+    need = used + new.seq_len
+    fits = store is not None and (view is None or _is_prefix(view, store)) and store.seq_len >= need
+    if fits and store is not None:
+        first_new = store._first()
+        fits = first_new.shape[:2] == new._first().shape[:2] and all(
+            store.tensors[k].dtype == t.dtype and store.tensors[k].shape[3:] == t.shape[3:]
+            for k, t in new.tensors.items()
+        )
+    if not fits:
+        old_cap = store.seq_len if store is not None else 0
+        if reserve >= need and old_cap < reserve:
+            cap = reserve  # what the caller said the sequence will reach: allocated once, exactly
+        else:
+            cap = max(need, math.ceil(old_cap * growth) if growth > 1 else 0)
+            if growth > 1:
+                cap = -(-cap // _GRANULE) * _GRANULE
+        fresh = Packed(
+            {k: t.new_empty((*t.shape[:2], cap, *t.shape[3:])) for k, t in new.tensors.items()},
+            new.head_dim,
+            new.dtype,
+        )
+        if view is not None and used:
+            for k, t in view.tensors.items():
+                fresh.tensors[k][:, :, :used].copy_(t)
+        store = fresh
+    assert store is not None
+    for k, t in new.tensors.items():
+        store.tensors[k][:, :, used:need].copy_(t)
+    return store, store.slice_seq(0, need)
+
+
 def _marker(layer: CompressedLayer, like: torch.Tensor) -> torch.Tensor:
     """An empty ``[batch, heads, 0, head_dim]`` tensor that tells :func:`fused_attention` which layer to read."""
     marker = like.new_empty((*like.shape[:2], 0, like.shape[-1]))
@@ -82,6 +155,9 @@ class CompressedLayer(CacheLayerMixin):
         self.fused = False  # set by CompressedCache(..., fused=True) on full-attention layers
         self.packed_k: Packed | None = None
         self.packed_v: Packed | None = None
+        self._store_k: Packed | None = None  # the allocations packed_k / packed_v are prefix views of
+        self._store_v: Packed | None = None
+        self.reserve = 0  # tokens to allocate on the first write (CompressedCache(max_cache_len=...))
         self.cumulative_length = 0
 
     # ---- transformers API -------------------------------------------------------------
@@ -146,8 +222,9 @@ class CompressedLayer(CacheLayerMixin):
             out_k = torch.cat([*parts_k, window_k[:, :, n_encode:]], dim=-2)
             out_v = torch.cat([*parts_v, window_v[:, :, n_encode:]], dim=-2)
 
-        self.packed_k = _cat_packed(self.packed_k, new_k)
-        self.packed_v = _cat_packed(self.packed_v, new_v)
+        growth = 1.0 if self.is_sliding else _GROWTH  # (a sliding window drops its oldest tokens anyway)
+        self._store_k, self.packed_k = _append_packed(self._store_k, self.packed_k, new_k, self.reserve, growth)
+        self._store_v, self.packed_v = _append_packed(self._store_v, self.packed_v, new_v, self.reserve, growth)
         self.keys = window_k[:, :, n_encode:].contiguous()
         self.values = window_v[:, :, n_encode:].contiguous()
         self.cumulative_length += key_states.shape[-2]
@@ -168,6 +245,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.packed_k = self.packed_v = None
+        self._store_k = self._store_v = None
         self.keys = self.values = None
         self.cumulative_length = 0
         self.is_initialized = False
@@ -224,6 +302,7 @@ class CompressedLayer(CacheLayerMixin):
 
     # ---- accounting ---------------------------------------------------------------------
     def _map_batch(self, on_packed, on_tensor) -> None:
+        self._store_k = self._store_v = None  # the mapped tokens are new tensors; the next write re-allocates
         if self.packed_k is not None and self.packed_v is not None:
             self.packed_k = on_packed(self.packed_k)
             self.packed_v = on_packed(self.packed_v)
@@ -241,6 +320,18 @@ class CompressedLayer(CacheLayerMixin):
         for t in (self.keys, self.values):
             if t is not None:
                 total += t.numel() * t.element_size()
+        return total
+
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated: :meth:`nbytes` plus the unused capacity of the packed stores.
+
+        A store grows by 1/8 when a write does not fit (or is allocated at ``max_cache_len`` tokens
+        at once), so up to 1/9 of it can be unused; :meth:`nbytes` counts only the tokens held.
+        """
+        total = self.nbytes()
+        for store, view in ((self._store_k, self.packed_k), (self._store_v, self.packed_v)):
+            if store is not None and view is not None and _is_prefix(view, store):
+                total += store.nbytes() - view.nbytes()
         return total
 
     def layout_nbytes(self) -> int:
@@ -414,6 +505,10 @@ class CompressedCache(Cache):
             the codecs), prefill through :func:`walshkv.ops.attention_chunked.chunked_attention`. Needs
             ``enable_fused_attention(model)`` first (the model's attention then asks the cache). Same
             quantization, so the same results as the default path up to float rounding.
+        max_cache_len: tokens to allocate in each full-attention layer's packed store on the first
+            write (e.g. prompt + new tokens), so that the store never grows by copying. Without it a
+            store grows by 1/8 whenever a write does not fit. Either way the cache holds only
+            packed codes; :meth:`reserved_nbytes` reports the allocation, :meth:`nbytes` the tokens held.
 
     Example:
         >>> cache = CompressedCache("rot+int4", config=model.config)  # doctest: +SKIP
@@ -429,7 +524,11 @@ class CompressedCache(Cache):
         residual: int = 0,
         calibration: Any = None,
         fused: bool = False,
+        max_cache_len: int | None = None,
     ) -> None:
+        if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
+            raise ValueError(f"max_cache_len must be a positive number of tokens (or None), got {max_cache_len!r}")
+        self.max_cache_len = max_cache_len
         parsed = parse_cache_spec(spec)
         if isinstance(parsed, HFCacheSpec):
             raise ValueError(
@@ -471,6 +570,7 @@ class CompressedCache(Cache):
             elif layer_type == "full_attention":
                 layers.append(CompressedLayer(spec_i, residual))
                 layers[-1].fused = fused
+                layers[-1].reserve = max_cache_len or 0
             elif layer_type in _SLIDING_TYPES:
                 layers.append(CompressedSlidingWindowLayer(spec_i, kwargs["sliding_window"], residual))
             else:
@@ -485,7 +585,9 @@ class CompressedCache(Cache):
         spec = self.cache_spec.bind(len(self.layers), self.calibration)
         if getattr(spec.k, "token_grouped", False):
             return KiviLayer(spec)
-        return CompressedLayer(spec, self.residual)
+        layer = CompressedLayer(spec, self.residual)
+        layer.reserve = self.max_cache_len or 0
+        return layer
 
     @classmethod
     def from_preset(
@@ -529,6 +631,11 @@ class CompressedCache(Cache):
     def nbytes(self) -> int:
         """Bytes actually held by every layer (packed fields and any full-precision window)."""
         return sum(layer.nbytes() for layer in self._compressed_layers())
+
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated by every layer: :meth:`nbytes` plus unused store capacity (at most 1/9 of it
+        after growth; ``max_cache_len`` reserves its tokens up front)."""
+        return sum(layer.reserved_nbytes() for layer in self._compressed_layers())
 
     def layout_nbytes(self) -> int:
         """Bytes the codecs' layouts imply for the tokens held (should equal :meth:`nbytes`)."""
@@ -698,6 +805,11 @@ def fused_attention(
     if layer is None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if attention_mask is None and 1 < q_len < kv_len:
+            # _fused_mask skipped the plain causal mask (fused layers apply it themselves); SDPA's is_causal
+            # would align it top-left, so build the cache-aware (bottom-right) one for this layer
+            attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
         return ALL_ATTENTION_FUNCTIONS["sdpa"](
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
@@ -737,6 +849,23 @@ def fused_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _fused_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """The mask function registered with :data:`FUSED_ATTENTION`: transformers' SDPA mask, except that the
+    plain causal mask without padding is not built (``None``): fused layers apply the causal rule
+    themselves, and a ``[chunk, context]`` mask per prefill chunk is memory that grows with the context."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    padding = kwargs.get("attention_mask")
+    if (
+        not args
+        and kwargs.get("mask_function") is causal_mask_function
+        and kwargs.get("allow_is_causal_skip", True)
+        and (padding is None or bool(padding.all()))
+    ):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 def enable_fused_attention(model: Any) -> None:
     """Register :func:`fused_attention` with transformers and make ``model`` use it.
 
@@ -744,10 +873,10 @@ def enable_fused_attention(model: Any) -> None:
     so the model stays usable with any cache. Undo with ``model.set_attn_implementation("sdpa")``.
     """
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if FUSED_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(FUSED_ATTENTION, fused_attention)
-        AttentionMaskInterface.register(FUSED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        AttentionMaskInterface.register(FUSED_ATTENTION, _fused_mask)
     model.set_attn_implementation(FUSED_ATTENTION)

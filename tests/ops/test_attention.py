@@ -29,8 +29,12 @@ from walshkv.ops.attention import decode_attention, decode_attention_reference
 BACKENDS = tuple(b for b in ALL_BACKENDS if b != "triton")
 
 CPU_CODECS = ["int2", "int3", "int4", "int5", "int6", "int7", "int8", "rot+int4", "rot+int3", "rrot:7+int4", "q4_0"]
-CPU_CODECS += ["q8_0"]
+CPU_CODECS += ["q8_0", "vht2:5,5,4,3", "vht2:3", "vht2:5,5,4,3:order=sequency"]
 MIXED = [("rot+int4", "int3"), ("rot+int4", "rot+int3"), ("int8", "q4_0"), ("q8_0", "rrot:7+int4"), ("int2", "int5")]
+MIXED += [("vht2:5,5,4,3", "vht2:3"), ("rot+int4", "vht2:2"), ("vht2:6,4,3:order=squarefree", "int4")]
+# vht2 layouts: 1- and 8-bit bands, a skeleton (sk), uneven bands, every order that needs no calibration
+VHT2_VARIANTS = ["vht2:1", "vht2:8,1", "vht2:4,3:sk=40", "vht2:2,7,5,6,3", "vht2:5,5,4,3:order=squarefree-dc"]
+VHT2_VARIANTS += ["rot+vht2:4", "vht2:" + ",".join(["3"] * 32)]
 # absolute tolerance on outputs of magnitude ~1, by query (= output) dtype
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
@@ -85,17 +89,47 @@ def test_codecs_match_sdpa(spec: str, backend: str) -> None:
     torch.testing.assert_close(out, _expected(q, codec.decode(pk), codec.decode(pv)), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_vht2_reference_matches_sdpa(d: int) -> None:
-    k, v = _kv(2, 2, 1029, d, seed=4)
-    codec, pk = _encode("vht2:5,5,4,3", k)
+@pytest.mark.parametrize("spec", VHT2_VARIANTS)
+def test_vht2_layouts_match_sdpa(spec: str, d: int, backend: str) -> None:
+    k, v = _kv(2, 2, 301, d, seed=4)
+    codec, pk = _encode(spec, k)
     pv = codec.encode(v)
     q = _query(2, 6, d)
-    for out in (
-        decode_attention_reference(q, pk, pv, codec, codec, chunk=256),
-        decode_attention(q, pk, pv, codec, codec),  # auto: the reference
-    ):
-        torch.testing.assert_close(out, _expected(q, codec.decode(pk), codec.decode(pv)), atol=2e-5, rtol=1e-4)
+    out = _run(backend, q, pk, pv, codec, codec)
+    torch.testing.assert_close(out, _expected(q, codec.decode(pk), codec.decode(pv)), atol=2e-5, rtol=1e-4)
+
+
+class _Variances:
+    """A stand-in calibration: per-(kind, layer) WHT coefficient variances ``[kv_heads, d]``."""
+
+    def __init__(self, d: int) -> None:
+        self.d = d
+
+    def variance(self, kind: str, layer_idx: int, basis: str) -> torch.Tensor:
+        assert basis == "wht"
+        gen = torch.Generator().manual_seed(layer_idx + (kind == "v"))
+        return torch.rand(2, self.d, generator=gen) ** 4 + 1e-3
+
+
+@pytest.mark.parametrize("spec", ["vht2:auto@3.5", "vht2:5,5,4,3:order=variance"])
+def test_vht2_calibrated_layers(spec: str) -> None:
+    """Calibrated vht2 (bands and order per layer): each bound codec gets its own kernel plan."""
+    calib = _Variances(64)
+    k, v = _kv(1, 2, 200, 64, seed=21)
+    q = _query(1, 6, 64)
+    outs = []
+    for layer in (0, 1):
+        kc = parse_codec(spec).bind(layer, "k", calib)
+        vc = parse_codec(spec).bind(layer, "v", calib)
+        pk, pv = kc.encode(k), vc.encode(v)
+        assert attention_cpu.cpu_supports(kc, 64)
+        out = decode_attention(q, pk, pv, kc, vc, backend="cpu")
+        torch.testing.assert_close(out, _expected(q, kc.decode(pk), vc.decode(pv)), atol=2e-5, rtol=1e-4)
+        outs.append(out)
+    assert not torch.equal(outs[0], outs[1])
+    assert not attention_cpu.cpu_supports(parse_codec(spec), 64)  # unbound: the bands are not known yet
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
@@ -130,8 +164,8 @@ def test_cache_spec_pair_rot_int4_int3() -> None:
 def test_dtypes_gqa_lengths(t: int, ratio: int, dtype: torch.dtype, backend: str) -> None:
     kv = 2
     k, v = _kv(2, kv, t, 64, seed=t + ratio)
-    kc, pk = _encode("rot+int4", k)
-    vc, pv = _encode("rot+int3", v)
+    kc, pk = _encode("rot+int4" if t != 37 else "vht2:5,5,4,3", k)
+    vc, pv = _encode("rot+int3" if t != 37 else "vht2:3", v)
     q = _query(2, kv * ratio, 64, dtype)
     out = _run(backend, q, pk, pv, kc, vc)
     assert out.dtype == dtype and out.shape == q.shape
@@ -141,7 +175,7 @@ def test_dtypes_gqa_lengths(t: int, ratio: int, dtype: torch.dtype, backend: str
 
 @pytest.mark.parametrize(
     ("spec", "backend"),
-    [(s, b) for s in ("rrot:7+int4", "q4_0", "int5") for b in BACKENDS] + [("vht2:5,5,4,3", "reference")],
+    [(s, b) for s in ("rrot:7+int4", "q4_0", "int5", "vht2:5,5,4,3") for b in BACKENDS],
 )
 @pytest.mark.parametrize("r", [1, 5])
 def test_full_precision_window(spec: str, r: int, backend: str) -> None:
@@ -238,7 +272,7 @@ def test_auto_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attn, "fused_decode_cpu", spy)
     k, v = _kv(1, 1, 33, 64, seed=13)
     q = _query(1, 1, 64)
-    for spec, fused in (("rot+int4", True), ("q8_0", True), ("vht2:5,5,4,3", False), ("fp16", False)):
+    for spec, fused in (("rot+int4", True), ("q8_0", True), ("vht2:5,5,4,3", True), ("vzc", False), ("fp16", False)):
         calls.clear()
         codec, pk = _encode(spec, k)
         out = decode_attention(q, pk, codec.encode(v), codec, codec)
@@ -327,8 +361,8 @@ def test_other_errors(small_cache) -> None:
     q = torch.randn(2, 4, 1, 64)
     with pytest.raises(ValueError, match="auto, reference, cpu"):
         decode_attention(q, pk, pv, codec, codec, backend="cuda")
-    with pytest.raises(ValueError, match=r"int2\.\.int8, q4_0, q8_0"):
-        vc = parse_codec("vht2:5,5,4,3")
+    with pytest.raises(ValueError, match=r"does not read 'vzc'.*int2\.\.int8, q4_0, q8_0, vht2"):
+        vc = parse_codec("vzc")
         decode_attention(q, pk, vc.encode(torch.randn(2, 2, 10, 64)), codec, vc, backend="cpu")
     with pytest.raises(ValueError, match="does not match codec 'rot\\+int3'"):
         decode_attention_reference(q, pk, pv, parse_codec("rot+int3"), codec)

@@ -25,8 +25,9 @@ from walshkv.ops import attention as attn
 from walshkv.ops import attention_triton as at
 from walshkv.ops.attention import BACKENDS, decode_attention, decode_attention_reference
 
-CODECS = ["int2", "int3", "int4", "int8", "q4_0", "q8_0", "rot+int4", "rrot:7+int4"]
+CODECS = ["int2", "int3", "int4", "int8", "q4_0", "q8_0", "rot+int4", "rrot:7+int4", "vht2:5,5,4,3", "vht2:3"]
 MIXED = [("rot+int4", "int8"), ("q8_0", "rrot:7+int4"), ("int5", "q4_0"), ("int4", "int2"), ("int6", "int7")]
+MIXED += [("vht2:5,5,4,3:order=sequency", "vht2:1"), ("vht2:4,3:sk=40", "vht2:8,2,7"), ("rot+vht2:6,4", "int4")]
 
 
 def _cache(kspec: str, vspec: str, b: int, kv: int, t: int, d: int, seed: int) -> tuple[Codec, Codec, Packed, Packed]:
@@ -62,8 +63,19 @@ def test_mixed_k_v_codecs(kspec: str, vspec: str) -> None:
 @pytest.mark.parametrize("ratio", [1, 3, 7])
 @pytest.mark.parametrize("t", [1, 37, 130])
 def test_dtypes_gqa_lengths(t: int, ratio: int, dtype: torch.dtype) -> None:
-    kc, vc, pk, pv = _cache("rot+int4", "int8", 2, 2, t, 64, seed=t + ratio)
+    specs = ("vht2:5,5,4,3", "vht2:3") if t == 37 else ("rot+int4", "int8")
+    kc, vc, pk, pv = _cache(*specs, 2, 2, t, 64, seed=t + ratio)
     _check(_query(2, 2 * ratio, 64, dtype), pk, pv, kc, vc)
+
+
+def test_vht2_calibrated() -> None:
+    from test_attention import _Variances
+
+    calib = _Variances(64)
+    k, v = _kv(1, 2, 40, 64, seed=22)
+    kc = parse_codec("vht2:auto@3.5").bind(1, "k", calib)
+    vc = parse_codec("vht2:4,3:order=variance").bind(1, "v", calib)
+    _check(_query(1, 4, 64), kc.encode(k), vc.encode(v), kc, vc)
 
 
 @pytest.mark.parametrize("spec", ["rot+int4", "q4_0"])
@@ -107,7 +119,8 @@ def test_odd_head_dims_and_small_blocks(d: int) -> None:
 def test_supports() -> None:
     for spec in [*CODECS, "int5", "int6", "int7", "center+rot+int4"]:
         assert at.triton_supports(parse_codec(spec), 64), spec
-    for spec in ["vht2:5,5,4,3", "fp16", "q4_1"]:
+    assert at.triton_supports(parse_codec("vht2:5,5,4,3"), 64)
+    for spec in ["vzc", "fp16", "q4_1", "vht2:auto@3.5"]:  # (auto: bands unknown until calibrated)
         assert not at.triton_supports(parse_codec(spec), 64), spec
     assert not at.triton_supports(parse_codec("q4_0"), 48)
 
@@ -127,8 +140,8 @@ def test_auto_on_cpu_does_not_pick_triton(monkeypatch: pytest.MonkeyPatch) -> No
 def test_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     kc, vc, pk, pv = _cache("rot+int4", "int4", 2, 2, 10, 64, seed=16)
     q = _query(2, 4, 64)
-    bad_v = parse_codec("vht2:5,5,4,3")
-    with pytest.raises(ValueError, match=r"does not read 'vht2:5,5,4,3'.*int2\.\.int8, q4_0, q8_0"):
+    bad_v = parse_codec("vzc")
+    with pytest.raises(ValueError, match=r"does not read 'vzc'.*int2\.\.int8, q4_0, q8_0, vht2"):
         decode_attention(q, pk, bad_v.encode(torch.randn(2, 2, 10, 64)), kc, bad_v, backend="triton")
     with pytest.raises(ValueError, match="one decode step"):  # input errors first
         decode_attention(torch.randn(2, 4, 2, 64), pk, pv, kc, vc, backend="triton")
@@ -145,5 +158,5 @@ def test_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         decode_attention(q, pk, pv, kc, vc, backend="triton")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         at.fused_decode_triton(q.reshape(2, 2, 2, 64), pk, pv, parse_codec("int4"), vc)
-    with pytest.raises(ValueError, match="does not read 'vht2"):
+    with pytest.raises(ValueError, match="does not read 'vzc"):
         at.fused_decode_triton(q.reshape(2, 2, 2, 64), pk, pv, parse_codec("int4"), bad_v)

@@ -19,13 +19,17 @@ Softmax is online (streaming): a running max ``m``, denominator ``l`` and unnorm
 are updated chunk by chunk, so the extra memory is one chunk of decoded tokens. All arithmetic is
 float32 whatever the query dtype; the result is cast to the query's dtype at the end.
 
-What is not covered yet: ``vht2`` (one fp16 scale per band), ``tq``, ``kivi``, ``vzc``, ``sqfree``,
+``vht2`` works the same way: its codes are WHT coefficients in the codec's order, so the query is
+transformed once into that basis (WHT, then the order; calibrated orders and bands are per layer) and
+the V sum is transformed back once.
+
+What is not covered yet: ``tq``, ``kivi``, ``vzc``, ``sqfree``,
 ggml types other than q4_0/q8_0 and float codecs go through the reference (correct, but it decodes
 each chunk to float, so it is no faster than decoding the cache); only one query token per call.
 
 Backends (:func:`decode_attention`): ``"reference"`` (pure torch, any codec, decodes chunks of at
 most ``chunk`` tokens), ``"cpu"`` (the fused C++ kernel of :mod:`walshkv.ops.attention_cpu`, for
-int2..int8 and ggml q4_0/q8_0, also under rot+/rrot+/center+) and ``"triton"`` (the fused GPU kernel of
+int2..int8, ggml q4_0/q8_0 and vht2, also under rot+/rrot+/center+) and ``"triton"`` (the fused GPU kernel of
 :mod:`walshkv.ops.attention_triton`, same codecs, CUDA tensors; on CPU tensors only under the Triton
 interpreter, ``TRITON_INTERPRET=1``, which is how the tests run it). The CPU and Triton kernels return
 the partial softmax state of the packed tokens; the rotations and the window are applied here, as for

@@ -109,11 +109,12 @@ def chunked_attention(
                 if extra.dtype == torch.bool:
                     visible = visible & extra
                 else:
-                    s = s + extra.to(torch.float32)
-            s = s.masked_fill(~visible, -math.inf)
+                    s.add_(extra.to(torch.float32))
+            # in place: one tile of scores at a time (fewer and smaller allocations, lower peak memory)
+            s.masked_fill_(~visible, -math.inf)
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
             safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            p = torch.exp(s - safe)
+            p = s.sub_(safe).exp_()
             corr = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, -math.inf), m - safe))
             den = den * corr + p.sum(dim=-1, keepdim=True)
             acc = acc * corr + torch.einsum("bhgtk,bhkd->bhgtd", p, v)

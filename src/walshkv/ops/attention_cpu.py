@@ -37,12 +37,20 @@ the last one must be contiguous):
   ggml blocks carry one scale per 32 values, so there is no per-token factor to pull out of the dot
   product: the kernel multiplies each block's integer codes by its ``d`` while unpacking.
 
+* ``vht2`` (:class:`walshkv.codecs.vht2.VHT2Codec`): ``codes uint8[sum_i ceil(size_i*b_i/8)]``, the
+  bands' LSB-first code streams one after another, each starting on a byte, and ``scale float16[n]``,
+  one per band. Band ``i`` is unpacked with the generic B-bit path into buffer positions
+  ``start_i .. start_i + size_i`` as ``c - qmax`` (a 1-bit band as ``2c - 1``) times its scale, so the
+  buffer holds the kept WHT coefficients in the codec's order (the rest of the vector is 0). The
+  query is multiplied once by the WHT and the order (the codec's *basis*, ``[d, kept]``), the V sum
+  once by its transpose; calibrated codecs (``order=variance``, ``vht2:auto@BITS``) carry their own
+  order and bands per layer, so their plans are keyed on the bound codec object, not on the spec.
+
 Rotations (``rot+``/``rrot+``): the query is multiplied once by the K codec's forward rotation (random
 signs included) and the V sum once by the V codec's inverse rotation; both are cached d x d matrices,
 fused with the softmax scale and the plane order above, so the kernel only ever reads the inner codec's
-codes. ``center+`` is peeled (its decode adds no bias back). ``vht2`` (one fp16 scale per band) and all
-other codecs are not read here; :func:`walshkv.ops.attention.decode_attention` sends them to the
-pure-torch reference.
+codes. ``center+`` is peeled (its decode adds no bias back). All other codecs are not read here;
+:func:`walshkv.ops.attention.decode_attention` sends them to the pure-torch reference.
 
 Why C++: a torch-only chunked path (unpack 4096 tokens of codes at a time with shifts/masks, float
 matmuls with the query, the offset folded in through the query's sum, online softmax across chunks)
@@ -78,6 +86,8 @@ from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.ggml import QK, GGMLCodec
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.rotation import Rotated
+from walshkv.codecs.vht2 import VHT2Codec
+from walshkv.ops.hadamard import hadamard_transform
 from walshkv.ops.packing import packed_nbytes
 
 __all__ = [
@@ -93,7 +103,7 @@ __all__ = [
 ]
 
 #: Human-readable list of the (inner) codecs the fused CPU kernel reads.
-CPU_SUPPORTED = "int2..int8, q4_0, q8_0 (each also under rot+, rrot+ and center+)"
+CPU_SUPPORTED = "int2..int8, q4_0, q8_0, vht2 (each also under rot+, rrot+ and center+)"
 
 # Formats understood by the C++ kernel (keep in sync with the enum in _CPP_SOURCE).
 _FMT_INT4 = 0
@@ -102,6 +112,7 @@ _FMT_INT_GENERIC = 2  # int3, int5, int6, int7
 _FMT_Q4_0 = 3
 _FMT_Q8_0 = 4
 _FMT_INT2 = 5
+_FMT_BANDED = 6  # vht2
 
 _MIN_SPLIT_TOKENS = 256  # no parallel range shorter than this many tokens
 
@@ -136,7 +147,10 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 
-enum Fmt : int { FMT_INT4 = 0, FMT_INT8 = 1, FMT_INT_GENERIC = 2, FMT_Q4_0 = 3, FMT_Q8_0 = 4, FMT_INT2 = 5 };
+enum Fmt : int {
+  FMT_INT4 = 0, FMT_INT8 = 1, FMT_INT_GENERIC = 2, FMT_Q4_0 = 3, FMT_Q8_0 = 4, FMT_INT2 = 5, FMT_BANDED = 6
+};
+static constexpr int MAX_BANDS = 32;
 #include <array>
 static constexpr int TILE = 32;  // tokens per tile
 static constexpr int JB = 4;     // query heads per register block
@@ -222,6 +236,8 @@ struct Src {
   int fmt, bits, row_bytes, d, L;
   float offset;       // qmax for intB
   const uint8_t* end;  // one past the last byte of the codes tensor (bounds for over-wide vector loads)
+  int nbands;          // FMT_BANDED: bands of (first byte, first buffer position, size, bits), one fp16 scale each
+  int band_byte[MAX_BANDS], band_start[MAX_BANDS], band_size[MAX_BANDS], band_bits[MAX_BANDS];
 };
 
 static Src make_src(const std::vector<int64_t>& a) {
@@ -241,6 +257,15 @@ static Src make_src(const std::vector<int64_t>& a) {
   s.L = (int)a[12];
   s.offset = (float)a[13];
   s.end = reinterpret_cast<const uint8_t*>(a.at(14));
+  s.nbands = a.size() > 15 ? (int)a[15] : 0;
+  if (s.fmt == FMT_BANDED && (s.nbands < 1 || s.nbands > MAX_BANDS || (int64_t)a.size() != 16 + 4 * (int64_t)s.nbands))
+    throw std::invalid_argument("walshkv decode attention: bad band table");
+  for (int i = 0; i < s.nbands && i < MAX_BANDS; ++i) {
+    s.band_byte[i] = (int)a[16 + 4 * i];
+    s.band_start[i] = (int)a[17 + 4 * i];
+    s.band_size[i] = (int)a[18 + 4 * i];
+    s.band_bits[i] = (int)a[19 + 4 * i];
+  }
   return s;
 }
 
@@ -329,13 +354,42 @@ static constexpr std::array<int32_t, LANES> generic_shifts() {
   return c;
 }
 
-// B in {3, 5, 6, 7}: groups of GR codes (GR * B / 8 bytes) with one byte shuffle + variable shift;
-// the codes after the last whole group bit by bit.
+// B in 1..8 (used for 3, 5, 6, 7 and for vht2 bands): groups of GR codes (GR * B / 8 bytes) with one
+// byte shuffle + variable shift; the codes after the last whole group bit by bit.
 template <int BITS>
 static inline void unpack_generic(const uint8_t* __restrict row, int d, float off, const uint8_t* end,
                                   float* __restrict buf) {
   constexpr uint32_t M = (1u << BITS) - 1u;
   int i = 0;
+#if defined(__AVX512VBMI__)
+  if constexpr (BITS == 3) {  // 64 codes (24 bytes) at a time: byte permute + multishift, no per-lane shifts
+    alignas(64) static constexpr std::array<uint8_t, 64> idx = [] {
+      std::array<uint8_t, 64> a{};
+      for (int j = 0; j < 8; ++j)
+        for (int k = 0; k < 8; ++k) a[8 * j + k] = (uint8_t)(3 * j + (k < 3 ? k : 2));  // qword j: bytes 3j..3j+2
+      return a;
+    }();
+    alignas(64) static constexpr std::array<uint8_t, 64> sh = [] {
+      std::array<uint8_t, 64> a{};
+      for (int j = 0; j < 64; ++j) a[j] = (uint8_t)(3 * (j % 8));  // byte k of a qword: bits 3k..3k+7
+      return a;
+    }();
+    const __m512i pi = _mm512_load_si512(idx.data()), ms = _mm512_load_si512(sh.data());
+    const __m512i m7 = _mm512_set1_epi8(7);
+    const __m512 o = _mm512_set1_ps(off);
+    for (; i + 64 <= d; i += 64) {
+      const __m512i x = _mm512_maskz_loadu_epi8(0xFFFFFFull, row + i / 8 * 3);  // 24 bytes, never past them
+      const __m512i c = _mm512_and_si512(_mm512_multishift_epi64_epi8(ms, _mm512_permutexvar_epi8(pi, x)), m7);
+      _mm512_storeu_ps(buf + i, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(c))), o));
+      _mm512_storeu_ps(buf + i + 16,
+                       _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 1))), o));
+      _mm512_storeu_ps(buf + i + 32,
+                       _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 2))), o));
+      _mm512_storeu_ps(buf + i + 48,
+                       _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 3))), o));
+    }
+  }
+#endif
 #if defined(__AVX512BW__)
   {
     constexpr int GR = 16, GB = GR * BITS / 8;
@@ -431,6 +485,26 @@ static inline float decode_row(const Src& s, const uint8_t* __restrict row, cons
 #endif
     }
     return 1.0f;
+  } else if constexpr (FMT == FMT_BANDED) {  // vht2: per band c - qmax (1 bit: 2c - 1) times its fp16 scale
+    for (int i = 0; i < s.nbands; ++i) {
+      const uint8_t* r = row + s.band_byte[i];
+      float* __restrict dst = buf + s.band_start[i];
+      const int n = s.band_size[i], bits = s.band_bits[i];
+      const float off = bits == 1 ? 0.5f : (float)((1 << (bits - 1)) - 1);
+      switch (bits) {
+        case 1: unpack_generic<1>(r, n, off, s.end, dst); break;
+        case 2: unpack_generic<2>(r, n, off, s.end, dst); break;
+        case 3: unpack_generic<3>(r, n, off, s.end, dst); break;
+        case 4: unpack_generic<4>(r, n, off, s.end, dst); break;
+        case 5: unpack_generic<5>(r, n, off, s.end, dst); break;
+        case 6: unpack_generic<6>(r, n, off, s.end, dst); break;
+        case 7: unpack_generic<7>(r, n, off, s.end, dst); break;
+        default: unpack_generic<8>(r, n, off, s.end, dst); break;
+      }
+      const float f = h2f(sc + 2 * i) * (bits == 1 ? 2.0f : 1.0f);
+      for (int j = 0; j < n; ++j) dst[j] *= f;
+    }
+    return 1.0f;
   } else {  // FMT_Q8_0
     const int nblk = s.d / 32;
     for (int k = 0; k < nblk; ++k) widen_bytes<true>(row + k * 34 + 2, 32, 0.0f, h2f(row + k * 34), buf + k * 32);
@@ -456,6 +530,7 @@ static TileFn tile_fn(int fmt) {
     case FMT_INT_GENERIC: return decode_tile<FMT_INT_GENERIC>;
     case FMT_Q4_0: return decode_tile<FMT_Q4_0>;
     case FMT_Q8_0: return decode_tile<FMT_Q8_0>;
+    case FMT_BANDED: return decode_tile<FMT_BANDED>;
   }
   throw std::invalid_argument("walshkv decode attention: unknown packed format");
 }
@@ -708,7 +783,11 @@ def peel(codec: Codec) -> tuple[list[Rotated], Codec]:
 
 @dataclass(frozen=True)
 class _Format:
-    """How the kernel reads one codec's rows: format id, code width, bytes per row, decoded length L."""
+    """How the kernel reads one codec's rows: format id, code width, bytes per row, decoded length L.
+
+    ``basis`` (``[head_dim, L]``, ``None`` = identity) maps a vector in the codec's own basis to the
+    kernel's buffer order: buffer row ``b`` stands for the decoded vector ``b @ basis.T``.
+    """
 
     fmt: int
     bits: int
@@ -717,10 +796,42 @@ class _Format:
     offset: int
     codes_field: str
     scale_field: str | None
-    pos: torch.Tensor | None  # buffer position of value i (None: identity)
+    basis: torch.Tensor | None
+    scales: int = 1  # fp16 scales per row
+    bands: tuple[int, ...] = ()  # FMT_BANDED: (first byte, first buffer position, size, bits) per band
 
 
 _FORMATS: dict[tuple[str, str, int], _Format | None] = {}
+_MAX_BANDS = 32  # keep in sync with MAX_BANDS in _CPP_SOURCE
+
+
+def _position_basis(pos: torch.Tensor, length: int) -> torch.Tensor:
+    """``[d, length]`` with a 1 at ``(i, pos[i])``: value ``i`` sits at buffer position ``pos[i]``."""
+    basis = torch.zeros(pos.numel(), length)
+    basis[torch.arange(pos.numel()), pos] = 1.0
+    return basis
+
+
+def _vht2_format(core: VHT2Codec, head_dim: int) -> _Format | None:
+    """vht2: the kept coefficients band by band; the basis is the WHT followed by the codec's order."""
+    try:
+        core.check_head_dim(head_dim)
+        bands = core.bands(head_dim)
+        perm = core.perm(head_dim).cpu()
+    except ValueError:  # not bound yet (auto / variance without calibration), or a bad head_dim
+        return None
+    if not 1 <= len(bands) <= _MAX_BANDS:
+        return None
+    table: list[int] = []
+    byte = start = 0
+    for band in bands:
+        table += [byte, start, band.size, band.bits]
+        byte += band.nbytes
+        start += band.size
+    kept = start
+    wht = hadamard_transform(torch.eye(head_dim, dtype=torch.float32))  # symmetric: row i = WHT(e_i)
+    basis = wht[:, perm[:kept]].contiguous()  # column j = coefficient perm[j]
+    return _Format(_FMT_BANDED, 0, byte, kept, 0, "codes", "scale", basis, len(bands), tuple(table))
 
 
 def cpu_format(core: Codec, head_dim: int) -> _Format | None:
@@ -740,13 +851,17 @@ def cpu_format(core: Codec, head_dim: int) -> _Format | None:
             i = torch.arange(head_dim)
             pos = (i % planes) * nb + i // planes
             kind = _FMT_INT4 if bits == 4 else _FMT_INT2
-            fmt = _Format(kind, bits, nb, planes * nb, qmax, "codes", "scale", pos)
+            fmt = _Format(kind, bits, nb, planes * nb, qmax, "codes", "scale", _position_basis(pos, planes * nb))
         else:
             fmt = _Format(_FMT_INT_GENERIC, bits, nb, head_dim, qmax, "codes", "scale", None)
     elif type(core) is GGMLCodec and core.name in ("q4_0", "q8_0") and head_dim >= QK and head_dim % QK == 0:
         kind = _FMT_Q4_0 if core.name == "q4_0" else _FMT_Q8_0
         nbytes = head_dim // QK * core.block_bytes
         fmt = _Format(kind, 4 if kind == _FMT_Q4_0 else 8, nbytes, head_dim, 0, "blocks", None, None)
+    elif type(core) is VHT2Codec:
+        fmt = _vht2_format(core, head_dim)
+        if core._perm is not None:  # a calibrated (bound) codec: its spec names the layer, but do not cache
+            return fmt
     _FORMATS[key] = fmt
     return fmt
 
@@ -767,7 +882,7 @@ class CpuPlan:
     out_map: torch.Tensor | None  # [L_v, d]: V's buffer order back and its unrotation (None: identity)
 
 
-_PLANS: dict[tuple[Any, ...], CpuPlan | None] = {}
+_PLANS: dict[tuple[Any, ...], tuple[CpuPlan | None, Codec, Codec]] = {}
 _MAX_PLANS = 256
 
 
@@ -789,28 +904,37 @@ def _make_plan(k_codec: Codec, v_codec: Codec, d: int, scale: float) -> CpuPlan 
         return None
     q_map = None
     rot_k = _rotation_matrix(k_rots, d, inverse=False)
-    if rot_k is not None or fk.pos is not None:
-        q_map = torch.zeros(d, fk.length)
-        q_map[:, fk.pos if fk.pos is not None else torch.arange(d)] = (
-            rot_k if rot_k is not None else torch.eye(d)
-        ) * scale
+    if rot_k is not None or fk.basis is not None:
+        q_map = (rot_k if rot_k is not None else torch.eye(d)) @ (fk.basis if fk.basis is not None else torch.eye(d))
+        q_map = q_map * scale
     out_map = None
     rot_v = _rotation_matrix(v_rots, d, inverse=True)
-    if rot_v is not None or fv.pos is not None:
-        out_map = torch.zeros(fv.length, d)
-        out_map[fv.pos if fv.pos is not None else torch.arange(d)] = rot_v if rot_v is not None else torch.eye(d)
+    if rot_v is not None or fv.basis is not None:
+        basis_t = fv.basis.T if fv.basis is not None else torch.eye(d)
+        out_map = basis_t @ (rot_v if rot_v is not None else torch.eye(d))
     return CpuPlan(fk, fv, scale, q_map, out_map)
 
 
 def cpu_plan(k_codec: Codec, v_codec: Codec, head_dim: int, scale: float) -> CpuPlan | None:
     """The kernel's cached per-(codecs, head_dim, scale) setup, or ``None`` if it cannot read a codec."""
-    key = (type(k_codec).__qualname__, k_codec.spec, type(v_codec).__qualname__, v_codec.spec, head_dim, scale)
+    key: tuple[Any, ...] = (type(k_codec).__qualname__, k_codec.spec, type(v_codec).__qualname__, v_codec.spec)
+    key += (head_dim, scale)
+    if _calibrated(k_codec) or _calibrated(v_codec):
+        # a calibrated codec's spec does not identify its statistics: key on the objects themselves (the
+        # entry keeps them alive, so their ids cannot be reused while it exists)
+        key += (id(k_codec), id(v_codec))
     if key in _PLANS:
-        return _PLANS[key]
+        return _PLANS[key][0]
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    plan = _PLANS[key] = _make_plan(k_codec, v_codec, head_dim, scale)
+    plan = _make_plan(k_codec, v_codec, head_dim, scale)
+    _PLANS[key] = (plan, k_codec, v_codec)
     return plan
+
+
+def _calibrated(codec: Codec) -> bool:
+    core = peel(codec)[1]
+    return isinstance(core, VHT2Codec) and core._perm is not None
 
 
 def _desc(packed: Packed, f: _Format, head_dim: int, what: str) -> tuple[list[int], list[torch.Tensor]]:
@@ -832,14 +956,18 @@ def _desc(packed: Packed, f: _Format, head_dim: int, what: str) -> tuple[list[in
     scale_ptr, s0, s1, s2 = 0, 0, 0, 0
     if f.scale_field is not None:
         scale = packed.tensors.get(f.scale_field)
-        if scale is None or scale.dtype != torch.float16 or scale.shape != (*shape[:3], 1):
-            raise ValueError(f"packed {what} field {f.scale_field!r} must be float16 [batch, heads, seq, 1]")
+        if scale is None or scale.dtype != torch.float16 or scale.shape != (*shape[:3], f.scales):
+            raise ValueError(f"packed {what} field {f.scale_field!r} must be float16 [batch, heads, seq, {f.scales}]")
+        if scale.stride(3) != 1:
+            scale = scale.contiguous()
         keep.append(scale)
         scale_ptr = scale.data_ptr()
         s0, s1, s2, _ = scale.stride()
         s0, s1, s2 = 2 * s0, 2 * s1, 2 * s2
     desc = [ptr, st[0], st[1], st[2], scale_ptr, s0, s1, s2, f.fmt, f.bits, f.row_bytes, head_dim, f.length]
     desc += [f.offset, end]
+    if f.bands:
+        desc += [len(f.bands) // 4, *f.bands]
     return desc, keep
 
 

@@ -19,6 +19,12 @@ dimension of every field must be contiguous, the leading three may have any stri
   of byte ``j``, value ``j + 16`` high nibble); value ``(nibble - 8) * d``.
 * ``q8_0``: 34-byte blocks, ``d: float16`` then ``int8[32]``; value ``qs[j] * d``.
 
+* ``vht2``: bands of LSB-first codes, each starting on a byte, one fp16 scale per band. A small int32
+  table per head_dim position (bit offset in the row, width, band, and ``mul``/``offset`` so that the
+  value is ``(code * mul - offset) * scale[band]``; width 0 for coefficients the skeleton drops) drives
+  a gather load of one or two bytes per code. The query is multiplied by the WHT and the codec's order
+  before the kernel and the V sum by the transpose after it, here rather than in the caller.
+
 Rotation wrappers (``rot+``/``rrot+``) and ``center+`` are peeled by the caller: it passes the query
 rotated into the K codec's basis and unrotates the V sum once. Anything else raises a ValueError.
 
@@ -45,7 +51,9 @@ import torch
 from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.ggml import QK, GGMLCodec
 from walshkv.codecs.intq import IntCodec
+from walshkv.codecs.vht2 import VHT2Codec
 from walshkv.ops.attention_cpu import peel
+from walshkv.ops.hadamard import hadamard_transform
 from walshkv.ops.packing import packed_nbytes
 
 __all__ = [
@@ -57,11 +65,12 @@ __all__ = [
 ]
 
 #: Human-readable list of the (inner) codecs the Triton kernel reads.
-TRITON_SUPPORTED = "int2..int8, q4_0, q8_0 (each also under rot+, rrot+ and center+)"
+TRITON_SUPPORTED = "int2..int8, q4_0, q8_0, vht2 (each also under rot+, rrot+ and center+)"
 
 _FMT_INT = 0
 _FMT_Q4_0 = 1
 _FMT_Q8_0 = 2
+_FMT_BANDED = 3  # vht2
 
 _lock = threading.Lock()
 _available: bool | None = None
@@ -94,7 +103,37 @@ def _format(core: Codec, head_dim: int) -> tuple[int, int, int, int, str] | None
     if type(core) is GGMLCodec and core.name in ("q4_0", "q8_0") and head_dim >= QK and head_dim % QK == 0:
         fmt = _FMT_Q4_0 if core.name == "q4_0" else _FMT_Q8_0
         return fmt, 4 if fmt == _FMT_Q4_0 else 8, head_dim // QK * core.block_bytes, 0, "blocks"
+    if type(core) is VHT2Codec:
+        try:
+            core.check_head_dim(head_dim)
+            row_bytes = sum(band.nbytes for band in core.bands(head_dim))
+            core.perm(head_dim)
+        except ValueError:  # not bound yet (auto / variance without calibration), or a bad head_dim
+            return None
+        return _FMT_BANDED, 0, row_bytes, 0, "codes"
     return None
+
+
+def _band_table(core: VHT2Codec, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per buffer position ``j < head_dim``: int32 rows (bit offset in the row, width, band, mul, offset)
+    with value ``(code * mul - offset) * scale[band]`` (width 0: not kept, decodes as 0), and the basis
+    ``[head_dim, head_dim]`` whose column ``j`` is the WHT coefficient stored at position ``j``."""
+    table = torch.zeros(5, head_dim, dtype=torch.int32)
+    bit = start = 0
+    for i, band in enumerate(core.bands(head_dim)):
+        sl = slice(start, start + band.size)
+        table[0, sl] = bit + torch.arange(band.size, dtype=torch.int32) * band.bits
+        table[1, sl] = band.bits
+        table[2, sl] = i
+        table[3, sl] = 2 if band.bits == 1 else 1  # 1 bit: 2c - 1 (sign); else c - qmax
+        table[4, sl] = 1 if band.bits == 1 else (1 << (band.bits - 1)) - 1
+        bit += band.nbytes * 8
+        start += band.size
+    wht = hadamard_transform(torch.eye(head_dim, dtype=torch.float32))
+    perm = core.perm(head_dim).cpu()
+    basis = torch.zeros(head_dim, head_dim)
+    basis[:, :start] = wht[:, perm[:start]]
+    return table.to(device), basis.to(device)
 
 
 def triton_supports(codec: Codec, head_dim: int) -> bool:
@@ -112,6 +151,7 @@ tl: Any = None  # triton.language, bound by _build()
 def _rows(
     codes_ptr,
     scale_ptr,
+    tab_ptr,
     b,
     h,
     offs_n,
@@ -128,6 +168,7 @@ def _rows(
     BITS: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     QMAX: tl.constexpr,
+    ROW_D: tl.constexpr,
 ):
     """Unpacked rows ``[BLOCK_N, BLOCK_D]`` (block scales applied) and per-token scales ``[BLOCK_N]``."""
     row = codes_ptr + b * cs0 + h * cs1 + offs_n[:, None] * cs2
@@ -146,6 +187,22 @@ def _rows(
             code = ((lo | (hi << 8)) >> shift) & ((1 << BITS) - 1)
         vals = tl.where(m2, (code - QMAX).to(tl.float32), 0.0)
         tok = tl.load(scale_ptr + b * ss0 + h * ss1 + offs_n * ss2, mask=mask_n, other=0.0).to(tl.float32)
+    elif FMT == 3:  # vht2 bands: per position bit offset, width, band, mul, offset (tab_ptr [5, D])
+        bitpos = tl.load(tab_ptr + offs_d, mask=mask_d, other=0)
+        width = tl.load(tab_ptr + ROW_D + offs_d, mask=mask_d, other=0)
+        band = tl.load(tab_ptr + 2 * ROW_D + offs_d, mask=mask_d, other=0)
+        mul = tl.load(tab_ptr + 3 * ROW_D + offs_d, mask=mask_d, other=0)
+        off = tl.load(tab_ptr + 4 * ROW_D + offs_d, mask=mask_d, other=0)
+        mk = m2 & (width > 0)[None, :]
+        byte = (bitpos // 8)[None, :]
+        shift = (bitpos % 8)[None, :]
+        lo = tl.load(row + byte, mask=mk, other=0).to(tl.int32)
+        hi = tl.load(row + byte + 1, mask=mk & (byte + 1 < ROW_BYTES), other=0).to(tl.int32)
+        code = ((lo | (hi << 8)) >> shift) & ((1 << width) - 1)[None, :]
+        srow = scale_ptr + b * ss0 + h * ss1 + offs_n[:, None] * ss2 + band[None, :]
+        bsc = tl.load(srow, mask=mk, other=0.0).to(tl.float32)
+        vals = tl.where(mk, (code * mul[None, :] - off[None, :]).to(tl.float32) * bsc, 0.0)
+        tok = tl.where(mask_n, 1.0, 0.0)
     else:  # ggml q4_0 / q8_0: 32-value blocks, fp16 d first
         j = offs_d % 32
         base = (offs_d // 32) * (18 if FMT == 1 else 34)  # block bytes
@@ -168,8 +225,10 @@ def _decode_kernel(
     q_ptr,
     kc_ptr,
     ks_ptr,
+    kt_ptr,
     vc_ptr,
     vs_ptr,
+    vt_ptr,
     m_ptr,
     l_ptr,
     acc_ptr,
@@ -215,8 +274,8 @@ def _decode_kernel(
         mask_n = offs_n < T
         offs_n64 = offs_n.to(tl.int64)
         kv_rows, ktok = _rows(
-            kc_ptr, ks_ptr, b, h, offs_n64, mask_n, offs_d, mask_d, kcs0, kcs1, kcs2, kss0, kss1, kss2,
-            K_FMT, K_BITS, K_ROW, K_QMAX,
+            kc_ptr, ks_ptr, kt_ptr, b, h, offs_n64, mask_n, offs_d, mask_d, kcs0, kcs1, kcs2, kss0, kss1, kss2,
+            K_FMT, K_BITS, K_ROW, K_QMAX, D,
         )  # fmt: skip
         s = tl.sum(kv_rows * q[None, :], axis=1) * ktok
         s = tl.where(mask_n, s, -float("inf"))
@@ -225,8 +284,8 @@ def _decode_kernel(
         p = tl.exp(s - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         v_rows, vtok = _rows(
-            vc_ptr, vs_ptr, b, h, offs_n64, mask_n, offs_d, mask_d, vcs0, vcs1, vcs2, vss0, vss1, vss2,
-            V_FMT, V_BITS, V_ROW, V_QMAX,
+            vc_ptr, vs_ptr, vt_ptr, b, h, offs_n64, mask_n, offs_d, mask_d, vcs0, vcs1, vcs2, vss0, vss1, vss2,
+            V_FMT, V_BITS, V_ROW, V_QMAX, D,
         )  # fmt: skip
         acc = acc * alpha + tl.sum((p * vtok)[:, None] * v_rows, axis=0)
         m_i = m_new
@@ -260,8 +319,10 @@ def _build() -> Any:
         return kernel
 
 
-def _fields(packed: Packed, fmt: tuple[int, int, int, int, str], what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The codes (uint8, last dim contiguous) and, for intB, the fp16 scales of one packed cache."""
+def _fields(
+    packed: Packed, fmt: tuple[int, int, int, int, str], what: str, scales: int = 1
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The codes (uint8, last dim contiguous) and, for intB and vht2, the fp16 scales of one packed cache."""
     kind, _, row_bytes, _, name = fmt
     codes = packed.tensors.get(name)
     if codes is None or codes.dtype != torch.uint8 or codes.dim() != 4 or codes.shape[3] != row_bytes:
@@ -272,11 +333,13 @@ def _fields(packed: Packed, fmt: tuple[int, int, int, int, str], what: str) -> t
         )
     if codes.stride(3) != 1:
         codes = codes.contiguous()
-    if kind != _FMT_INT:
+    if kind not in (_FMT_INT, _FMT_BANDED):
         return codes, None
     scale = packed.tensors.get("scale")
-    if scale is None or scale.dtype != torch.float16 or tuple(scale.shape) != (*codes.shape[:3], 1):
-        raise ValueError(f"packed {what} field 'scale' must be float16 [batch, heads, seq, 1]")
+    if scale is None or scale.dtype != torch.float16 or tuple(scale.shape) != (*codes.shape[:3], scales):
+        raise ValueError(f"packed {what} field 'scale' must be float16 [batch, heads, seq, {scales}]")
+    if scale.stride(3) != 1:
+        scale = scale.contiguous()
     return codes, scale
 
 
@@ -322,10 +385,19 @@ def fused_decode_triton(
             f"the Triton decode kernel needs CUDA tensors, q is on {q.device}; CPU tensors only run under the "
             "Triton interpreter (set TRITON_INTERPRET=1)"
         )
-    kc, ks = _fields(packed_k, fk, "K")
-    vc, vs = _fields(packed_v, fv, "V")
+    k_tab = v_tab = k_basis = v_basis = None
+    if isinstance(k_core, VHT2Codec):
+        k_tab, k_basis = _band_table(k_core, d, q.device)
+    if isinstance(v_core, VHT2Codec):
+        v_tab, v_basis = _band_table(v_core, d, q.device)
+    kc, ks = _fields(packed_k, fk, "K", len(k_core.bands(d)) if isinstance(k_core, VHT2Codec) else 1)
+    vc, vs = _fields(packed_v, fv, "V", len(v_core.bands(d)) if isinstance(v_core, VHT2Codec) else 1)
     ks_t = ks if ks is not None else kc  # (unused by the ggml branch: any pointer will do)
     vs_t = vs if vs is not None else vc
+    kt_t = k_tab if k_tab is not None else kc  # (read by the vht2 branch only)
+    vt_t = v_tab if v_tab is not None else vc
+    if k_basis is not None:  # the query in the order the kernel unpacks K's coefficients
+        q = q.to(torch.float32) @ k_basis
     kss = ks.stride()[:3] if ks is not None else (0, 0, 0)
     vss = vs.stride()[:3] if vs is not None else (0, 0, 0)
     t = packed_k.seq_len
@@ -337,10 +409,12 @@ def fused_decode_triton(
     bn = block_n if block_n is not None else (64 if block_d <= 64 else 32)
     kernel = _build()
     kernel[(b * kv * g,)](
-        qc, kc, ks_t, vc, vs_t, m, l_sum, acc, t, kv, g,
+        qc, kc, ks_t, kt_t, vc, vs_t, vt_t, m, l_sum, acc, t, kv, g,
         *kc.stride()[:3], *kss, *vc.stride()[:3], *vss,
         D=d, BLOCK_D=block_d, BLOCK_N=bn,
         K_FMT=fk[0], K_BITS=fk[1], K_ROW=fk[2], K_QMAX=fk[3],
         V_FMT=fv[0], V_BITS=fv[1], V_ROW=fv[2], V_QMAX=fv[3],
     )  # fmt: skip
+    if v_basis is not None:  # the V sum from coefficient order back to v_core's (model) basis
+        acc = acc @ v_basis.T
     return m, l_sum, acc
