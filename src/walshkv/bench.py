@@ -4,8 +4,11 @@ measured in the same run (these machines are shared and noisy, so absolute times
 1. **Attention** (``--part attention``): one decode step (one query token per sequence, GQA) against
    ``kv_len`` cached tokens of random K/V. Baselines: torch SDPA over fp16, bf16 and fp32 caches (query
    in the cache's dtype). Each codec: :func:`walshkv.ops.attention.decode_attention` straight from the
-   packed codes (fp32 query). Per row: median time per step, the ratio against SDPA-fp16 and
-   SDPA-fp32 (above 1: faster), the cache bytes the step reads and the effective GB/s they imply,
+   packed codes (fp32 query). The methods of one ``kv_len`` are timed in interleaved rounds (each
+   round calls every method once), so a slow phase of a shared machine slows the baselines and the
+   codecs alike. Per row: median time per step, the ratio against SDPA-fp16 and SDPA-fp32 (median
+   over rounds of the per-round ratio; above 1: faster), the cache bytes the step reads and the
+   effective GB/s they imply,
    against this machine's copy bandwidth measured in the same run (``dst.copy_(src)`` of 256 MB).
 2. **Generation** (``--part generation``): the model reads ``ctx`` tokens of text (prefill in chunks of
    ``--prefill-chunk``, so no ctx x ctx mask is ever built) and then greedily generates ``--new-tokens``
@@ -104,6 +107,31 @@ def _median_seconds(
     return statistics.median(times)
 
 
+def _interleaved_seconds(
+    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 2, budget: float = 3.0, device: str = "cpu"
+) -> dict[str, list[float]]:
+    """Per-call seconds of every function, timed in rounds that call each function once, in turn.
+
+    At least ``repeats`` rounds, and up to ``3 * repeats`` while within ``budget`` seconds.
+    """
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    started = time.perf_counter()
+    rounds = 0
+    while rounds < repeats or (rounds < 3 * repeats and time.perf_counter() - started < budget):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return times
+
+
 def copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: str = "cpu") -> float:
     """The device's copy bandwidth in GB/s (bytes read + written per second), ``dst.copy_(src)``."""
     n = megabytes * 2**20 // 4
@@ -162,37 +190,43 @@ def bench_attention(
         k = torch.randn(batch, kv_heads, n, head_dim, generator=gen).to(device)
         v = torch.randn(batch, kv_heads, n, head_dim, generator=gen).to(device)
         q = torch.randn(batch, q_heads, 1, head_dim, generator=gen).to(device)
-        base: dict[str, float] = {}
+        fns: dict[str, Callable[[], Any]] = {}
+        info: dict[str, tuple[int, str]] = {}  # method -> (cache bytes, backend)
         for name, dt in SDPA_DTYPES.items():
             kc, vc, qc = k.to(dt), v.to(dt), q.to(dt)
 
             def sdpa(qc: torch.Tensor = qc, kc: torch.Tensor = kc, vc: torch.Tensor = vc) -> torch.Tensor:
                 return torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, enable_gqa=True)
 
-            sec = _median_seconds(sdpa, repeats, device=device)
-            base[name] = sec
-            nbytes = 2 * kc.numel() * kc.element_size()
-            rows.append(_row(n, f"sdpa-{name}", sec, nbytes, "torch"))
-            bar.update()
+            fns[f"sdpa-{name}"] = sdpa
+            info[f"sdpa-{name}"] = (2 * kc.numel() * kc.element_size(), "torch")
+        encode_ms: dict[str, float] = {}
         for spec_name, spec in specs.items():
             pk, pv = spec.k.encode(k), spec.v.encode(v)
             kernel = "triton" if device.startswith("cuda") else "cpu"
-            backend = kernel if fast(spec.k) and fast(spec.v) else "reference"
 
             def fused(pk: Any = pk, pv: Any = pv, spec: Any = spec, q: torch.Tensor = q) -> torch.Tensor:
                 return decode_attention(q, pk, pv, spec.k, spec.v)
 
-            sec = _median_seconds(fused, repeats, device=device)
-            rows.append(_row(n, spec_name, sec, pk.nbytes() + pv.nbytes(), backend))
+            fns[spec_name] = fused
+            info[spec_name] = (pk.nbytes() + pv.nbytes(), kernel if fast(spec.k) and fast(spec.v) else "reference")
             k1, v1 = k[:, :, -1:], v[:, :, -1:]  # writing one decode step's token (quantize on write)
-            rows[-1]["encode_ms"] = 1e3 * _median_seconds(
+            encode_ms[spec_name] = 1e3 * _median_seconds(
                 lambda s=spec, a=k1, b=v1: (s.k.encode(a), s.v.encode(b)), repeats, device=device
             )
+        times = _interleaved_seconds(fns, repeats, device=device)
+        for method, ts in times.items():
+            nbytes, backend = info[method]
+            row = _row(n, method, statistics.median(ts), nbytes, backend)
+            # paired ratios: each round times every method once, so a slow phase of a shared machine
+            # hits the baseline and the method alike; the median over rounds of the per-round ratio
+            row["speedup_vs_sdpa_fp16"] = statistics.median(b / t for b, t in zip(times["sdpa-fp16"], ts, strict=True))
+            row["speedup_vs_sdpa_fp32"] = statistics.median(b / t for b, t in zip(times["sdpa-fp32"], ts, strict=True))
+            row["rounds"] = len(ts)
+            if method in encode_ms:
+                row["encode_ms"] = encode_ms[method]
+            rows.append(row)
             bar.update()
-        for r in rows:
-            if r["kv_len"] == n:
-                r["speedup_vs_sdpa_fp16"] = base["fp16"] / r["seconds"]
-                r["speedup_vs_sdpa_fp32"] = base["fp32"] / r["seconds"]
     bar.close()
     return rows
 
