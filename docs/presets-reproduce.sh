@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every figure in docs/presets.md. For each model and budget (3, 3.5, 4.5 bits per element):
-#   1. `walshkv recommend` chooses the spec on calibration text only (Python's docs: K mean from its
-#      first half, candidates ranked on 4 windows of its second half) and writes the preset file;
+#   1. `walshkv recommend --per-layer` chooses the spec on calibration text only (Python's docs: K mean
+#      from its first half, candidates ranked on 4 windows of its second half, then 0.5-bit widths
+#      moved between layers on the same windows) and writes the preset file;
 #   2. `walshkv calibrate --preset` writes the built-in spec's file (K mean of python-docs);
 #   3. both are evaluated on Austen's Emma (8 windows of 512 tokens), which neither step has seen;
 # then scripts/presets_table.py sets them against the peers' rows of docs/baselines-reproduce.sh
@@ -9,8 +10,8 @@
 # RECOMMEND=0 skips step 1 and evaluates the three built-in presets in one run, with the K mean
 # collected from python-docs in the same run (--calib-text). That is the default for qwen2.5-1.5b
 # (its recommend runs need about 40 minutes on 2 cores; RECOMMEND=1 runs them).
-# Idempotent: finished files are kept. On 2 CPU cores: about 10 minutes for smollm2-135m, 10 for
-# qwen2.5-1.5b (built-in presets only) and 15 for gemma3-270m.
+# Idempotent: finished files are kept. On 2 CPU cores: about 25 minutes for smollm2-135m, 10 for
+# qwen2.5-1.5b (built-in presets only) and 40 for gemma3-270m (the per-layer step dominates).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TEXT=../shared/data/austen_emma.txt
@@ -28,7 +29,7 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
     chosen="$out/walshkv-$bits.gguf"
     builtin="$out/builtin-$bits.gguf"
     [ -f "$chosen" ] || walshkv recommend --model "$model" --text python-docs --bits "$bits" --quiet \
-      -o "$chosen" --json "$out/recommend-$bits.json"
+      --per-layer -o "$chosen" --json "$out/recommend-$bits.json"
     [ -f "$builtin" ] || walshkv calibrate --model "$model" --text python-docs --preset "walshkv:$bits" \
       --quiet -o "$builtin"
     [ -f "$out/eval-$bits.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec "walshkv:$bits" \

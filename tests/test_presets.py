@@ -127,12 +127,14 @@ def test_cli_recommend_never_reads_the_evaluation_text(hd64_lm, tmp_path, monkey
     calib.write_text(TEXT.content)
     out = tmp_path / "rec.gguf"
     argv = ["recommend", "--text", str(calib), "--bits", "3.5", "--windows", "2", "--ctx", "64"]
-    argv += ["--calib-tokens", "128", "-o", str(out), "--json", str(tmp_path / "r.json"), "--quiet"]
+    argv += ["--calib-tokens", "128", "-o", str(out), "--json", str(tmp_path / "r.json"), "--quiet", "--per-layer"]
     assert main(argv) == 0
     assert loaded == [str(calib)]
     stdout = capsys.readouterr().out
-    assert "winner for walshkv:3.5" in stdout and "mean KLD" in stdout
+    assert "winner for walshkv:3.5" in stdout and "mean KLD" in stdout and "per-layer widths from" in stdout
     saved = json.loads((tmp_path / "r.json").read_text())
+    assert len(saved["per_layer"]["moves"]) == 4 * hd64_lm.info["layers"]
+    assert saved["winner"] in {saved["per_layer"]["spec"], saved["per_layer"]["base"], saved["results"][0]["codec"]}
     bias = read_kv_mean_center(out)
     assert bias.meta["walshkv.preset.spec"] == saved["winner"] and bias.meta["walshkv.preset.budget"] == "3.5"
 
@@ -156,3 +158,50 @@ def test_cli_calibrate_preset_then_eval(hd64_lm, tmp_path, monkeypatch, capsys):
     assert f"walshkv:3.5 = {BUILTIN['walshkv:3.5']}" in capsys.readouterr().err
     assert main(["calibrate", "--preset", "walshkv:9", "--quiet"]) != 0
     assert "unknown preset 'walshkv:9'" in capsys.readouterr().err
+
+
+def test_shift_width():
+    from walshkv.presets import shift_width
+
+    assert shift_width("center+tq:4", 0.5) == "center+tq:4.5"
+    assert shift_width("tq:2.5", -0.5) == "tq:2"
+    assert shift_width("tq:8", 0.5) is None and shift_width("tq:1", -0.5) is None
+    assert shift_width("rot+int4", 0.5) is None
+
+
+def test_layered_spec_runs_in_a_cache_and_counts_bits(hd64_lm):
+    layers = hd64_lm.info["layers"]
+    spec = f"layers:tq:5/tq:4@0;tq:3/tq:2@{layers - 1};tq:4/tq:3"
+    cache = CompressedCache(spec, config=hd64_lm.model.config)
+    with torch.inference_mode():
+        hd64_lm.model(input_ids=torch.randint(3, 96, (1, 20)), cache=cache, use_cache=True)
+    assert cache.bits_per_element() == pytest.approx(parse_cache_spec(spec).bits_per_element(64, layers))
+    assert cache.nbytes() == cache.layout_nbytes()
+    assert spec in candidates_for(4.0, 64, [spec], layers)
+    with pytest.raises(ValueError, match="layer count"):
+        candidates_for(4.0, 64, [spec])
+    with pytest.raises(ValueError, match="names layer 99"):
+        CompressedCache("layers:tq:5@99;tq:4", config=hd64_lm.model.config)
+
+
+def test_allocate_layers_pairs_moves_within_the_budget(hd64_lm):
+    from walshkv.calibration import collect_kv_stats
+    from walshkv.presets import allocate_layers
+
+    calib, select = split_text(TEXT)
+    stats = collect_kv_stats(hd64_lm, calib, tokens=128, ctx=64, progress=False)
+    base = "center+tq:4/tq:2.5"
+    plan = allocate_layers(hd64_lm, select, stats, base, windows=2, ctx=64, progress=False)
+    layers = hd64_lm.info["layers"]
+    assert plan is not None and plan.base == base and len(plan.moves) == 4 * layers
+    assert {m["delta"] for m in plan.moves} == {0.5, -0.5}
+    ups = [m for m in plan.chosen if m["delta"] > 0]
+    downs = [m for m in plan.chosen if m["delta"] < 0]
+    assert len(ups) == len(downs)  # paired: the budget is unchanged
+    for up, down in zip(ups, downs, strict=True):
+        assert -up["kld_change"] > down["kld_change"]
+    parsed = parse_cache_spec(plan.spec)
+    bits = parsed.bits_per_element(64, layers) if plan.spec.startswith("layers:") else parsed.bits_per_element(64)
+    assert bits == pytest.approx(parse_cache_spec(base).bits_per_element(64))
+    assert plan.spec in {base, *(r["codec"] for r in plan.rows)}
+    assert allocate_layers(hd64_lm, select, stats, "center+rot+int4", windows=1, ctx=64, progress=False) is None

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from walshkv.codecs.base import Packed
-from walshkv.codecs.spec import CacheSpec, HFCacheSpec, parse_cache_spec
+from walshkv.codecs.spec import CacheSpec, HFCacheSpec, LayeredCacheSpec, parse_cache_spec
 
 __all__ = [
     "FUSED_ATTENTION",
@@ -556,6 +556,8 @@ class CompressedCache(Cache):
             text_config.hidden_size // text_config.num_attention_heads
         )
         self.cache_spec.check_head_dim(head_dim)
+        if isinstance(self.cache_spec, LayeredCacheSpec):
+            self.cache_spec.check_layers(text_config.num_hidden_layers)
         if calibration is not None:
             calibration.check_matches(text_config.num_hidden_layers, text_config.num_key_value_heads, head_dim)
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)

@@ -10,6 +10,7 @@ import json
 import shlex
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["main"]
 
@@ -193,7 +194,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     name = preset_name_for_bits(args.bits)  # validates the budget before loading anything
     text = load_text(args.text)
     lm = load_model(args.model, progress=not args.quiet)
-    n = len(candidates_for(args.bits, lm.info["head_dim"], args.candidate or ()))
+    n = len(candidates_for(args.bits, lm.info["head_dim"], args.candidate or (), lm.info["layers"]))
     print(
         f"{lm.name}: {n} candidate specs within {args.bits:g} bits per element at head_dim {lm.info['head_dim']}; "
         f"K mean from the first half of {text.name}, ranked on {args.windows} windows of {args.ctx} tokens of "
@@ -208,9 +209,13 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         ctx=args.ctx,
         calib_tokens=args.calib_tokens,
         extra=args.candidate or (),
+        per_layer=args.per_layer,
         progress=not args.quiet,
     )
     print(format_table(rec.rows))
+    if rec.plan is not None:
+        moved = ", ".join(f"{m['kind'].upper()}{m['layer']} {m['delta']:+g}" for m in rec.plan.chosen) or "none"
+        print(f"\nper-layer widths from {rec.plan.base}: moves {moved}")
     best = rec.rows[0]
     print(
         f"\nwinner for {name} on {lm.name}: {rec.preset.spec} (mean KLD {best['kld_mean']:.6f}, "
@@ -225,7 +230,16 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         f"walshkv eval --model {lm.name} --codec {name} --kv-mean-center {output} --text OTHER"
     )
     if args.json:
-        write_json(args.json, {"meta": rec.meta, "winner": rec.preset.spec, "preset": name, "results": rec.rows})
+        payload: dict[str, Any] = {"meta": rec.meta, "winner": rec.preset.spec, "preset": name, "results": rec.rows}
+        if rec.plan is not None:
+            payload["per_layer"] = {
+                "base": rec.plan.base,
+                "spec": rec.plan.spec,
+                "moves": rec.plan.moves,
+                "chosen": rec.plan.chosen,
+                "check": rec.plan.rows,
+            }
+        write_json(args.json, payload)
     return 0
 
 
@@ -407,6 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
     re_.add_argument("--ctx", type=int, default=512, help="tokens per window")
     re_.add_argument("--calib-tokens", type=int, default=8192, help="tokens for the K mean")
     re_.add_argument("--candidate", action="append", metavar="SPEC", help="an extra candidate spec, repeatable")
+    re_.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="then move 0.5-bit widths of K and V between layers at the same budget (4 runs per layer on the "
+        "same windows), keeping the result only if it beats the uniform winner",
+    )
     re_.add_argument("-o", "--output", help="preset file (default MODEL-walshkv-B.gguf)")
     re_.add_argument("--json", metavar="PATH", help="write the candidates' results as JSON")
     re_.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +24,10 @@ __all__ = [
     "BUILTIN",
     "CANDIDATES",
     "PRESET_BUDGETS",
+    "LayerPlan",
     "Preset",
     "Recommendation",
+    "allocate_layers",
     "candidates_for",
     "is_preset",
     "k_mean_basis",
@@ -32,6 +35,7 @@ __all__ = [
     "recommend",
     "resolve_preset",
     "resolve_specs",
+    "shift_width",
     "split_text",
     "write_preset_file",
 ]
@@ -161,13 +165,14 @@ def resolve_specs(codecs: Sequence[str], calibration: Any = None) -> tuple[list[
     return out, names
 
 
-def candidates_for(bits: float, head_dim: int, extra: Sequence[str] = ()) -> list[str]:
+def candidates_for(bits: float, head_dim: int, extra: Sequence[str] = (), num_layers: int | None = None) -> list[str]:
     """Candidate specs whose bits per element at ``head_dim`` fit ``bits``, most bits first.
 
     The built-in list of the nearest budget at or below ``bits`` (3, 3.5 or 4.5) is used, with its
-    preset's spec, plus ``extra``.
+    preset's spec, plus ``extra``. A per-layer (``layers:``) spec needs ``num_layers``.
     """
     from walshkv.codecs import parse_cache_spec
+    from walshkv.codecs.spec import LayeredCacheSpec
 
     pool: list[str] = [*extra]
     budgets = [b for b in CANDIDATES if b <= bits + 1e-9]
@@ -182,7 +187,13 @@ def candidates_for(bits: float, head_dim: int, extra: Sequence[str] = ()) -> lis
             parsed.check_head_dim(head_dim)
         except ValueError:
             continue
-        b = parsed.bits_per_element(head_dim)
+        if isinstance(parsed, LayeredCacheSpec):
+            if num_layers is None:
+                raise ValueError(f"{spec!r} sets widths per layer: its bits per element need the model's layer count")
+            parsed.check_layers(num_layers)
+            b = parsed.bits_per_element(head_dim, num_layers)
+        else:
+            b = parsed.bits_per_element(head_dim)
         if b <= bits + 1e-9:
             fits.setdefault(parsed.spec, b)
     if not fits:
@@ -193,9 +204,17 @@ def candidates_for(bits: float, head_dim: int, extra: Sequence[str] = ()) -> lis
 def k_mean_basis(spec: str) -> str:
     """The basis a spec's K mean is subtracted in: ``rot`` for ``center+rot+...``, else ``plain``."""
     from walshkv.codecs import parse_cache_spec
+    from walshkv.codecs.spec import LayeredCacheSpec
 
-    k = parse_cache_spec(spec).k
-    return getattr(k, "basis", "plain") if getattr(k, "is_centering", False) else "plain"
+    parsed = parse_cache_spec(spec)
+    parts = [p for p, _ in parsed.parts] if isinstance(parsed, LayeredCacheSpec) else [parsed]
+    bases = {getattr(p.k, "basis", "plain") if getattr(p.k, "is_centering", False) else "plain" for p in parts}
+    if len(bases) > 1:
+        raise ValueError(
+            f"{spec!r} centers K in different bases per layer ({', '.join(sorted(bases))}); a preset file holds one "
+            "K mean basis: use the same K wrapper (center+ or center+rot+) in every part"
+        )
+    return bases.pop()
 
 
 def split_text(text: Any) -> tuple[Any, Any]:
@@ -222,12 +241,14 @@ class Recommendation:
         rows: one result row per candidate (as :func:`walshkv.eval.evaluate` returns them), best first.
         meta: the evaluation's meta (model, selection text, windows, ...).
         stats: the K/V statistics of the calibration half (the K mean the file stores).
+        plan: the per-layer allocation (``per_layer=True``), else ``None``.
     """
 
     preset: Preset
     rows: list[dict[str, Any]]
     meta: dict[str, Any]
     stats: Any
+    plan: LayerPlan | None = None
 
 
 def recommend(
@@ -239,6 +260,7 @@ def recommend(
     ctx: int = 512,
     calib_tokens: int = 8192,
     extra: Sequence[str] = (),
+    per_layer: bool = False,
     progress: bool = True,
 ) -> Recommendation:
     """Run the candidate specs that fit ``bits`` on calibration text and pick the lowest mean KLD.
@@ -251,19 +273,180 @@ def recommend(
         windows, ctx: selection windows of the second half.
         calib_tokens: tokens of the first half for the statistics.
         extra: more candidate specs (kept if they fit the budget).
+        per_layer: then move widths between layers at the same budget (:func:`allocate_layers`, from the
+            best ``tq`` candidate, on the same selection windows) and keep the result if it beats the
+            uniform winner.
         progress: progress bars.
     """
     from walshkv.calibration import collect_kv_stats
     from walshkv.eval import evaluate
 
     head_dim = lm.info["head_dim"]
-    specs = candidates_for(bits, head_dim, extra)
+    specs = candidates_for(bits, head_dim, extra, lm.info["layers"])
     calib, select = split_text(text)
     stats = collect_kv_stats(lm, calib, tokens=calib_tokens, ctx=ctx, progress=progress)
     result = evaluate(lm, select, specs, ctx=ctx, windows=windows, calibration=stats, progress=progress)
     rows = sorted(result.results, key=lambda r: (r["kld_mean"], r["bits_per_element"]))
     name = preset_name_for_bits(bits)
-    return Recommendation(Preset(name, bits, rows[0]["codec"], source="recommend"), rows, result.meta, stats)
+    winner, plan = rows[0]["codec"], None
+    if per_layer:  # from the best candidate whose widths can move (tq), which need not be the winner
+        movable = [r["codec"] for r in rows if _movable(r["codec"])]
+        if movable:
+            plan = allocate_layers(lm, select, stats, movable[0], windows=windows, ctx=ctx, progress=progress)
+        if plan is not None and plan.spec != plan.base:
+            rows = sorted([*rows, *(r for r in plan.rows if r["codec"] == plan.spec)], key=lambda r: r["kld_mean"])
+            winner = rows[0]["codec"]
+    return Recommendation(Preset(name, bits, winner, source="recommend"), rows, result.meta, stats, plan)
+
+
+_TQ_WIDTH = re.compile(r"^(?P<head>(?:.*\+)?tq:)(?P<bits>\d+(?:\.\d+)?)$")
+
+
+def shift_width(codec_spec: str, delta: float) -> str | None:
+    """``codec_spec`` with its ``tq`` width moved by ``delta`` bits (``center+tq:4`` -> ``center+tq:4.5``).
+
+    Returns ``None`` if the spec is not a (wrapped) ``tq:B`` or the new width is not a ``tq`` width.
+    """
+    from walshkv.codecs.turbo import TQ_BITS
+
+    m = _TQ_WIDTH.match(codec_spec)
+    if m is None:
+        return None
+    bits = float(m["bits"]) + delta
+    if bits not in TQ_BITS:
+        return None
+    return f"{m['head']}{bits:g}"
+
+
+def _movable(spec: str) -> bool:
+    from walshkv.codecs import parse_cache_spec
+    from walshkv.codecs.spec import LayeredCacheSpec
+
+    parsed = parse_cache_spec(spec)
+    if isinstance(parsed, LayeredCacheSpec):
+        return False
+    return shift_width(parsed.k.spec, 0) is not None and shift_width(parsed.v.spec, 0) is not None
+
+
+@dataclass
+class LayerPlan:
+    """What :func:`allocate_layers` measured and chose.
+
+    Attributes:
+        spec: the chosen spec: a ``layers:...`` spec, or ``base`` if no move paid off.
+        base: the uniform spec the moves start from.
+        moves: one dict per measured single-layer move: ``layer``, ``kind`` (``k``/``v``), ``delta``
+            (bits), ``spec`` and ``kld_change`` (mean KLD of the move minus the base's).
+        chosen: the moves applied (pairs of a +step and a -step, so the budget is unchanged).
+        rows: the evaluation rows of the final check (base and chosen spec), best first.
+    """
+
+    spec: str
+    base: str
+    moves: list[dict[str, Any]]
+    chosen: list[dict[str, Any]]
+    rows: list[dict[str, Any]]
+
+
+def _layered(base_k: str, base_v: str, widths: dict[int, tuple[str, str]], num_layers: int) -> str:
+    """``layers:`` spec for per-layer (K, V) codec specs; layers not in ``widths`` keep the base."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for layer in range(num_layers):
+        groups.setdefault(widths.get(layer, (base_k, base_v)), []).append(layer)
+    base = (base_k, base_v)
+    if set(groups) == {base}:
+        return f"{base_k}/{base_v}"
+    parts = [f"{k}/{v}@{','.join(str(i) for i in layers)}" for (k, v), layers in groups.items() if (k, v) != base]
+    from walshkv.codecs import parse_cache_spec
+
+    return parse_cache_spec("layers:" + ";".join([*parts, f"{base_k}/{base_v}"])).spec  # canonical form
+
+
+def allocate_layers(
+    lm: Any,
+    select: Any,
+    stats: Any,
+    base: str,
+    *,
+    step: float = 0.5,
+    windows: int = 4,
+    ctx: int = 512,
+    progress: bool = True,
+) -> LayerPlan | None:
+    """Per-layer widths at the same budget: move ``step`` bits from insensitive layers to sensitive ones.
+
+    For every layer and for K and V separately, the base spec is measured with that one layer's width
+    raised and lowered by ``step`` (``2 x 2 x layers`` runs on ``select``, the selection half of the
+    calibration text). Moves are then paired greedily, the largest KLD gain of a raise with the
+    smallest KLD loss of a lowering, while the gain exceeds the loss; each pair keeps the bits per
+    element unchanged (every layer holds the same number of elements). Assuming the layers' effects
+    add up, which the final check tests: the chosen spec and the base are evaluated together and the
+    better one is kept.
+
+    Args:
+        lm: the loaded model.
+        select: selection text (never the evaluation text).
+        stats: calibration statistics for ``center+`` (from the other half of the calibration text).
+        base: a uniform spec whose K and V are (wrapped) ``tq:B`` codecs, e.g. ``center+tq:4/tq:2.5``.
+        step: bits per move.
+        windows, ctx: selection windows.
+        progress: progress bars.
+
+    Returns:
+        The plan, or ``None`` if ``base`` has no ``tq`` widths to move.
+    """
+    from walshkv.codecs import parse_cache_spec
+    from walshkv.eval import evaluate
+
+    parsed = parse_cache_spec(base)
+    base_k, base_v = parsed.k.spec, parsed.v.spec  # type: ignore[union-attr]
+    if shift_width(base_k, 0) is None or shift_width(base_v, 0) is None:
+        return None
+    num_layers = lm.info["layers"]
+    moves: list[dict[str, Any]] = []
+    for layer in range(num_layers):
+        for kind, own in (("k", base_k), ("v", base_v)):
+            for delta in (step, -step):
+                moved = shift_width(own, delta)
+                if moved is None:
+                    continue
+                k, v = (moved, base_v) if kind == "k" else (base_k, moved)
+                spec = _layered(base_k, base_v, {layer: (k, v)}, num_layers)
+                moves.append({"layer": layer, "kind": kind, "delta": delta, "spec": spec})
+    specs = [f"{base_k}/{base_v}", *(m["spec"] for m in moves)]
+    result = evaluate(lm, select, specs, ctx=ctx, windows=windows, calibration=stats, progress=progress)
+    kld = [r["kld_mean"] for r in result.results]  # in the order of specs
+    for m, value in zip(moves, kld[1:], strict=True):
+        m["kld_change"] = value - kld[0]
+    ups = sorted((m for m in moves if m["delta"] > 0), key=lambda m: m["kld_change"])  # most negative first
+    downs = sorted((m for m in moves if m["delta"] < 0), key=lambda m: m["kld_change"])  # smallest loss first
+    used: set[tuple[int, str]] = set()
+    chosen: list[dict[str, Any]] = []
+    di = 0
+    for up in ups:
+        if (up["layer"], up["kind"]) in used:
+            continue
+        while di < len(downs) and (downs[di]["layer"], downs[di]["kind"]) in used | {(up["layer"], up["kind"])}:
+            di += 1
+        if di >= len(downs) or -up["kld_change"] <= downs[di]["kld_change"]:
+            break
+        down = downs[di]
+        di += 1
+        chosen += [up, down]
+        used |= {(up["layer"], up["kind"]), (down["layer"], down["kind"])}
+    widths: dict[int, list[str]] = {}
+    for m in chosen:
+        pair = widths.setdefault(m["layer"], [base_k, base_v])
+        i = 0 if m["kind"] == "k" else 1
+        pair[i] = shift_width(pair[i], m["delta"]) or pair[i]
+    plan_spec = _layered(base_k, base_v, {k: (a, b) for k, (a, b) in widths.items()}, num_layers)
+    rows = [r for r in result.results[:1]]
+    if plan_spec != specs[0]:
+        check = evaluate(lm, select, [plan_spec], ctx=ctx, windows=windows, calibration=stats, progress=progress)
+        rows = sorted([*rows, *check.results], key=lambda r: r["kld_mean"])
+    best = rows[0]["codec"]
+    spec = plan_spec if best == plan_spec else specs[0]
+    return LayerPlan(spec, specs[0], moves, chosen, rows)
 
 
 def write_preset_file(path: Any, lm: Any, preset: Preset, stats: Any, note: str = "") -> str:

@@ -274,3 +274,40 @@ def test_register_codec_with_mixed_case_name() -> None:
         # The key may be stored verbatim (today) or normalised (after a fix); remove either.
         spec_module._CODECS.pop(name, None)
         spec_module._CODECS.pop(name.lower(), None)
+
+
+def test_layered_spec_parses_and_binds_per_layer() -> None:
+    from walshkv.codecs.spec import LayeredCacheSpec
+
+    spec = parse_cache_spec("layers:tq:5/tq:3@0,28-29;tq:4/tq:2.5")
+    assert isinstance(spec, LayeredCacheSpec)
+    assert spec.spec == "layers:tq:5/tq:3@0,28-29;tq:4/tq:2.5"
+    assert parse_cache_spec(spec.spec).spec == spec.spec  # the canonical form parses back
+    assert spec.for_layer(0).spec == "tq:5/tq:3" and spec.for_layer(1).spec == "tq:4/tq:2.5"
+    assert spec.bind(29).spec == "tq:5/tq:3" and spec.k.spec == "tq:4"  # k/v: the default part's
+    # 3 of 30 layers at (5 + 3) / 2 + norms, 27 at (4 + 2.5) / 2 + norms; all vectors of head_dim 64
+    wide, narrow = parse_cache_spec("tq:5/tq:3"), parse_cache_spec("tq:4/tq:2.5")
+    want = (3 * wide.bits_per_element(64) + 27 * narrow.bits_per_element(64)) / 30
+    assert spec.bits_per_element(64, 30) == pytest.approx(want)
+    with pytest.raises(ValueError, match="num_layers"):
+        spec.bits_per_element(64)
+    with pytest.raises(ValueError, match="names layer 29, but the model has 12 layers"):
+        spec.check_layers(12)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("layers:tq:4@0", "takes no @LAYERS"),
+        ("layers:tq:4;tq:3", "needs @LAYERS"),
+        ("layers:tq:4@0-2;tq:5@2;tq:3", "lists layer 2 twice"),
+        ("layers:tq:4@x;tq:3", "bad layer list"),
+        ("layers:tq:4@3-1;tq:3", "bad layer list"),
+        ("layers:", "write layers:SPEC@LAYERS"),
+        ("layers:hf-quanto:4@0;tq:3", "must be a walshkv spec"),
+        ("layers:tq:4@0;nope", "unknown codec"),
+    ],
+)
+def test_layered_spec_errors(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_cache_spec(text)

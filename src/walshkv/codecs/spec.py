@@ -31,10 +31,12 @@ __all__ = [
     "HF_BACKENDS",
     "CacheSpec",
     "HFCacheSpec",
+    "LayeredCacheSpec",
     "available_codecs",
     "parse_cache_spec",
     "parse_codec",
     "parse_hf_spec",
+    "parse_layered_spec",
     "register_codec",
     "register_wrapper",
 ]
@@ -234,6 +236,143 @@ class CacheSpec:
         return self if (k is self.k and v is self.v) else CacheSpec(k, v)
 
 
+def _parse_layers(text: str, spec: str) -> frozenset[int]:
+    out: set[int] = set()
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            if "-" in item:
+                a, b = (int(x) for x in item.split("-", 1))
+                if b < a:
+                    raise ValueError
+                out.update(range(a, b + 1))
+            else:
+                out.add(int(item))
+        except ValueError:
+            raise ValueError(
+                f"bad layer list {text!r} in {spec!r}: write layer indices and ranges like 0,1,28-29"
+            ) from None
+    if min(out) < 0:
+        raise ValueError(f"layer indices are >= 0, got {text!r} in {spec!r}")
+    return frozenset(out)
+
+
+@dataclass(frozen=True)
+class LayeredCacheSpec(CacheSpec):
+    """A cache spec per layer: ``layers:SPEC@LAYERS;SPEC@LAYERS;...;SPEC``.
+
+    Each part is a plain cache spec (``KSPEC/VSPEC`` or one spec) for the listed layers (indices and
+    ranges, ``0,1,28-29``); the last part has no ``@`` and covers every other layer. Example:
+    ``layers:center+tq:5/tq:3@0,29;center+tq:4/tq:2.5`` gives layers 0 and 29 wider K and V. Per-layer
+    widths are what ``walshkv recommend --per-layer`` chooses from measured layer sensitivities.
+
+    Attributes:
+        k, v: the default (last) part's codecs, for code that inspects a spec's kind.
+        parts: ``(CacheSpec, layers)`` pairs; ``layers`` is ``None`` for the default (last) part.
+    """
+
+    parts: tuple[tuple[CacheSpec, frozenset[int] | None], ...] = ()
+
+    @property
+    def spec(self) -> str:
+        items = []
+        for part, layers in self.parts:
+            if layers is None:
+                items.append(part.spec)
+            else:
+                items.append(f"{part.spec}@{_format_layers(layers)}")
+        return "layers:" + ";".join(items)
+
+    @property
+    def default(self) -> CacheSpec:
+        return self.parts[-1][0]
+
+    def for_layer(self, layer_idx: int) -> CacheSpec:
+        """The plain spec of layer ``layer_idx``."""
+        for part, layers in self.parts:
+            if layers is None or layer_idx in layers:
+                return part
+        return self.default
+
+    def bits_per_element(self, head_dim: int, num_layers: int | None = None) -> float:  # type: ignore[override]
+        """Mean stored bits per element over K and V and over ``num_layers`` layers (all equal in size).
+
+        Raises:
+            ValueError: ``num_layers`` is needed (the default part's share depends on it) but missing.
+        """
+        if num_layers is None:
+            raise ValueError(
+                f"the bits per element of {self.spec!r} depend on the model's layer count; pass num_layers"
+            )
+        return sum(self.for_layer(i).bits_per_element(head_dim) for i in range(num_layers)) / num_layers
+
+    def check_head_dim(self, head_dim: int) -> None:
+        for part, _ in self.parts:
+            part.check_head_dim(head_dim)
+
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse layer indices the model does not have."""
+        listed = set().union(*(layers for _, layers in self.parts if layers is not None))
+        if listed and max(listed) >= num_layers:
+            raise ValueError(
+                f"{self.spec!r} names layer {max(listed)}, but the model has {num_layers} layers (0..{num_layers - 1})"
+            )
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(part.needs_calibration for part, _ in self.parts)
+
+    def bind(self, layer_idx: int, calibration: Any = None) -> CacheSpec:
+        return self.for_layer(layer_idx).bind(layer_idx, calibration)
+
+
+def _format_layers(layers: frozenset[int]) -> str:
+    items, run = [], []
+    for i in sorted(layers):
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            items.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [i]
+    if run:
+        items.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(items)
+
+
+def parse_layered_spec(spec: str) -> LayeredCacheSpec:
+    """Parse ``layers:SPEC@LAYERS;...;SPEC`` (see :class:`LayeredCacheSpec`)."""
+    body = spec.strip()[len("layers:") :]
+    items = [x.strip() for x in body.split(";") if x.strip()]
+    if not items:
+        raise ValueError(f"{spec!r}: write layers:SPEC@LAYERS;...;SPEC (the last part, without @, covers the rest)")
+    parts: list[tuple[CacheSpec, frozenset[int] | None]] = []
+    seen: set[int] = set()
+    for n, item in enumerate(items):
+        last = n == len(items) - 1
+        if "@" in item:
+            if last:
+                raise ValueError(
+                    f"{spec!r}: the last part covers every other layer and takes no @LAYERS; "
+                    "end with a plain spec, e.g. ...;center+tq:4/tq:2.5"
+                )
+            text, at = item.rsplit("@", 1)
+            layers: frozenset[int] | None = _parse_layers(at, spec)
+            twice = seen & layers
+            if twice:
+                raise ValueError(f"{spec!r} lists layer {min(twice)} twice")
+            seen |= layers
+        else:
+            if not last:
+                raise ValueError(f"{spec!r}: every part but the last needs @LAYERS (e.g. tq:5@0,29)")
+            text, layers = item, None
+        part = parse_cache_spec(text)
+        if not isinstance(part, CacheSpec):
+            raise ValueError(f"{spec!r}: a layer's spec must be a walshkv spec, not {text!r}")
+        parts.append((part, layers))
+    return LayeredCacheSpec(parts[-1][0].k, parts[-1][0].v, tuple(parts))
+
+
 def parse_cache_spec(spec: str | CacheSpec | HFCacheSpec) -> CacheSpec | HFCacheSpec:
     """Parse ``"KSPEC/VSPEC"`` (e.g. ``"rot+int4/int3"``) or one spec for both K and V.
 
@@ -246,6 +385,8 @@ def parse_cache_spec(spec: str | CacheSpec | HFCacheSpec) -> CacheSpec | HFCache
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"a cache spec is a string like 'rot+int4/int3', got {type(spec).__name__}")
+    if spec.strip().lower().startswith("layers:"):
+        return parse_layered_spec(spec)
     if spec.strip().lower().startswith("hf-"):
         return parse_hf_spec(spec)
     if spec.strip().lower().startswith("walshkv:"):  # a built-in preset (walshkv.presets)
