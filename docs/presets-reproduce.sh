@@ -25,7 +25,7 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
       --codec walshkv:3.5 --codec walshkv:4.5 --calib-text python-docs --windows 8 --quiet --json "$out/builtin.json"
     continue
   fi
-  for bits in 3 3.5 4.5; do
+  for bits in ${BITS:-3 3.5 4.5}; do
     chosen="$out/walshkv-$bits.gguf"
     builtin="$out/builtin-$bits.gguf"
     [ -f "$chosen" ] || walshkv recommend --model "$model" --text python-docs --bits "$bits" --quiet \
