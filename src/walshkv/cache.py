@@ -94,8 +94,7 @@ def _append_packed(
     need = used + new.seq_len
     fits = store is not None and (view is None or _is_prefix(view, store)) and store.seq_len >= need
     if fits and store is not None:
-        first_new = store._first()
-        fits = first_new.shape[:2] == new._first().shape[:2] and all(
+        fits = store._first().shape[:2] == new._first().shape[:2] and all(
             store.tensors[k].dtype == t.dtype and store.tensors[k].shape[3:] == t.shape[3:]
             for k, t in new.tensors.items()
         )

@@ -440,7 +440,7 @@ def allocate_layers(
         i = 0 if m["kind"] == "k" else 1
         pair[i] = shift_width(pair[i], m["delta"]) or pair[i]
     plan_spec = _layered(base_k, base_v, {k: (a, b) for k, (a, b) in widths.items()}, num_layers)
-    rows = [r for r in result.results[:1]]
+    rows = list(result.results[:1])
     if plan_spec != specs[0]:
         check = evaluate(lm, select, [plan_spec], ctx=ctx, windows=windows, calibration=stats, progress=progress)
         rows = sorted([*rows, *check.results], key=lambda r: r["kld_mean"])
