@@ -23,6 +23,18 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
   if [ "$recommend" = 0 ]; then
     [ -f "$out/builtin.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec walshkv:3 \
       --codec walshkv:3.5 --codec walshkv:4.5 --calib-text python-docs --windows 8 --quiet --json "$out/builtin.json"
+    if [ "$model" = qwen2.5-1.5b ]; then
+      # 4.5 bits at head_dim 128: tq's half-bit widths leave 0.125 bit of the budget unused; these
+      # candidates spend it on a quarter of the layers (first and last, or first seven), chosen on
+      # python-docs by recommend (about 10 minutes), then evaluated on Emma
+      [ -f "$out/walshkv-4.5.gguf" ] || walshkv recommend --model "$model" --text python-docs --bits 4.5 --quiet \
+        --candidate 'layers:center+tq:6/tq:3.5@0-3,25-27;center+tq:5/tq:3.5' \
+        --candidate 'layers:center+tq:5/tq:4.5@0-3,25-27;center+tq:5/tq:3.5' \
+        --candidate 'layers:center+tq:6/tq:3.5@0-6;center+tq:5/tq:3.5' \
+        -o "$out/walshkv-4.5.gguf" --json "$out/recommend-4.5.json"
+      [ -f "$out/eval-4.5.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec walshkv:4.5 \
+        --kv-mean-center "$out/walshkv-4.5.gguf" --windows 8 --quiet --json "$out/eval-4.5.json"
+    fi
     continue
   fi
   for bits in ${BITS:-3 3.5 4.5}; do

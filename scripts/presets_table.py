@@ -70,12 +70,16 @@ def model_section(root: Path, model: str) -> list[str]:
     out = [f"### {model}", ""]
     if runs:
         meta = json.loads(runs[0].read_text())["meta"]
-        chosen = any(k.startswith("eval-") for k in presets)
-        how = (
-            "each preset's spec chosen for this model by `walshkv recommend` on python-docs"
-            if chosen
-            else "built-in specs only (`walshkv recommend` not run for this model yet)"
-        )
+        chosen = [b for b in BUDGETS if f"eval-{b}" in presets]
+        if len(chosen) == len(BUDGETS):
+            how = "each preset's spec chosen for this model by `walshkv recommend` on python-docs"
+        elif chosen:
+            how = (
+                f"{', '.join('walshkv:' + b for b in chosen)} chosen for this model by `walshkv recommend` on "
+                "python-docs, built-in specs for the others"
+            )
+        else:
+            how = "built-in specs only (`walshkv recommend` not run for this model yet)"
         out.append(
             f"{meta['windows']} windows of {meta['ctx']} tokens of {meta['text']['name']}, {meta['scored_positions']}; "
             f"{meta['scored_tokens']:,} scored tokens; {how}; K means calibrated on python-docs only."
