@@ -575,3 +575,15 @@ def test_auto_budget_survives_the_canonical_spec() -> None:
     codec = parse_codec("vht2:auto@4.123456789")
     assert codec.auto_bits == 4.123456789
     assert parse_codec(codec.spec).auto_bits == codec.auto_bits
+
+
+def test_coefficient_basis_gives_the_stored_coefficients() -> None:
+    from walshkv.codecs.spec import parse_codec
+    from walshkv.ops.hadamard import hadamard_transform
+
+    codec = parse_codec("vht2:8,8:order=sequency:sk=40")
+    x = torch.randn(5, 64)
+    basis = codec.coefficient_basis(64)
+    assert basis.shape == (64, 40)
+    torch.testing.assert_close(x @ basis, hadamard_transform(x)[:, codec.perm(64)[:40]], atol=1e-5, rtol=0)
+    torch.testing.assert_close(basis.T @ basis, torch.eye(40), atol=1e-5, rtol=0)  # orthonormal columns

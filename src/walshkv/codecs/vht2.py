@@ -189,6 +189,16 @@ class VHT2Codec(Codec):
             self._perm_cache[head_dim] = coefficient_order(self.order, head_dim)
         return self._perm_cache[head_dim]
 
+    def coefficient_basis(self, head_dim: int) -> torch.Tensor:
+        """``[head_dim, kept]`` float32: column ``j`` is the WHT basis vector of kept coefficient ``j``.
+
+        ``x @ basis`` gives the coefficients this codec stores, in its order; ``c @ basis.T`` maps them
+        back (what fused attention uses instead of decoding every vector).
+        """
+        kept = sum(b.size for b in self.bands(head_dim))
+        wht = hadamard_transform(torch.eye(head_dim, dtype=torch.float32))  # symmetric: row i = WHT(e_i)
+        return wht[:, self.perm(head_dim)[:kept].cpu()].contiguous()
+
     def layout(self, head_dim: int) -> dict[str, Field]:
         bands = self.bands(head_dim)
         return {

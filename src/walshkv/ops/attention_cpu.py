@@ -87,7 +87,6 @@ from walshkv.codecs.ggml import QK, GGMLCodec
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.vht2 import VHT2Codec
-from walshkv.ops.hadamard import hadamard_transform
 from walshkv.ops.packing import packed_nbytes
 
 __all__ = [
@@ -817,7 +816,7 @@ def _vht2_format(core: VHT2Codec, head_dim: int) -> _Format | None:
     try:
         core.check_head_dim(head_dim)
         bands = core.bands(head_dim)
-        perm = core.perm(head_dim).cpu()
+        basis = core.coefficient_basis(head_dim)
     except ValueError:  # not bound yet (auto / variance without calibration), or a bad head_dim
         return None
     if not 1 <= len(bands) <= _MAX_BANDS:
@@ -828,10 +827,7 @@ def _vht2_format(core: VHT2Codec, head_dim: int) -> _Format | None:
         table += [byte, start, band.size, band.bits]
         byte += band.nbytes
         start += band.size
-    kept = start
-    wht = hadamard_transform(torch.eye(head_dim, dtype=torch.float32))  # symmetric: row i = WHT(e_i)
-    basis = wht[:, perm[:kept]].contiguous()  # column j = coefficient perm[j]
-    return _Format(_FMT_BANDED, 0, byte, kept, 0, "codes", "scale", basis, len(bands), tuple(table))
+    return _Format(_FMT_BANDED, 0, byte, start, 0, "codes", "scale", basis, len(bands), tuple(table))
 
 
 def cpu_format(core: Codec, head_dim: int) -> _Format | None:

@@ -53,7 +53,6 @@ from walshkv.codecs.ggml import QK, GGMLCodec
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.vht2 import VHT2Codec
 from walshkv.ops.attention_cpu import peel
-from walshkv.ops.hadamard import hadamard_transform
 from walshkv.ops.packing import packed_nbytes
 
 __all__ = [
@@ -129,10 +128,8 @@ def _band_table(core: VHT2Codec, head_dim: int, device: torch.device) -> tuple[t
         table[4, sl] = 1 if band.bits == 1 else (1 << (band.bits - 1)) - 1
         bit += band.nbytes * 8
         start += band.size
-    wht = hadamard_transform(torch.eye(head_dim, dtype=torch.float32))
-    perm = core.perm(head_dim).cpu()
     basis = torch.zeros(head_dim, head_dim)
-    basis[:, :start] = wht[:, perm[:start]]
+    basis[:, :start] = core.coefficient_basis(head_dim)
     return table.to(device), basis.to(device)
 
 
