@@ -34,6 +34,15 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
         -o "$out/walshkv-4.5.gguf" --json "$out/recommend-4.5.json"
       [ -f "$out/eval-4.5.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec walshkv:4.5 \
         --kv-mean-center "$out/walshkv-4.5.gguf" --windows 8 --quiet --json "$out/eval-4.5.json"
+      # 3.5 bits: the built-in candidates (sink:1: ones included: at head_dim 128 the first token in fp16,
+      # 0.025 bit at 512 tokens, fits in the 0.125 bit tq leaves) plus two that also widen a quarter of
+      # the layers, chosen on python-docs (about 10 minutes), then evaluated on Emma
+      [ -f "$out/walshkv-3.5.gguf" ] || walshkv recommend --model "$model" --text python-docs --bits 3.5 --quiet \
+        --candidate 'sink:1:layers:center+tq:3.5/tq:3.5@0-3,25-27;center+tq:3.5/tq:3' \
+        --candidate 'sink:1:layers:center+tq:4/tq:3@0-3,25-27;center+tq:3.5/tq:3' \
+        -o "$out/walshkv-3.5.gguf" --json "$out/recommend-3.5.json"
+      [ -f "$out/eval-3.5.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec walshkv:3.5 \
+        --kv-mean-center "$out/walshkv-3.5.gguf" --windows 8 --quiet --json "$out/eval-3.5.json"
     fi
     continue
   fi

@@ -148,7 +148,38 @@ def main(argv: list[str]) -> int:
     )
     for model in MODELS:
         print("\n".join(model_section(root, model)))
+    print("\n".join(sink_section(root)))
     return 0
+
+
+def sink_section(root: Path) -> list[str]:
+    """Each ``sink:1:`` candidate of a ``recommend`` run next to the same spec without it (selection windows)."""
+    rows = []
+    for model in MODELS:
+        for path in sorted((root / "presets" / model).glob("recommend-*.json")):
+            results = {r["codec"]: r for r in json.loads(path.read_text())["results"]}
+            budget = path.stem.split("-", 1)[1]
+            for codec, r in results.items():
+                plain = codec.split(":", 2)[2] if codec.startswith("sink:") else None
+                if plain in results:
+                    p = results[plain]
+                    change = r["kld_mean"] / p["kld_mean"] - 1
+                    rows.append(
+                        f"| {model} | {budget} | `{plain}` | {p['bits_per_element']:.3f} | {p['kld_mean']:.5f} | "
+                        f"{r['bits_per_element']:.3f} | {r['kld_mean']:.5f} | {change:+.0%} |"
+                    )
+    if not rows:
+        return []
+    return [
+        "### The first token in fp16 (`sink:1:`), on the selection windows\n",
+        "From `walshkv recommend` (`recommend-B.json`): each `sink:1:` candidate next to the same spec without "
+        "it, on python-docs' second half (4 windows of 512 tokens; bits per element measured, the fp16 token "
+        "included).\n",
+        "| model | budget | spec | bits/el | mean KLD | with sink:1: bits/el | mean KLD | change |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 if __name__ == "__main__":

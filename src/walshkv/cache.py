@@ -5,7 +5,8 @@ tensor: ``[batch, num_kv_heads, seq_len, head_dim]``.
 
 Each layer holds :class:`~walshkv.codecs.Packed` K and V (packed ``uint8`` codes and
 their scales) and, only if ``residual > 0`` was asked for, a full-precision window of
-the most recent ``residual`` tokens. ``update()`` quantizes on write: the incoming
+the most recent ``residual`` tokens; with a ``sink:N:`` spec, full-attention layers also keep
+their first ``N`` tokens in fp16. ``update()`` quantizes on write: the incoming
 block is encoded and appended first, and attention receives the *decoded* K/V, so the
 current block is seen compressed too (tokens in the residual window excepted). The
 window's bytes count in :meth:`CompressedCache.nbytes` and
@@ -21,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from walshkv.codecs.base import Packed
+from walshkv.codecs.floats import FloatCodec
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, LayeredCacheSpec, parse_cache_spec
 
 __all__ = [
@@ -132,25 +134,41 @@ def _seq(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.shape[-2]
 
 
+_FP16 = FloatCodec("fp16")  # sink tokens: its encode refuses NaN/Inf and values fp16 cannot hold
+
+
+def _cat_sink(have: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new if have is None else torch.cat([have, new], dim=-2)
+
+
 class CompressedLayer(CacheLayerMixin):
     """One full-attention layer of a :class:`CompressedCache`.
+
+    Token order: sink tokens (the first ``sink``, fp16), then packed tokens, then the window.
 
     Attributes:
         packed_k, packed_v: compressed tokens (``None`` before the first write).
         keys, values: the full-precision window ``[batch, num_kv_heads, r, head_dim]``,
             ``r <= residual`` (empty when ``residual == 0``).
+        sink_k, sink_v: the first ``s <= sink`` tokens in fp16, ``[batch, num_kv_heads, s, head_dim]``
+            (``None`` when ``sink == 0`` or before the first write).
     """
 
     is_sliding = False
     is_croppable = True
     is_compileable = False
 
-    def __init__(self, spec: CacheSpec | str, residual: int = 0) -> None:
+    def __init__(self, spec: CacheSpec | str, residual: int = 0, sink: int | None = None) -> None:
         super().__init__()
         if residual < 0:
             raise ValueError(f"residual must be >= 0 tokens, got {residual}")
         self.spec = parse_cache_spec(spec)
         self.residual = residual
+        self.sink = self.spec.sink if sink is None else sink
+        if self.sink < 0:
+            raise ValueError(f"sink must be >= 0 tokens, got {self.sink}")
+        self.sink_k: torch.Tensor | None = None
+        self.sink_v: torch.Tensor | None = None
         self.fused = False  # set by CompressedCache(..., fused=True) on full-attention layers
         self.packed_k: Packed | None = None
         self.packed_v: Packed | None = None
@@ -206,6 +224,13 @@ class CompressedLayer(CacheLayerMixin):
         self._check_block(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        n_tokens = key_states.shape[-2]
+        n_sink = min(self.sink - _seq(self.sink_k), n_tokens) if self.sink else 0
+        sink_k, sink_v = self.sink_k, self.sink_v
+        if n_sink > 0:  # checked (NaN, fp16 overflow) before anything changes, like the encoded part
+            sink_k = _cat_sink(sink_k, _FP16.encode(key_states[:, :, :n_sink]).tensors["values"])
+            sink_v = _cat_sink(sink_v, _FP16.encode(value_states[:, :, :n_sink]).tensors["values"])
+            key_states, value_states = key_states[:, :, n_sink:], value_states[:, :, n_sink:]
         window_k = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=-2)
         window_v = torch.cat([self.values, value_states.to(self.values.dtype)], dim=-2)
         n_encode = max(0, window_k.shape[-2] - self.residual)
@@ -213,22 +238,45 @@ class CompressedLayer(CacheLayerMixin):
         new_k = self.spec.k.encode(window_k[:, :, :n_encode]) if n_encode else None
         new_v = self.spec.v.encode(window_v[:, :, :n_encode]) if n_encode else None
 
+        self.sink_k, self.sink_v = sink_k, sink_v
         if self.fused:  # attention reads the packed codes itself (fused_attention): hand it markers
             out_k, out_v = _marker(self, key_states), _marker(self, value_states)
         else:
             parts_k = [self.spec.k.decode(p) for p in (self.packed_k, new_k) if p is not None]
             parts_v = [self.spec.v.decode(p) for p in (self.packed_v, new_v) if p is not None]
-            out_k = torch.cat([*parts_k, window_k[:, :, n_encode:]], dim=-2)
-            out_v = torch.cat([*parts_v, window_v[:, :, n_encode:]], dim=-2)
+            head_k, head_v = self.sink_tokens(window_k.dtype)
+            out_k = torch.cat([*head_k, *parts_k, window_k[:, :, n_encode:]], dim=-2)
+            out_v = torch.cat([*head_v, *parts_v, window_v[:, :, n_encode:]], dim=-2)
 
         growth = 1.0 if self.is_sliding else _GROWTH  # (a sliding window drops its oldest tokens anyway)
         self._store_k, self.packed_k = _append_packed(self._store_k, self.packed_k, new_k, self.reserve, growth)
         self._store_v, self.packed_v = _append_packed(self._store_v, self.packed_v, new_v, self.reserve, growth)
         self.keys = window_k[:, :, n_encode:].contiguous()
         self.values = window_v[:, :, n_encode:].contiguous()
-        self.cumulative_length += key_states.shape[-2]
+        self.cumulative_length += n_tokens
         self._after_update()
         return out_k, out_v
+
+    def sink_tokens(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The fp16 sink tokens as attention reads them: ``([K], [V])``, or ``([], [])`` if there are none.
+
+        K is shifted like the codec's decoded K (``center+`` leaves its calibrated mean subtracted).
+        """
+        if self.sink_k is None or self.sink_k.shape[-2] == 0:
+            return [], []
+        k = self.sink_k.to(torch.float32)
+        offset = getattr(self.spec.k, "plain_offset", None)
+        if offset is not None:
+            k = k - offset().to(k.device)[None, :, None, :]
+        return [k.to(dtype)], [self.sink_v.to(dtype)]  # type: ignore[union-attr]
+
+    def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored token as attention reads it (sink, decoded packed codes, window), ``[b, h, seq, d]``."""
+        dtype = self.keys.dtype
+        head_k, head_v = self.sink_tokens(dtype)
+        parts_k = [self.spec.k.decode(self.packed_k).to(dtype)] if self.packed_k is not None else []
+        parts_v = [self.spec.v.decode(self.packed_v).to(dtype)] if self.packed_v is not None else []
+        return torch.cat([*head_k, *parts_k, self.keys], dim=-2), torch.cat([*head_v, *parts_v, self.values], dim=-2)
 
     def _after_update(self) -> None:
         """Hook for sliding layers to drop tokens that left the window."""
@@ -243,6 +291,7 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        self.sink_k = self.sink_v = None
         self.packed_k = self.packed_v = None
         self._store_k = self._store_v = None
         self.keys = self.values = None
@@ -250,7 +299,12 @@ class CompressedLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def _keep(self, start: int, stop: int) -> None:
-        """Keep stored tokens ``start:stop`` (indices over packed then window)."""
+        """Keep stored tokens ``start:stop`` (indices over sink, packed, then window)."""
+        n_sink = _seq(self.sink_k)
+        if n_sink:
+            lo, hi = min(start, n_sink), min(stop, n_sink)
+            self.sink_k, self.sink_v = self.sink_k[:, :, lo:hi], self.sink_v[:, :, lo:hi]  # type: ignore[index]
+            start, stop = max(start - n_sink, 0), max(stop - n_sink, 0)
         n_packed = 0 if self.packed_k is None else self.packed_k.seq_len
         if self.packed_k is not None and self.packed_v is not None:
             lo, hi = min(start, n_packed), min(stop, n_packed)
@@ -308,15 +362,18 @@ class CompressedLayer(CacheLayerMixin):
         if self.keys is not None:
             self.keys = on_tensor(self.keys)
             self.values = on_tensor(self.values)
+        if self.sink_k is not None:
+            self.sink_k = on_tensor(self.sink_k)
+            self.sink_v = on_tensor(self.sink_v)
 
     def _stored_length(self) -> int:
         n = 0 if self.packed_k is None else self.packed_k.seq_len
-        return n + _seq(self.keys)
+        return _seq(self.sink_k) + n + _seq(self.keys)
 
     def nbytes(self) -> int:
-        """Bytes actually held: packed fields plus the full-precision window."""
+        """Bytes actually held: packed fields plus the full-precision window and sink tokens."""
         total = sum(p.nbytes() for p in (self.packed_k, self.packed_v) if p is not None)
-        for t in (self.keys, self.values):
+        for t in (self.keys, self.values, self.sink_k, self.sink_v):
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
@@ -342,7 +399,8 @@ class CompressedLayer(CacheLayerMixin):
         n_packed = 0 if self.packed_k is None else self.packed_k.seq_len
         per_token = self.spec.k.bytes_per_vector(dk) + self.spec.v.bytes_per_vector(dv)
         window = _seq(self.keys) * (dk + dv) * self.keys.element_size()
-        return batch * heads * (n_packed * per_token + window)
+        sink = _seq(self.sink_k) * (dk + dv) * 2  # fp16
+        return batch * heads * (n_packed * per_token + window + sink)
 
     def bit_counts(self) -> tuple[float, int, float, int]:
         """``(k_bits, k_elements, v_bits, v_elements)`` held, from the layouts."""
@@ -350,11 +408,13 @@ class CompressedLayer(CacheLayerMixin):
             return 0.0, 0, 0.0, 0
         tokens = self.packed_k.seq_len if self.packed_k is not None else 0
         rows = self.keys.shape[0] * self.keys.shape[1]
+        n_sink = _seq(self.sink_k)
         out: list[float] = []
         for codec, t in ((self.spec.k, self.keys), (self.spec.v, self.values)):
             d = t.shape[-1]
-            out.append(rows * (tokens * codec.bytes_per_vector(d) * 8 + t.shape[2] * d * t.element_size() * 8))
-            out.append(rows * (tokens + t.shape[2]) * d)
+            window = t.shape[2] * d * t.element_size() * 8
+            out.append(rows * (tokens * codec.bytes_per_vector(d) * 8 + window + n_sink * d * 16))
+            out.append(rows * (tokens + t.shape[2] + n_sink) * d)
         return out[0], int(out[1]), out[2], int(out[3])
 
     def num_elements(self) -> int:
@@ -375,7 +435,7 @@ class CompressedSlidingWindowLayer(CompressedLayer):
     is_sliding = True
 
     def __init__(self, spec: CacheSpec | str, sliding_window: int, residual: int = 0) -> None:
-        super().__init__(spec, residual)
+        super().__init__(spec, residual, sink=0)  # sink tokens leave a sliding window like any other
         self.sliding_window = sliding_window
 
     def _after_update(self) -> None:
@@ -416,7 +476,7 @@ class KiviLayer(CompressedLayer):
     is_croppable = False
 
     def __init__(self, spec: CacheSpec | str) -> None:
-        super().__init__(spec, 0)
+        super().__init__(spec, 0, sink=0)
         self.kivi_k = self.spec.k.bind(0, "k")
         self.kivi_v = self.spec.v.bind(0, "v")
         self.group, self.window = self.kivi_k.group, self.kivi_k.residual
@@ -569,7 +629,7 @@ class CompressedCache(Cache):
                     raise ValueError(f"{self.cache_spec.spec} supports full-attention layers only, not {layer_type!r}")
                 layers.append(KiviLayer(spec_i))
             elif layer_type == "full_attention":
-                layers.append(CompressedLayer(spec_i, residual))
+                layers.append(CompressedLayer(spec_i, residual, self.cache_spec.sink))
                 layers[-1].fused = fused
                 layers[-1].reserve = max_cache_len or 0
             elif layer_type in _SLIDING_TYPES:
@@ -586,7 +646,7 @@ class CompressedCache(Cache):
         spec = self.cache_spec.bind(len(self.layers), self.calibration)
         if getattr(spec.k, "token_grouped", False):
             return KiviLayer(spec)
-        layer = CompressedLayer(spec, self.residual)
+        layer = CompressedLayer(spec, self.residual, self.cache_spec.sink)
         layer.reserve = self.max_cache_len or 0
         return layer
 
@@ -804,25 +864,25 @@ def fused_attention(
     """
     layer = getattr(key, "walshkv_layer", None)
     if layer is None:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        q_len, kv_len = query.shape[2], key.shape[2]
-        if attention_mask is None and 1 < q_len < kv_len:
-            # _fused_mask skipped the plain causal mask (fused layers apply it themselves); SDPA's is_causal
-            # would align it top-left, so build the cache-aware (bottom-right) one for this layer
-            attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+        return _sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if kwargs.get("softcap") is not None:
         raise ValueError("fused attention does not apply logit soft-capping; use CompressedCache(..., fused=False)")
     from walshkv.ops.attention import decode_attention
     from walshkv.ops.attention_chunked import chunked_attention
 
-    window_k = layer.keys if layer.keys.shape[-2] else None
-    window_v = layer.values if layer.values.shape[-2] else None
     t = query.shape[2]
     visible = _all_visible(attention_mask)
+    head_k, head_v = layer.sink_tokens(layer.keys.dtype)
+    if head_k and not (t == 1 and visible):
+        # sink tokens come first in position order, which the chunked kernel's causal offsets do not know:
+        # prefill (or a masked step) of a sink:N: cache decodes the layer and runs SDPA
+        k_all, v_all = layer.decoded()
+        return _sdpa(module, query, k_all, v_all, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    # one visible query token: order does not matter to softmax, so the sink joins the full-precision window
+    window_k = torch.cat([*head_k, layer.keys], dim=-2) if head_k else layer.keys
+    window_v = torch.cat([*head_v, layer.values], dim=-2) if head_v else layer.values
+    window_k = window_k if window_k.shape[-2] else None
+    window_v = window_v if window_v.shape[-2] else None
     if t == 1 and visible:
         out = decode_attention(
             query,
@@ -848,6 +908,20 @@ def fused_attention(
             mask=None if visible else attention_mask,
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sdpa(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
+) -> tuple[torch.Tensor, Any]:
+    """transformers' SDPA attention, with the causal mask :func:`_fused_mask` may have skipped."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None and 1 < q_len < kv_len:
+        # _fused_mask skipped the plain causal mask (fused layers apply it themselves); SDPA's is_causal
+        # would align it top-left, so build the cache-aware (bottom-right) one for this layer
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
 def _fused_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

@@ -194,7 +194,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     name = preset_name_for_bits(args.bits)  # validates the budget before loading anything
     text = load_text(args.text)
     lm = load_model(args.model, progress=not args.quiet)
-    n = len(candidates_for(args.bits, lm.info["head_dim"], args.candidate or (), lm.info["layers"]))
+    n = len(candidates_for(args.bits, lm.info["head_dim"], args.candidate or (), lm.info["layers"], ctx=args.ctx))
     print(
         f"{lm.name}: {n} candidate specs within {args.bits:g} bits per element at head_dim {lm.info['head_dim']}; "
         f"K mean from the first half of {text.name}, ranked on {args.windows} windows of {args.ctx} tokens of "

@@ -52,7 +52,9 @@ BUILTIN: dict[str, str] = {
     "walshkv:4.5": "center+tq:5/tq:3.5",
 }
 
-# What `walshkv recommend` tries, by budget; specs over the budget at the model's head_dim are dropped.
+# What `walshkv recommend` tries, by budget; specs over the budget at the model's head_dim are dropped
+# (sink:1: specs counted over the selection windows' length: their fp16 token costs (16 - b) / 512 bits
+# at 512 tokens, so they fit where the plain spec leaves room, e.g. tq's fp16 norm at head_dim 128).
 # K gets more bits than V in most: K is the sensitive half on every model measured.
 CANDIDATES: dict[float, tuple[str, ...]] = {
     3.0: (
@@ -60,6 +62,8 @@ CANDIDATES: dict[float, tuple[str, ...]] = {
         "center+tq:3/tq:2.5",
         "center+rot+int3/tq:2.5",
         "center+tq:2.5/tq:3",
+        "sink:1:center+tq:3.5/tq:2",
+        "sink:1:center+tq:3/tq:2.5",
     ),
     3.5: (
         "center+tq:4/tq:2.5",
@@ -67,6 +71,9 @@ CANDIDATES: dict[float, tuple[str, ...]] = {
         "center+tq:3.5/tq:3",
         "center+tq:3/tq:3.5",
         "center+tq:3/tq:3",
+        "sink:1:center+tq:4/tq:2.5",
+        "sink:1:center+tq:3.5/tq:3",
+        "sink:1:center+tq:3.5/tq:2.5",
     ),
     4.5: (
         "center+tq:5/tq:3.5",
@@ -77,6 +84,9 @@ CANDIDATES: dict[float, tuple[str, ...]] = {
         "center+rot+q5_0/tq:3",
         "center+rot+q4_0/tq:4",
         "center+tq:5/tq:3",
+        "sink:1:center+tq:5/tq:3.5",
+        "sink:1:center+rot+iq4_nl/tq:4",
+        "sink:1:center+rot+q4_0/tq:4",
     ),
 }
 
@@ -165,14 +175,17 @@ def resolve_specs(codecs: Sequence[str], calibration: Any = None) -> tuple[list[
     return out, names
 
 
-def candidates_for(bits: float, head_dim: int, extra: Sequence[str] = (), num_layers: int | None = None) -> list[str]:
+def candidates_for(
+    bits: float, head_dim: int, extra: Sequence[str] = (), num_layers: int | None = None, ctx: int = 512
+) -> list[str]:
     """Candidate specs whose bits per element at ``head_dim`` fit ``bits``, most bits first.
 
     The built-in list of the nearest budget at or below ``bits`` (3, 3.5 or 4.5) is used, with its
-    preset's spec, plus ``extra``. A per-layer (``layers:``) spec needs ``num_layers``.
+    preset's spec, plus ``extra``. A per-layer (``layers:``) spec needs ``num_layers``. A ``sink:N:``
+    spec's fp16 tokens are counted over a context of ``ctx`` tokens (the windows it is measured on).
     """
     from walshkv.codecs import parse_cache_spec
-    from walshkv.codecs.spec import LayeredCacheSpec
+    from walshkv.codecs.spec import CacheSpec, LayeredCacheSpec
 
     pool: list[str] = [*extra]
     budgets = [b for b in CANDIDATES if b <= bits + 1e-9]
@@ -191,9 +204,11 @@ def candidates_for(bits: float, head_dim: int, extra: Sequence[str] = (), num_la
             if num_layers is None:
                 raise ValueError(f"{spec!r} sets widths per layer: its bits per element need the model's layer count")
             parsed.check_layers(num_layers)
-            b = parsed.bits_per_element(head_dim, num_layers)
-        else:
-            b = parsed.bits_per_element(head_dim)
+        b = (
+            parsed.bits_at(head_dim, ctx, num_layers)
+            if isinstance(parsed, CacheSpec)
+            else parsed.bits_per_element(head_dim)
+        )
         if b <= bits + 1e-9:
             fits.setdefault(parsed.spec, b)
     if not fits:
@@ -282,7 +297,7 @@ def recommend(
     from walshkv.eval import evaluate
 
     head_dim = lm.info["head_dim"]
-    specs = candidates_for(bits, head_dim, extra, lm.info["layers"])
+    specs = candidates_for(bits, head_dim, extra, lm.info["layers"], ctx=ctx)
     calib, select = split_text(text)
     stats = collect_kv_stats(lm, calib, tokens=calib_tokens, ctx=ctx, progress=progress)
     result = evaluate(lm, select, specs, ctx=ctx, windows=windows, calibration=stats, progress=progress)
@@ -323,7 +338,7 @@ def _movable(spec: str) -> bool:
     from walshkv.codecs.spec import LayeredCacheSpec
 
     parsed = parse_cache_spec(spec)
-    if isinstance(parsed, LayeredCacheSpec):
+    if isinstance(parsed, LayeredCacheSpec) or parsed.sink:  # moves keep the budget of plain tq widths only
         return False
     return shift_width(parsed.k.spec, 0) is not None and shift_width(parsed.v.spec, 0) is not None
 

@@ -80,6 +80,18 @@ class Centered(Codec):
             raise ValueError(f"{self.spec}: bias has {self.bias.shape[0]} kv heads, K has {x.shape[1]}")
         return self.bias.to(x.device)[None, :, None, :]
 
+    def plain_offset(self) -> torch.Tensor:
+        """What decoding leaves subtracted from K, in the plain basis: ``[kv_heads, head_dim]``.
+
+        Full-precision tokens stored beside this codec's (``sink:N:``) subtract it too, so that every key
+        a query sees is shifted by the same vector.
+        """
+        if self.bias is None:
+            raise ValueError(f"{self.spec} is not bound to a layer's K mean; build it through CompressedCache")
+        if isinstance(self.inner, Rotated):
+            return self.inner.unrotate(self.bias)
+        return self.bias
+
     def _encode(self, x: torch.Tensor) -> Packed:
         if isinstance(self.inner, Rotated):
             y = self.inner.rotate(x) - self._bias_for(x)

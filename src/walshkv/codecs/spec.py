@@ -2,6 +2,7 @@
 
 Grammar::
 
+    SPEC       := ["sink:" N ":"] (CACHE_SPEC | "layers:" PARTS)  # N first tokens kept in fp16
     CACHE_SPEC := CODEC_SPEC | CODEC_SPEC "/" CODEC_SPEC        # K / V
     CODEC_SPEC := (WRAPPER "+")* BASE
     WRAPPER    := "rot" | "rrot" [":" SEED]
@@ -13,8 +14,9 @@ A single codec spec applies to both K and V. New codecs join through
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from walshkv.codecs.base import Codec
@@ -37,6 +39,7 @@ __all__ = [
     "parse_codec",
     "parse_hf_spec",
     "parse_layered_spec",
+    "parse_sink_spec",
     "register_codec",
     "register_wrapper",
 ]
@@ -202,18 +205,48 @@ def parse_codec(spec: str) -> Codec:
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """A K codec and a V codec, parsed from ``"KSPEC/VSPEC"`` or one shared ``"SPEC"``."""
+    """A K codec and a V codec, parsed from ``"KSPEC/VSPEC"`` or one shared ``"SPEC"``.
+
+    ``sink:N:SPEC`` (``sink`` > 0) keeps the first ``N`` tokens of every full-attention layer in fp16
+    (attention-sink tokens: the first token of a window draws much of every query's attention and is
+    unlike the other tokens, so a low-bit codec tuned to the typical token hurts it most). Their bits
+    count: see :meth:`bits_at`.
+    """
 
     k: Codec
     v: Codec
+    sink: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sink, int) or self.sink < 0:
+            raise ValueError(f"sink must be a whole number of tokens >= 0, got {self.sink!r}")
 
     @property
     def spec(self) -> str:
-        return self.k.spec if self.k.spec == self.v.spec else f"{self.k.spec}/{self.v.spec}"
+        body = self.k.spec if self.k.spec == self.v.spec else f"{self.k.spec}/{self.v.spec}"
+        return f"sink:{self.sink}:{body}" if self.sink else body
 
     def bits_per_element(self, head_dim: int) -> float:
-        """Mean stored bits per element over K and V together."""
+        """Mean stored bits per element over K and V together, per compressed token (sink tokens excluded:
+        they are a fixed count, see :meth:`bits_at`)."""
         return (self.k.bits_per_element(head_dim) + self.v.bits_per_element(head_dim)) / 2
+
+    def bits_at(self, head_dim: int, tokens: int, num_layers: int | None = None) -> float:
+        """Mean stored bits per element of a context of ``tokens`` tokens, the fp16 sink tokens included.
+
+        Args:
+            head_dim: K/V head size.
+            tokens: context length (e.g. the 512-token evaluation window).
+            num_layers: the model's layer count (needed for ``layers:`` specs).
+        """
+        if tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {tokens}")
+        if isinstance(self, LayeredCacheSpec):
+            per_token = self.bits_per_element(head_dim, num_layers)
+        else:
+            per_token = self.bits_per_element(head_dim)
+        held = min(self.sink, tokens)
+        return (held * 16.0 + (tokens - held) * per_token) / tokens
 
     def check_head_dim(self, head_dim: int) -> None:
         self.k.check_head_dim(head_dim)
@@ -233,7 +266,7 @@ class CacheSpec:
             )
         k = self.k.bind(layer_idx, "k", calibration)
         v = self.v.bind(layer_idx, "v", calibration)
-        return self if (k is self.k and v is self.v) else CacheSpec(k, v)
+        return self if (k is self.k and v is self.v) else CacheSpec(k, v, self.sink)
 
 
 def _parse_layers(text: str, spec: str) -> frozenset[int]:
@@ -281,7 +314,7 @@ class LayeredCacheSpec(CacheSpec):
                 items.append(part.spec)
             else:
                 items.append(f"{part.spec}@{_format_layers(layers)}")
-        return "layers:" + ";".join(items)
+        return (f"sink:{self.sink}:" if self.sink else "") + "layers:" + ";".join(items)
 
     @property
     def default(self) -> CacheSpec:
@@ -323,7 +356,8 @@ class LayeredCacheSpec(CacheSpec):
         return any(part.needs_calibration for part, _ in self.parts)
 
     def bind(self, layer_idx: int, calibration: Any = None) -> CacheSpec:
-        return self.for_layer(layer_idx).bind(layer_idx, calibration)
+        part = self.for_layer(layer_idx).bind(layer_idx, calibration)
+        return replace(part, sink=self.sink) if self.sink else part
 
 
 def _format_layers(layers: frozenset[int]) -> str:
@@ -369,8 +403,34 @@ def parse_layered_spec(spec: str) -> LayeredCacheSpec:
         part = parse_cache_spec(text)
         if not isinstance(part, CacheSpec):
             raise ValueError(f"{spec!r}: a layer's spec must be a walshkv spec, not {text!r}")
+        if part.sink:
+            raise ValueError(f"{spec!r}: sink:N: applies to the whole cache; write it before layers:")
         parts.append((part, layers))
-    return LayeredCacheSpec(parts[-1][0].k, parts[-1][0].v, tuple(parts))
+    return LayeredCacheSpec(parts[-1][0].k, parts[-1][0].v, parts=tuple(parts))
+
+
+_SINK = re.compile(r"^sink:(?P<n>[^:]*):(?P<rest>.*)$", re.IGNORECASE | re.DOTALL)
+
+
+def parse_sink_spec(spec: str) -> CacheSpec:
+    """Parse ``sink:N:SPEC``: ``SPEC`` with the first ``N`` tokens of each layer kept in fp16."""
+    m = _SINK.match(spec.strip())
+    if m is None:
+        raise ValueError(f"{spec!r}: write sink:N:SPEC, e.g. sink:1:center+tq:4/tq:2.5")
+    try:
+        n = int(m["n"])
+    except ValueError:
+        n = -1
+    if n < 1:
+        raise ValueError(f"{spec!r}: N in sink:N:SPEC is a number of tokens >= 1 (sink:1:SPEC keeps the first token)")
+    inner = parse_cache_spec(m["rest"])
+    if not isinstance(inner, CacheSpec):
+        raise ValueError(f"{spec!r}: sink:N: wraps a walshkv spec, not Hugging Face's {inner.spec!r}")
+    if inner.sink:
+        raise ValueError(f"{spec!r}: sink:N: appears twice")
+    if getattr(inner.k, "token_grouped", False):
+        raise ValueError(f"{spec!r}: KIVI specs keep their own full-precision window; sink:N: does not apply")
+    return replace(inner, sink=n)
 
 
 def parse_cache_spec(spec: str | CacheSpec | HFCacheSpec) -> CacheSpec | HFCacheSpec:
@@ -385,6 +445,8 @@ def parse_cache_spec(spec: str | CacheSpec | HFCacheSpec) -> CacheSpec | HFCache
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"a cache spec is a string like 'rot+int4/int3', got {type(spec).__name__}")
+    if spec.strip().lower().startswith("sink:"):
+        return parse_sink_spec(spec)
     if spec.strip().lower().startswith("layers:"):
         return parse_layered_spec(spec)
     if spec.strip().lower().startswith("hf-"):
