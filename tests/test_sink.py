@@ -102,7 +102,7 @@ def test_layer_keeps_the_first_tokens_in_fp16_and_counts_them():
     spec = parse_cache_spec("sink:3:rot+int4/int2")
     assert (kb + vb) / (ke + ve) == pytest.approx(spec.bits_at(16, 10))
     layer.crop(-8)  # keep 2 tokens: inside the sink
-    assert layer.get_seq_length() == 2 and layer.packed_k.seq_len == 0 if layer.packed_k else True
+    assert layer.get_seq_length() == 2 and layer.packed_k is None and layer.keys.shape[-2] == 0
     assert layer.sink_k.shape[-2] == 2
     layer.batch_select_indices(torch.tensor([1]))
     assert layer.sink_k.shape[0] == 1

@@ -241,12 +241,12 @@ class CacheSpec:
         """
         if tokens < 1:
             raise ValueError(f"tokens must be >= 1, got {tokens}")
-        if isinstance(self, LayeredCacheSpec):
-            per_token = self.bits_per_element(head_dim, num_layers)
-        else:
-            per_token = self.bits_per_element(head_dim)
+        per_token = self._token_bits(head_dim, num_layers)
         held = min(self.sink, tokens)
         return (held * 16.0 + (tokens - held) * per_token) / tokens
+
+    def _token_bits(self, head_dim: int, num_layers: int | None) -> float:
+        return self.bits_per_element(head_dim)
 
     def check_head_dim(self, head_dim: int) -> None:
         self.k.check_head_dim(head_dim)
@@ -338,6 +338,9 @@ class LayeredCacheSpec(CacheSpec):
                 f"the bits per element of {self.spec!r} depend on the model's layer count; pass num_layers"
             )
         return sum(self.for_layer(i).bits_per_element(head_dim) for i in range(num_layers)) / num_layers
+
+    def _token_bits(self, head_dim: int, num_layers: int | None) -> float:
+        return self.bits_per_element(head_dim, num_layers)
 
     def check_head_dim(self, head_dim: int) -> None:
         for part, _ in self.parts:
