@@ -5,6 +5,11 @@ accumulates, per (layer, kv-head, channel), the mean and second moment of K (aft
 what ``Cache.update`` receives) and of V, in the plain basis and in the orthonormal
 Walsh-Hadamard basis (natural order). Codecs that need measured statistics (``vht2`` with
 ``order=variance`` or ``auto@BITS``) read them through :meth:`walshkv.codecs.Codec.bind`.
+
+For ``eq+`` it also keeps, per (layer, kv-head), the full K covariance (the first token of each
+window left out: the attention sink is far from every typical key) and the second moment of the
+queries that read each kv-head (post-RoPE, the heads of a group summed), from which
+:meth:`KVStats.k_equalizer` derives the K transform.
 """
 
 from __future__ import annotations
@@ -42,6 +47,11 @@ class KVStats:
     sums: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     sq_sums: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     counts: torch.Tensor | None = None  # [layers]
+    k_outer: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim], positions >= 1
+    k_sum1: torch.Tensor | None = None  # [layers, kv_heads, head_dim], positions >= 1
+    count1: torch.Tensor | None = None  # [layers]
+    q_outer: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim], group heads summed
+    q_count: torch.Tensor | None = None  # [layers]
 
     def _check(self, kind: str, basis: str, layer: int) -> None:
         if kind not in KINDS or basis not in BASES:
@@ -71,6 +81,31 @@ class KVStats:
         n = self.counts[layer].clamp_min(1)
         mean = self.sums[(kind, basis)][layer] / n
         return (self.sq_sums[(kind, basis)][layer] / n - mean**2).clamp_min(0.0)
+
+    def k_covariance(self, layer: int) -> torch.Tensor:
+        """K covariance ``[kv_heads, head_dim, head_dim]`` (float64) of ``layer``, first tokens left out."""
+        self._check("k", "plain", layer)
+        if self.k_outer is None or self.k_sum1 is None or self.count1 is None:
+            raise ValueError("these statistics hold no K covariance; collect them with collect_kv_stats")
+        n = float(self.count1[layer].clamp_min(1))
+        mean = self.k_sum1[layer] / n
+        return self.k_outer[layer] / n - mean[:, :, None] * mean[:, None, :]
+
+    def query_moment(self, layer: int) -> torch.Tensor:
+        """Second moment ``E[q qᵀ]`` ``[kv_heads, head_dim, head_dim]`` of the queries of each kv-head's group."""
+        self._check("k", "plain", layer)
+        if self.q_outer is None or self.q_count is None:
+            raise ValueError(
+                "these statistics hold no query moments (the installed transformers could not route attention "
+                "through walshkv's recorder); eq+ needs them"
+            )
+        return self.q_outer[layer] / float(self.q_count[layer].clamp_min(1))
+
+    def k_equalizer(self, layer: int) -> torch.Tensor:
+        """The ``eq+`` transform ``[kv_heads, head_dim, head_dim]`` of ``layer`` (float32)."""
+        from walshkv.ops.equalize import k_equalizer
+
+        return k_equalizer(self.k_covariance(layer), self.query_moment(layer)).to(torch.float32)
 
     def describe(self) -> dict[str, Any]:
         """Provenance for result files."""
@@ -104,6 +139,12 @@ class MergedCalibration:
     def variance(self, kind: str, layer: int, basis: str = "wht") -> torch.Tensor:
         return self.stats.variance(kind, layer, basis)
 
+    def k_equalizer(self, layer: int) -> torch.Tensor:
+        """The file's ``eq+`` transform where it holds one, else the one of the statistics."""
+        if getattr(self.bias, "has_k_equalizer", False):
+            return self.bias.k_equalizer(layer)
+        return self.stats.k_equalizer(layer)
+
     def check_matches(self, *args: Any, **kwargs: Any) -> None:
         self.stats.check_matches(*args, **kwargs)
         self.bias.check_matches(*args, **kwargs)
@@ -133,6 +174,7 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
     from transformers import DynamicCache
 
     from walshkv.eval.windows import make_windows
+    from walshkv.models import recording_queries
 
     layers, heads, head_dim = _shape(lm.model.config)
     n_win = max(1, tokens // ctx)
@@ -141,6 +183,11 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
     for key in [(k, b) for k in KINDS for b in BASES]:
         stats.sums[key] = torch.zeros(layers, heads, head_dim, dtype=torch.float64)
         stats.sq_sums[key] = torch.zeros(layers, heads, head_dim, dtype=torch.float64)
+    stats.k_outer = torch.zeros(layers, heads, head_dim, head_dim, dtype=torch.float64)
+    stats.k_sum1 = torch.zeros(layers, heads, head_dim, dtype=torch.float64)
+    stats.count1 = torch.zeros(layers)
+    q_outer = torch.zeros(layers, heads, head_dim, head_dim, dtype=torch.float64)
+    q_count = torch.zeros(layers)
 
     class _Recorder(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -149,16 +196,32 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
                 for basis, y in (("plain", x64), ("wht", hadamard_transform(x64))):
                     stats.sums[(kind, basis)][layer_idx] += y.sum(dim=(0, 2)).cpu()
                     stats.sq_sums[(kind, basis)][layer_idx] += (y * y).sum(dim=(0, 2)).cpu()
-            assert stats.counts is not None
+            assert stats.counts is not None and stats.k_outer is not None
             stats.counts[layer_idx] += key_states.shape[0] * key_states.shape[2]
+            k1 = key_states[:, :, 1:].detach().to(torch.float32)  # the first token (attention sink) left out
+            stats.k_outer[layer_idx] += torch.einsum("bhnd,bhne->hde", k1, k1).cpu().to(torch.float64)
+            stats.k_sum1[layer_idx] += k1.sum(dim=(0, 2)).cpu()
+            stats.count1[layer_idx] += k1.shape[0] * k1.shape[2]
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     device = next(lm.model.parameters()).device
-    for w in tqdm(range(n_win), desc=f"calibrate on {text.name}", unit="window", disable=not progress):
-        lm.model(
-            input_ids=win.ids[w : w + 1].to(device),
-            cache=_Recorder(config=lm.model.config),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+    queries: dict[int, torch.Tensor] = {}
+    recorded = True
+    with recording_queries(lm.model, queries) as recording:
+        for w in tqdm(range(n_win), desc=f"calibrate on {text.name}", unit="window", disable=not progress):
+            queries.clear()
+            lm.model(
+                input_ids=win.ids[w : w + 1].to(device),
+                cache=_Recorder(config=lm.model.config),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            recorded = recorded and recording and sorted(queries) == list(range(layers))
+            for layer, q in queries.items() if recorded else ():
+                b, hq, t, d = q.shape  # q head j reads kv head j // (hq // heads)
+                qg = q.reshape(b, heads, hq // heads, t, d)
+                q_outer[layer] += torch.einsum("bhgnd,bhgne->hde", qg, qg).cpu().to(torch.float64)
+                q_count[layer] += b * t
+    if recorded:
+        stats.q_outer, stats.q_count = q_outer, q_count
     return stats

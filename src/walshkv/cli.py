@@ -73,11 +73,12 @@ def calibrate_if_needed(lm, codecs, args, text):
 
 
 def _only_centering(spec) -> bool:
-    """True if the spec's only calibrated part is a center+ K bias."""
-    from walshkv.codecs.center import Centered
+    """True if the spec's only calibrated parts are a center+ K bias and eq+ transform (what a file holds)."""
 
     def ok(c) -> bool:
-        return not c.needs_calibration or (isinstance(c, Centered) and not c.inner.needs_calibration)
+        while getattr(c, "is_centering", False) or getattr(c, "is_equalizing", False):
+            c = c.inner
+        return not c.needs_calibration
 
     return ok(spec.k) and ok(spec.v)
 
@@ -175,12 +176,25 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         )
         return 0
     mean = torch.stack([stats.mean("k", i, "plain") for i in range(stats.num_layers)])
+    eq = torch.stack([stats.k_equalizer(i) for i in range(stats.num_layers)]) if args.eq else None
     write_kv_mean_center(
-        args.output, mean, arch=lm.info["arch"], basis=args.basis, tokens=stats.tokens, text=text.name, model=lm.name
+        args.output,
+        mean,
+        arch=lm.info["arch"],
+        basis=args.basis,
+        tokens=stats.tokens,
+        text=text.name,
+        model=lm.name,
+        k_equalizer=eq,
     )
     print(
         f"wrote {args.output}: {stats.num_layers} tensors kv_bar.blk.0.k .. kv_bar.blk.{stats.num_layers - 1}.k of "
         f"{stats.head_dim} x {stats.num_kv_heads} values, basis {args.basis}, {stats.tokens:,} tokens of {text.name}"
+        + (
+            f"; eq+ K transforms walshkv.k_eq.blk.<il> ({stats.num_kv_heads} x {stats.head_dim}^2 each)"
+            if args.eq
+            else ""
+        )
     )
     return 0
 
@@ -395,10 +409,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="plain: for center+SPEC; rot: Hadamard-rotated, for center+rot+SPEC and llama.cpp's rotation",
     )
     ca.add_argument(
+        "--eq",
+        action="store_true",
+        help="also write the eq+ K transforms (per layer and kv-head, from the K covariance and the queries' "
+        "second moment) for specs such as center+eq+tq:3.5/tq:3",
+    )
+    ca.add_argument(
         "--preset",
         metavar="NAME",
         help="write everything the preset (walshkv:3, walshkv:3.5, walshkv:4.5) needs for this model: the K mean "
-        "in the basis of its spec, with the preset's name and spec (--basis is then ignored)",
+        "in the basis of its spec (and its eq+ transforms), with the preset's name and spec (--basis and --eq are "
+        "then ignored)",
     )
     ca.add_argument("-o", "--output", default="kv-mean-center.gguf", help="output GGUF file")
     ca.add_argument("--quiet", action="store_true", help="no progress bars")

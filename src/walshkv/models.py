@@ -19,6 +19,8 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "recording_queries",
     "DEFAULT_MODEL",
     "MODELS",
     "LoadedModel",
@@ -356,3 +359,50 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, pr
     except Exception as err:
         raise _unknown_model(name, f"the hub id could not be loaded ({type(err).__name__}: {err})") from err
     return LoadedModel(model, tok, name, f"hub:{name}", _describe(model))
+
+
+_QUERY_SINK: dict[int, torch.Tensor] | None = None
+
+
+@contextmanager
+def recording_queries(model: Any, sink: dict[int, torch.Tensor]) -> Iterator[bool]:
+    """Keep each layer's queries (post-RoPE, ``[batch, q_heads, T, head_dim]`` float32) in ``sink``.
+
+    Attention runs through a wrapper that delegates to the model's own implementation (``sdpa`` when
+    the model runs the built-in eager path) with the same mask function, so the forward pass is
+    unchanged; the model's implementation is restored on exit. Each forward pass overwrites a layer's
+    entry. Yields False, changing nothing, where the installed transformers offers no way to do that.
+    """
+    global _QUERY_SINK
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        yield False
+        return
+    base = getattr(model.config, "_attn_implementation", None) or "eager"
+    delegate = base if (base in ALL_ATTENTION_FUNCTIONS and base in ALL_MASK_ATTENTION_FUNCTIONS) else "sdpa"
+    name = f"walshkv_queries_{delegate}"
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        inner = ALL_ATTENTION_FUNCTIONS[delegate]
+
+        def record(module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            layer = getattr(module, "layer_idx", None)
+            if _QUERY_SINK is not None and layer is not None:
+                _QUERY_SINK[layer] = query.detach().to(torch.float32)
+            return inner(module, query, *args, **kwargs)
+
+        AttentionInterface.register(name, record)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[delegate])
+    try:
+        model.set_attn_implementation(name)
+    except (ValueError, KeyError, AttributeError, TypeError):
+        yield False
+        return
+    _QUERY_SINK = sink
+    try:
+        yield True
+    finally:
+        _QUERY_SINK = None
+        model.set_attn_implementation(base)

@@ -31,6 +31,7 @@ __all__ = [
     "candidates_for",
     "is_preset",
     "k_mean_basis",
+    "needs_k_equalizer",
     "preset_name_for_bits",
     "recommend",
     "resolve_preset",
@@ -230,6 +231,22 @@ def k_mean_basis(spec: str) -> str:
             "K mean basis: use the same K wrapper (center+ or center+rot+) in every part"
         )
     return bases.pop()
+
+
+def needs_k_equalizer(spec: str) -> bool:
+    """True if any part of ``spec`` transforms K with ``eq+`` (its file must hold the transforms)."""
+    from walshkv.codecs import parse_cache_spec
+    from walshkv.codecs.spec import LayeredCacheSpec
+
+    parsed = parse_cache_spec(spec)
+    parts = [p for p, _ in parsed.parts] if isinstance(parsed, LayeredCacheSpec) else [parsed]
+    for part in parts:
+        codec = part.k
+        while codec is not None:
+            if getattr(codec, "is_equalizing", False):
+                return True
+            codec = getattr(codec, "inner", None)
+    return False
 
 
 def split_text(text: Any) -> tuple[Any, Any]:
@@ -465,7 +482,8 @@ def allocate_layers(
 
 
 def write_preset_file(path: Any, lm: Any, preset: Preset, stats: Any, note: str = "") -> str:
-    """Write the calibration file of ``preset`` for ``lm``: the K mean in the basis its spec needs.
+    """Write the calibration file of ``preset`` for ``lm``: the K mean in the basis its spec needs
+    (and the ``eq+`` K transforms where its spec has ``eq+``).
 
     The GGUF holds llama.cpp's ``kv_bar.blk.<il>.k`` tensors and, under ``walshkv.``, the model,
     the calibration text and the preset's name and spec (``walshkv.preset.name/spec/budget``).
@@ -479,6 +497,9 @@ def write_preset_file(path: Any, lm: Any, preset: Preset, stats: Any, note: str 
 
     basis = k_mean_basis(preset.spec)
     mean = torch.stack([stats.mean("k", i, "plain") for i in range(stats.num_layers)])
+    eq = None
+    if needs_k_equalizer(preset.spec):
+        eq = torch.stack([stats.k_equalizer(i) for i in range(stats.num_layers)])
     extra = {_FILE_NAME: preset.name, _FILE_SPEC: preset.spec, "walshkv.preset.budget": f"{preset.budget:g}"}
     if note:
         extra["walshkv.preset.note"] = note
@@ -491,5 +512,6 @@ def write_preset_file(path: Any, lm: Any, preset: Preset, stats: Any, note: str 
         text=stats.text,
         model=lm.name,
         extra=extra,
+        k_equalizer=eq,
     )
     return basis

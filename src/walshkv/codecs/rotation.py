@@ -34,6 +34,9 @@ class Rotated(Codec):
         if getattr(inner, "is_centering", False):
             fixed = f"center+{prefix}+{inner.spec.removeprefix('center+')}"
             raise ValueError(f"write center+ first: {fixed}, not {prefix}+{inner.spec}")
+        if getattr(inner, "is_equalizing", False):
+            fixed = f"eq+{prefix}+{inner.spec.removeprefix('eq+')}"
+            raise ValueError(f"eq+ works in the plain basis: write {fixed}, not {prefix}+{inner.spec}")
         self.spec = f"{prefix}+{inner.spec}"
 
     @property

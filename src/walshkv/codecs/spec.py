@@ -5,7 +5,7 @@ Grammar::
     SPEC       := ["sink:" N ":"] (CACHE_SPEC | "layers:" PARTS)  # N first tokens kept in fp16
     CACHE_SPEC := CODEC_SPEC | CODEC_SPEC "/" CODEC_SPEC        # K / V
     CODEC_SPEC := (WRAPPER "+")* BASE
-    WRAPPER    := "rot" | "rrot" [":" SEED]
+    WRAPPER    := "center" | "eq" | "rot" | "rrot" [":" SEED]
     BASE       := NAME [":" ARGS]                               # e.g. int4, fp16
 
 A single codec spec applies to both K and V. New codecs join through
@@ -21,6 +21,7 @@ from typing import Any
 
 from walshkv.codecs.base import Codec
 from walshkv.codecs.center import Centered
+from walshkv.codecs.equalize import Equalized
 from walshkv.codecs.floats import FLOAT_CODECS, FloatCodec
 from walshkv.codecs.ggml import GGML_BLOCK_BYTES, GGML_TYPES, GGMLCodec
 from walshkv.codecs.intq import IntCodec
@@ -160,6 +161,11 @@ register_wrapper(
     "center",
     lambda args, inner: (_no_args("center", args), Centered(inner))[1],
     "subtract a calibrated per-(layer, head, channel) K mean first (K only; --kv-mean-center FILE)",
+)
+register_wrapper(
+    "eq",
+    lambda args, inner: (_no_args("eq", args), Equalized(inner))[1],
+    "calibrated query-weighted K transform before the codec (K only; write center+eq+SPEC)",
 )
 register_wrapper(
     "rrot",

@@ -7,7 +7,10 @@ Format (the fork's documented layout):
 * metadata ``kv_mean_center.k_rot`` (bool): True if the bias is in the Hadamard-rotated basis
   (what llama.cpp subtracts after rotating K), False for the plain basis;
 * walshkv's own metadata under ``walshkv.``: architecture, layer count, head_dim, n_head_kv,
-  calibration tokens, calibration text, walshkv version.
+  calibration tokens, calibration text, walshkv version;
+* for specs with ``eq+`` (walshkv only; llama.cpp forks ignore them): one F32 tensor per layer named
+  ``walshkv.k_eq.blk.<il>`` holding the ``n_head_kv`` K transforms ``A`` (numpy ``[n_head_kv,
+  head_dim, head_dim]``, ``y = A k`` with rows and columns in llama.cpp's channel order).
 
 Channel order: llama-architecture GGUF files store Q and K permuted relative to Hugging Face's
 layout (transformers undoes it on load). A K channel ``a * head_dim/2 + b`` of the Hugging Face
@@ -40,6 +43,7 @@ __all__ = [
 PERMUTED_ARCHS = ("llama", "mistral")
 BASES = ("plain", "rot")
 _TENSOR = "kv_bar.blk.{}.k"
+_EQ_TENSOR = "walshkv.k_eq.blk.{}"
 
 
 def to_llamacpp_channel_order(x: torch.Tensor, arch: str) -> torch.Tensor:
@@ -48,6 +52,12 @@ def to_llamacpp_channel_order(x: torch.Tensor, arch: str) -> torch.Tensor:
         return x
     d = x.shape[-1]
     return x.reshape(*x.shape[:-1], 2, d // 2).transpose(-1, -2).reshape(x.shape)
+
+
+def _permute_matrix(m: torch.Tensor, arch: str, to_llamacpp: bool) -> torch.Tensor:
+    """Both channel dimensions (the last two) of ``m`` mapped between the two orders."""
+    f = to_llamacpp_channel_order if to_llamacpp else from_llamacpp_channel_order
+    return f(f(m, arch).transpose(-1, -2), arch).transpose(-1, -2)
 
 
 def from_llamacpp_channel_order(x: torch.Tensor, arch: str) -> torch.Tensor:
@@ -74,10 +84,28 @@ class KMeanBias:
     arch: str
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    k_eq: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim], Hugging Face order
 
     @property
     def num_layers(self) -> int:
         return self.plain.shape[0]
+
+    @property
+    def has_k_equalizer(self) -> bool:
+        """True if the file holds the ``eq+`` K transforms."""
+        return self.k_eq is not None
+
+    def k_equalizer(self, layer: int) -> torch.Tensor:
+        """The ``eq+`` transform ``[kv_heads, head_dim, head_dim]`` of ``layer``."""
+        if self.k_eq is None:
+            raise ValueError(
+                f"{self.source} holds no eq+ K transforms (walshkv.k_eq.blk.<il> tensors): write the file with "
+                "`walshkv calibrate --eq ...` or `walshkv calibrate --preset NAME` for a spec with eq+, or pass "
+                "--calib-text TEXT"
+            )
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"{self.source} has {self.num_layers} layers; layer {layer} requested")
+        return self.k_eq[layer].to(torch.float32)
 
     def k_bias(self, layer: int, basis: str) -> torch.Tensor:
         """Bias ``[kv_heads, head_dim]`` for ``layer`` in walshkv's ``basis`` (``plain`` or ``rot``)."""
@@ -131,6 +159,7 @@ def write_kv_mean_center(
     text: str = "",
     model: str = "",
     extra: dict[str, str] | None = None,
+    k_equalizer: torch.Tensor | None = None,
 ) -> None:
     """Write a K bias file.
 
@@ -141,6 +170,8 @@ def write_kv_mean_center(
         basis: ``plain`` or ``rot`` (Hadamard-rotated in llama.cpp's channel order).
         tokens, text, model: provenance written under ``walshkv.``.
         extra: more string metadata, each key under ``walshkv.`` (e.g. ``walshkv.preset.spec``).
+        k_equalizer: ``[layers, kv_heads, head_dim, head_dim]`` ``eq+`` K transforms (Hugging Face
+            order), written as ``walshkv.k_eq.blk.<il>``; ``None`` writes none.
     """
     import gguf
 
@@ -153,6 +184,14 @@ def write_kv_mean_center(
     if not bool(torch.isfinite(plain_mean).all()):
         raise ValueError("the K mean has NaN/Inf values; calibrate on finite activations")
     layers, heads, head_dim = plain_mean.shape
+    if k_equalizer is not None:
+        if tuple(k_equalizer.shape) != (layers, heads, head_dim, head_dim):
+            raise ValueError(
+                f"the eq+ transforms must be [layers, kv_heads, head_dim, head_dim] = "
+                f"{(layers, heads, head_dim, head_dim)}, got {tuple(k_equalizer.shape)}"
+            )
+        if not bool(torch.isfinite(k_equalizer).all()):
+            raise ValueError("the eq+ transforms have NaN/Inf values; recalibrate")
     data = to_llamacpp_channel_order(plain_mean.to(torch.float64), arch)
     if basis == "rot":
         data = hadamard_transform(data)
@@ -179,6 +218,10 @@ def write_kv_mean_center(
     for il in range(layers):
         # numpy [n_head_kv, head_dim] -> GGUF ne [head_dim, n_head_kv], channel fastest
         writer.add_tensor(_TENSOR.format(il), data[il].to(torch.float32).numpy().astype(np.float32))
+    if k_equalizer is not None:
+        eq = _permute_matrix(k_equalizer.to(torch.float64), arch, to_llamacpp=True)
+        for il in range(layers):
+            writer.add_tensor(_EQ_TENSOR.format(il), eq[il].to(torch.float32).numpy().astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -263,4 +306,37 @@ def read_kv_mean_center(path: str | Path, model_arch: str | None = None) -> KMea
         data = hadamard_transform(data)  # self-inverse: back to the plain basis, llama.cpp order
     plain = from_llamacpp_channel_order(data, arch)
     meta = {k: _field(reader, k) for k in reader.fields if k.startswith("walshkv.")}
-    return KMeanBias(plain, basis, arch, str(path), meta)
+    return KMeanBias(plain, basis, arch, str(path), meta, _read_k_eq(path, tensors, layers, heads, head_dim, arch))
+
+
+def _read_k_eq(
+    path: Path, tensors: dict[str, Any], layers: int, heads: int, head_dim: int, arch: str
+) -> torch.Tensor | None:
+    """The ``walshkv.k_eq.blk.<il>`` tensors, Hugging Face order, or ``None`` if the file has none."""
+    import gguf
+
+    fix = "rewrite it with `walshkv calibrate --eq ... -o FILE`"
+    present = [n for n in tensors if n.startswith("walshkv.k_eq.blk.")]
+    if not present:
+        return None
+    missing = [_EQ_TENSOR.format(i) for i in range(layers) if _EQ_TENSOR.format(i) not in tensors]
+    if missing or len(present) != layers:
+        raise ValueError(
+            f"{path} holds {len(present)} walshkv.k_eq.blk tensors for {layers} layers"
+            f"{' (missing ' + ', '.join(missing[:3]) + ')' if missing else ''}; {fix}"
+        )
+    arrays = []
+    for i in range(layers):
+        t = tensors[_EQ_TENSOR.format(i)]
+        if t.tensor_type != gguf.GGMLQuantizationType.F32:
+            raise ValueError(f"{path}: {t.name} is {t.tensor_type.name}, expected F32; {fix}")
+        arr = np.asarray(t.data, dtype=np.float32)
+        if arr.size != heads * head_dim * head_dim:
+            raise ValueError(
+                f"{path}: {t.name} holds {arr.size} values, expected {heads} x {head_dim} x {head_dim}; {fix}"
+            )
+        arrays.append(arr.reshape(heads, head_dim, head_dim))
+    eq = torch.from_numpy(np.stack(arrays)).to(torch.float64)
+    if not bool(torch.isfinite(eq).all()):
+        raise ValueError(f"{path}: the eq+ transforms hold NaN/Inf values; recalibrate")
+    return _permute_matrix(eq, arch, to_llamacpp=False)

@@ -97,48 +97,6 @@ def lloyd_max_points(max_bits: int = 4) -> list[tuple[int, float]]:
 # Capture
 # ---------------------------------------------------------------------------------------------------------
 
-_QUERY_SINK: dict[int, torch.Tensor] | None = None
-
-
-@contextlib.contextmanager
-def _recording_queries(model: Any) -> Iterator[bool]:
-    """Route attention through a wrapper that keeps each layer's queries (post-RoPE) in ``_QUERY_SINK``.
-
-    The wrapper delegates to the model's attention implementation (``sdpa`` when the model runs the
-    built-in eager path) with the same mask function, so the forward pass is unchanged. Yields False,
-    changing nothing, where the installed transformers offers no way to do that.
-    """
-    try:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    except ImportError:
-        yield False
-        return
-    base = getattr(model.config, "_attn_implementation", None) or "eager"
-    delegate = base if (base in ALL_ATTENTION_FUNCTIONS and base in ALL_MASK_ATTENTION_FUNCTIONS) else "sdpa"
-    name = f"walshkv_rd_{delegate}"
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        inner = ALL_ATTENTION_FUNCTIONS[delegate]
-
-        def record(module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            layer = getattr(module, "layer_idx", None)
-            if _QUERY_SINK is not None and layer is not None:
-                _QUERY_SINK[layer] = query.detach().to(torch.float32)
-            return inner(module, query, *args, **kwargs)
-
-        AttentionInterface.register(name, record)
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[delegate])
-    try:
-        model.set_attn_implementation(name)
-    except (ValueError, KeyError, AttributeError, TypeError):
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        model.set_attn_implementation(base)
-
 
 @torch.inference_mode()
 def capture_window(
@@ -146,8 +104,9 @@ def capture_window(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
     """Run one window and return per-layer K, V (``[1, kv_heads, T, head_dim]``, float32, post-RoPE K)
     and, when ``queries`` and possible, the queries ``[1, q_heads, T, head_dim]`` (else ``None``)."""
-    global _QUERY_SINK
     from transformers import DynamicCache
+
+    from walshkv.models import recording_queries
 
     keys: dict[int, torch.Tensor] = {}
     values: dict[int, torch.Tensor] = {}
@@ -160,18 +119,14 @@ def capture_window(
 
     device = next(lm.model.parameters()).device
     sink: dict[int, torch.Tensor] = {}
-    context = _recording_queries(lm.model) if queries else contextlib.nullcontext(False)
+    context = recording_queries(lm.model, sink) if queries else contextlib.nullcontext(False)
     with context as recording:
-        _QUERY_SINK = sink
-        try:
-            lm.model(
-                input_ids=ids.view(1, -1).to(device),
-                cache=_Recorder(config=lm.model.config),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        finally:
-            _QUERY_SINK = None
+        lm.model(
+            input_ids=ids.view(1, -1).to(device),
+            cache=_Recorder(config=lm.model.config),
+            use_cache=True,
+            logits_to_keep=1,
+        )
     layers = sorted(keys)
     ks = [keys[i] for i in layers]
     vs = [values[i] for i in layers]

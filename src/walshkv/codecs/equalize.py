@@ -1,0 +1,90 @@
+"""``eq+SPEC``: a calibrated, query-weighted linear transform of K before the K codec.
+
+Any invertible transform ``A`` is allowed before a codec, since decoding applies ``A⁻¹``. ``eq+``
+chooses, per (layer, kv-head), the ``A`` that minimises the attention-score error of a codec with
+isotropic noise (a rotation then one width per coordinate, as ``tq``), from the K covariance and the
+queries' second moment measured on calibration text (:func:`walshkv.ops.equalize.k_equalizer`).
+K directions the queries weigh heavily get more of the codec's precision, directions they ignore less.
+Stored bytes are the inner codec's: ``A`` lives in the calibration file, not in the cache.
+
+K only (``bind(..., "v")`` returns the inner codec). Write it after ``center+`` and before any
+rotation: ``center+eq+tq:3.5``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from walshkv.codecs.base import Codec, Field, Packed
+
+__all__ = ["Equalized"]
+
+
+class Equalized(Codec):
+    """Wrap a K codec with a per-(layer, kv-head) transform ``y = A k`` (decode: ``k = A⁻¹ y``).
+
+    Args:
+        inner: the codec that stores ``A k``.
+        matrix: ``[kv_heads, head_dim, head_dim]`` for a bound (per-layer) codec; ``None`` until
+            :meth:`bind`.
+    """
+
+    is_equalizing = True
+
+    def __init__(self, inner: Codec, matrix: torch.Tensor | None = None, spec: str | None = None) -> None:
+        if getattr(inner, "is_centering", False):
+            raise ValueError(f"write center+ first: center+eq+{inner.spec.removeprefix('center+')}")
+        if getattr(inner, "is_equalizing", False):
+            raise ValueError("eq+ appears twice in one codec spec")
+        self.inner = inner
+        self.spec = spec or f"eq+{inner.spec}"
+        self.matrix: torch.Tensor | None = None
+        self.inverse: torch.Tensor | None = None
+        if matrix is not None:
+            m = matrix.to(torch.float64)
+            if m.dim() != 3 or m.shape[-1] != m.shape[-2]:
+                raise ValueError(
+                    f"{self.spec}: the transform must be [kv_heads, head_dim, head_dim], got {tuple(m.shape)}"
+                )
+            if not bool(torch.isfinite(m).all()):
+                raise ValueError(f"{self.spec}: the transform has NaN/Inf values; recalibrate")
+            self.matrix = m.to(torch.float32)
+            self.inverse = torch.linalg.inv(m).to(torch.float32)
+
+    @property
+    def needs_calibration(self) -> bool:  # type: ignore[override]
+        return self.matrix is None or self.inner.needs_calibration
+
+    def bind(self, layer_idx: int, kind: str, calibration: Any = None) -> Codec:
+        inner = self.inner.bind(layer_idx, kind, calibration)
+        if kind == "v":
+            return inner  # the transform is weighted by the queries that read K
+        if calibration is None or not hasattr(calibration, "k_equalizer"):
+            raise ValueError(
+                f"{self.spec} needs a calibrated K transform: pass --calib-text TEXT, or a file written by "
+                "`walshkv calibrate --preset ...` / `walshkv recommend` for a spec with eq+"
+            )
+        return Equalized(inner, calibration.k_equalizer(layer_idx), self.spec)
+
+    def layout(self, head_dim: int) -> dict[str, Field]:
+        return self.inner.layout(head_dim)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        self.inner.check_head_dim(head_dim)
+        if self.matrix is not None and self.matrix.shape[-1] != head_dim:
+            raise ValueError(f"{self.spec}: the transform has head_dim {self.matrix.shape[-1]}, K has {head_dim}")
+
+    def _apply(self, m: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        if m is None:
+            raise ValueError(f"{self.spec} is not bound to a layer's K transform; build it through CompressedCache")
+        if m.shape[0] != x.shape[1]:
+            raise ValueError(f"{self.spec}: the transform has {m.shape[0]} kv heads, K has {x.shape[1]}")
+        return torch.einsum("hed,bhnd->bhne", m.to(x.device), x.to(torch.float32))
+
+    def _encode(self, x: torch.Tensor) -> Packed:
+        return self.inner.encode(self._apply(self.matrix, x))
+
+    def _decode(self, packed: Packed) -> torch.Tensor:
+        return self._apply(self.inverse, self.inner._decode(packed))

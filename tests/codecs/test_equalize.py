@@ -1,0 +1,275 @@
+"""``eq+``: the calibrated, query-weighted K transform (math, codec, calibration, files, cache)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import ToyTokenizer
+from walshkv.cache import CompressedCache, enable_fused_attention
+from walshkv.calibration import MergedCalibration, collect_kv_stats
+from walshkv.codecs.equalize import Equalized
+from walshkv.codecs.spec import parse_cache_spec, parse_codec
+from walshkv.data import Text
+from walshkv.export import read_kv_mean_center, write_kv_mean_center
+from walshkv.models import LoadedModel, _describe, recording_queries
+from walshkv.ops.equalize import k_equalizer, predicted_gain_db
+from walshkv.presets import Preset, needs_k_equalizer, write_preset_file
+
+TEXT = Text("toy-calib", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(2000)))
+
+
+def _spd(d: int, seed: int, spread: float = 3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    e = torch.exp(spread * torch.randn(d, generator=g, dtype=torch.float64))
+    return (q * e) @ q.T
+
+
+# ---- the math ----------------------------------------------------------------------------------------
+
+
+def test_diagonal_moments_give_the_fourth_root_scaling():
+    c = torch.diag(torch.tensor([4.0, 1.0, 0.25, 9.0], dtype=torch.float64))
+    m = torch.diag(torch.tensor([1.0, 16.0, 1.0, 0.5], dtype=torch.float64))
+    a = k_equalizer(c, m)
+    want = (m.diagonal() / c.diagonal()) ** 0.25
+    want = want / want.log().mean().exp()  # determinant 1
+    assert torch.allclose(a, torch.diag(want), atol=1e-6)
+    assert float(torch.linalg.det(a)) == pytest.approx(1.0, rel=1e-9)
+
+
+def test_the_transform_reaches_the_predicted_optimum():
+    c, m = _spd(8, 1), _spd(8, 2)
+    a = k_equalizer(c, m, max_cond=1e9)
+    ms = torch.linalg.cholesky(m)  # any square root: tr((M^½ C M^½)^½) is basis-free
+    lam = torch.linalg.eigvalsh(ms.T @ c @ ms)
+    best = 10 * torch.log10(torch.trace(c) * torch.trace(m) / lam.sqrt().sum() ** 2)
+    assert float(predicted_gain_db(c, m, a)) == pytest.approx(float(best), rel=1e-6)
+    assert float(best) > 1.0
+    # no other transform does better: random perturbations lose
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        b = a @ (torch.eye(8, dtype=torch.float64) + 0.1 * torch.randn(8, 8, generator=g, dtype=torch.float64))
+        assert float(predicted_gain_db(c, m, b)) < float(best) + 1e-9
+
+
+def test_queries_shaped_like_the_keys_need_no_transform():
+    c = _spd(8, 4)
+    assert torch.allclose(k_equalizer(c, 3.0 * c), torch.eye(8, dtype=torch.float64), atol=1e-6)
+
+
+def test_the_condition_number_is_capped():
+    c = torch.diag(torch.tensor([1e6, 1.0, 1e-6, 1.0], dtype=torch.float64))
+    a = k_equalizer(c, torch.eye(4, dtype=torch.float64), max_cond=10.0)
+    s = torch.linalg.svdvals(a)
+    assert float(s.max() / s.min()) <= 10.0 + 1e-6
+
+
+@pytest.mark.parametrize(
+    ("cov", "qm", "message"),
+    [
+        (torch.eye(4), torch.eye(3), "one shape"),
+        (torch.full((4, 4), float("nan")), torch.eye(4), "NaN/Inf"),
+    ],
+)
+def test_bad_moments_are_refused(cov, qm, message):
+    with pytest.raises(ValueError, match=message):
+        k_equalizer(cov, qm)
+
+
+# ---- the codec ---------------------------------------------------------------------------------------
+
+
+class Moments:
+    """An eq+ / center+ calibration with fixed random transforms."""
+
+    def __init__(self, layers: int = 2, heads: int = 2, head_dim: int = 16) -> None:
+        self.eq = torch.stack(
+            [
+                torch.stack([k_equalizer(_spd(head_dim, 10 * i + h), _spd(head_dim, 99 + h)) for h in range(heads)])
+                for i in range(layers)
+            ]
+        ).to(torch.float32)
+        self.bias = 2.0 * torch.randn(layers, heads, head_dim, generator=torch.Generator().manual_seed(5))
+
+    def k_equalizer(self, layer: int) -> torch.Tensor:
+        return self.eq[layer]
+
+    def k_bias(self, layer: int, basis: str) -> torch.Tensor:
+        return self.bias[layer]
+
+    def check_matches(self, *args, **kwargs) -> None:
+        pass
+
+
+def test_the_transform_is_exact_around_a_lossless_codec():
+    codec = parse_codec("eq+fp32").bind(0, "k", Moments())
+    x = torch.randn(2, 2, 5, 16)
+    assert torch.allclose(codec.decode(codec.encode(x)), x, atol=1e-5)
+    assert codec.bits_per_element(16) == parse_codec("fp32").bits_per_element(16)
+
+
+def test_values_skip_the_transform():
+    assert parse_codec("eq+tq:3").bind(0, "v", Moments()).spec == "tq:3"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("eq+center+tq:3", "write center\\+ first: center\\+eq\\+tq:3"),
+        ("rot+eq+tq:3", "write eq\\+rot\\+tq:3"),
+        ("eq+eq+tq:3", "twice"),
+        ("eq:2+tq:3", "takes no arguments"),
+    ],
+)
+def test_misplaced_eq_names_the_fix(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_codec(spec)
+
+
+def test_an_unbound_or_uncalibrated_eq_says_what_to_pass():
+    with pytest.raises(ValueError, match="CompressedCache"):
+        parse_codec("eq+tq:3").encode(torch.randn(1, 2, 3, 16))
+    with pytest.raises(ValueError, match="--calib-text"):
+        parse_codec("eq+tq:3").bind(0, "k", None)
+    with pytest.raises(ValueError, match="kv heads"):
+        parse_codec("eq+tq:3").bind(0, "k", Moments(heads=3)).encode(torch.randn(1, 2, 3, 16))
+
+
+# ---- calibration -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_llama):
+    return LoadedModel(tiny_llama, ToyTokenizer(), "tiny-llama", "test", _describe(tiny_llama))
+
+
+@pytest.fixture(scope="module")
+def stats(tiny_lm):
+    return collect_kv_stats(tiny_lm, TEXT, tokens=128, ctx=64, progress=False)
+
+
+def test_calibration_keeps_the_moments_eq_needs(tiny_lm, stats):
+    assert stats.count1 is not None and stats.count1.tolist() == [126.0, 126.0]  # first tokens left out
+    assert stats.q_count is not None and stats.q_count.tolist() == [128.0, 128.0]
+    for layer in range(2):
+        cov, qm = stats.k_covariance(layer), stats.query_moment(layer)
+        assert cov.shape == qm.shape == (2, 16, 16)
+        assert float(torch.linalg.eigvalsh(qm).min()) > -1e-6 and float(torch.linalg.eigvalsh(cov).min()) > -1e-6
+        a = stats.k_equalizer(layer)
+        assert a.shape == (2, 16, 16) and a.dtype == torch.float32
+    assert tiny_lm.model.config._attn_implementation == "sdpa"  # the recorder is gone afterwards
+
+
+def test_query_recording_sees_every_layer_and_restores_attention(tiny_lm):
+    sink: dict[int, torch.Tensor] = {}
+    before = tiny_lm.model.config._attn_implementation
+    ids = torch.randint(3, 90, (1, 9))
+    with torch.inference_mode(), recording_queries(tiny_lm.model, sink) as ok:
+        with_hook = tiny_lm.model(input_ids=ids).logits
+    assert ok and sorted(sink) == [0, 1] and sink[0].shape == (1, 4, 9, 16)
+    assert tiny_lm.model.config._attn_implementation == before
+    with torch.inference_mode():
+        assert torch.equal(with_hook, tiny_lm.model(input_ids=ids).logits)
+
+
+# ---- files -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_transforms_round_trip_through_the_file(tmp_path: Path, arch: str):
+    mean = torch.randn(3, 2, 8, dtype=torch.float64)
+    eq = torch.stack([torch.stack([_spd(8, 3 * i + h) for h in range(2)]) for i in range(3)])
+    path = tmp_path / "eq.gguf"
+    write_kv_mean_center(path, mean, arch=arch, k_equalizer=eq)
+    got = read_kv_mean_center(path, model_arch=arch)
+    assert got.has_k_equalizer
+    assert torch.allclose(got.k_eq, eq, atol=1e-5 * float(eq.abs().max()))
+    assert torch.allclose(got.plain, mean, atol=1e-6)
+    plain = tmp_path / "plain.gguf"
+    write_kv_mean_center(plain, mean, arch=arch)
+    with pytest.raises(ValueError, match="--eq"):
+        read_kv_mean_center(plain).k_equalizer(0)
+
+
+def test_bad_transforms_are_refused(tmp_path: Path):
+    mean = torch.randn(2, 1, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="layers, kv_heads, head_dim, head_dim"):
+        write_kv_mean_center(tmp_path / "a.gguf", mean, arch="qwen2", k_equalizer=torch.eye(8).expand(2, 2, 8, 8))
+    bad = torch.eye(8).repeat(2, 1, 1, 1)
+    bad[1, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        write_kv_mean_center(tmp_path / "b.gguf", mean, arch="qwen2", k_equalizer=bad)
+
+
+def test_a_file_missing_a_layer_of_transforms_is_refused(tmp_path: Path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "partial.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="kv_mean_center")
+    writer.add_bool("kv_mean_center.k_rot", False)
+    for il in range(2):
+        writer.add_tensor(f"kv_bar.blk.{il}.k", np.zeros((1, 8), dtype=np.float32))
+    writer.add_tensor("walshkv.k_eq.blk.0", np.eye(8, dtype=np.float32)[None])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="walshkv.k_eq.blk.1"):
+        read_kv_mean_center(path)
+
+
+def test_a_preset_file_holds_the_transforms_its_spec_needs(tmp_path: Path, tiny_lm, stats):
+    assert needs_k_equalizer("sink:1:layers:center+tq:3/tq:3@0;center+eq+tq:3/tq:3")
+    assert not needs_k_equalizer("center+tq:3/eq+tq:3")  # V never takes it
+    path = tmp_path / "p.gguf"
+    write_preset_file(path, tiny_lm, Preset("walshkv:3.5", 3.5, "center+eq+tq:3.5/tq:3"), stats)
+    got = read_kv_mean_center(path, model_arch="llama")
+    assert torch.allclose(got.k_equalizer(1), stats.k_equalizer(1), atol=1e-4)
+    write_preset_file(path, tiny_lm, Preset("walshkv:3.5", 3.5, "center+tq:3.5/tq:3"), stats)
+    assert not read_kv_mean_center(path, model_arch="llama").has_k_equalizer
+    merged = MergedCalibration(stats, got)
+    assert torch.equal(merged.k_equalizer(0), stats.k_equalizer(0))
+
+
+# ---- the cache ---------------------------------------------------------------------------------------
+
+
+def _logits(model, cache, ids, splits):
+    outs, s = [], 0
+    with torch.inference_mode():
+        for e in splits:
+            outs.append(model(input_ids=ids[:, s:e], cache=cache).logits)
+            s = e
+    return torch.cat(outs, dim=1)
+
+
+def test_a_lossless_eq_cache_is_the_reference(tiny_llama):
+    ids = torch.randint(3, 90, (2, 20), generator=torch.Generator().manual_seed(1))
+    ref = _logits(tiny_llama, DynamicCache(config=tiny_llama.config), ids, [12, 13, 20])
+    for spec in ("center+eq+fp32", "sink:2:center+eq+fp32/fp32"):
+        got = _logits(
+            tiny_llama, CompressedCache(spec, config=tiny_llama.config, calibration=Moments()), ids, [12, 13, 20]
+        )
+        assert (got - ref).abs().max() < 1e-3, spec
+
+
+def test_fused_attention_reads_an_eq_cache(tiny_llama):
+    spec = "sink:1:center+eq+tq:4/tq:3"
+    ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(2))
+    splits = [15, 16, 17, 24]
+    tiny_llama.set_attn_implementation("sdpa")
+    ref = _logits(tiny_llama, CompressedCache(spec, config=tiny_llama.config, calibration=Moments()), ids, splits)
+    enable_fused_attention(tiny_llama)
+    try:
+        cache = CompressedCache(spec, config=tiny_llama.config, calibration=Moments(), fused=True)
+        got = _logits(tiny_llama, cache, ids, splits)
+    finally:
+        tiny_llama.set_attn_implementation("sdpa")
+    assert torch.allclose(ref, got, atol=2e-5), float((ref - got).abs().max())
+    assert cache.bits_per_element() == pytest.approx(parse_cache_spec(spec).bits_at(16, 24))
