@@ -28,13 +28,13 @@ from typing import Any
 import torch
 
 __all__ = [
-    "recording_queries",
     "DEFAULT_MODEL",
     "MODELS",
     "LoadedModel",
     "ModelInfo",
     "ensure_gguf",
     "load_model",
+    "recording_queries",
     "walshkv_home",
 ]
 

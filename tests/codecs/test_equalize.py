@@ -11,7 +11,6 @@ from transformers import DynamicCache
 from conftest import ToyTokenizer
 from walshkv.cache import CompressedCache, enable_fused_attention
 from walshkv.calibration import MergedCalibration, collect_kv_stats
-from walshkv.codecs.equalize import Equalized
 from walshkv.codecs.spec import parse_cache_spec, parse_codec
 from walshkv.data import Text
 from walshkv.export import read_kv_mean_center, write_kv_mean_center
@@ -220,7 +219,7 @@ def test_a_file_missing_a_layer_of_transforms_is_refused(tmp_path: Path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="walshkv.k_eq.blk.1"):
+    with pytest.raises(ValueError, match=r"walshkv\.k_eq\.blk\.1"):
         read_kv_mean_center(path)
 
 

@@ -52,7 +52,8 @@ def k_equalizer(cov: torch.Tensor, qmom: torch.Tensor, max_cond: float = MAX_CON
     """
     if cov.shape != qmom.shape or cov.dim() < 2 or cov.shape[-1] != cov.shape[-2]:
         raise ValueError(
-            f"cov and qmom must be [..., head_dim, head_dim] of one shape, got {tuple(cov.shape)} and {tuple(qmom.shape)}"
+            "cov and qmom must be [..., head_dim, head_dim] of one shape, "
+            f"got {tuple(cov.shape)} and {tuple(qmom.shape)}"
         )
     if not (bool(torch.isfinite(cov).all()) and bool(torch.isfinite(qmom).all())):
         raise ValueError("K covariance or query moment has NaN/Inf values; calibrate on finite activations")
