@@ -149,6 +149,7 @@ def main(argv: list[str]) -> int:
     for model in MODELS:
         print("\n".join(model_section(root, model)))
     print("\n".join(sink_section(root)))
+    print("\n".join(eq_section(root)))
     return 0
 
 
@@ -177,6 +178,38 @@ def sink_section(root: Path) -> list[str]:
         "included).\n",
         "| model | budget | spec | bits/el | mean KLD | with sink:1: bits/el | mean KLD | change |",
         "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
+def eq_section(root: Path) -> list[str]:
+    """Each ``eq+`` candidate of a ``recommend`` run next to the same spec without it (selection windows)."""
+    rows = []
+    for model in MODELS:
+        for path in sorted((root / "presets" / model).glob("recommend-*.json")):
+            results = {r["codec"]: r for r in json.loads(path.read_text())["results"]}
+            budget = path.stem.split("-", 1)[1]
+            for codec, r in results.items():
+                if "eq+" not in codec:
+                    continue
+                plain = codec.replace("center+eq+", "center+")
+                if plain in results:
+                    p = results[plain]
+                    change = r["kld_mean"] / p["kld_mean"] - 1
+                    rows.append(
+                        f"| {model} | {budget} | `{plain}` | {p['bits_per_element']:.3f} | {p['kld_mean']:.5f} | "
+                        f"{r['kld_mean']:.5f} | {change:+.0%} |"
+                    )
+    if not rows:
+        return []
+    return [
+        "### The query-weighted K transform (`eq+`), on the selection windows\n",
+        "From `walshkv recommend` (`recommend-B.json`): each `center+eq+` candidate next to the same spec "
+        "with `center+` alone, on python-docs' second half (4 windows of 512 tokens; the same bits: `eq+` "
+        "stores nothing in the cache).\n",
+        "| model | budget | spec (without eq+) | bits/el | mean KLD | with eq+: mean KLD | change |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
     ]

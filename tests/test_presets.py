@@ -205,3 +205,20 @@ def test_allocate_layers_pairs_moves_within_the_budget(hd64_lm):
     assert bits == pytest.approx(parse_cache_spec(base).bits_per_element(64))
     assert plan.spec in {base, *(r["codec"] for r in plan.rows)}
     assert allocate_layers(hd64_lm, select, stats, "center+rot+int4", windows=1, ctx=64, progress=False) is None
+
+
+def test_cli_calibrate_eq_then_eval_from_the_file(hd64_lm, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(walshkv.models, "load_model", lambda name, progress=True: hd64_lm)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(TEXT.content)
+    evaltext = tmp_path / "eval.txt"
+    evaltext.write_text(TEXT.content[::-1])
+    out = tmp_path / "eq.gguf"
+    argv = ["calibrate", "--eq", "--text", str(calib), "--tokens", "128", "--ctx", "64", "-o", str(out), "--quiet"]
+    assert main(argv) == 0
+    assert "eq+ predicted score-error gain" in capsys.readouterr().out
+    assert read_kv_mean_center(out).has_k_equalizer
+    res = tmp_path / "e.json"
+    argv = ["eval", "--codec", "sink:1:center+eq+tq:4/tq:2", "--kv-mean-center", str(out), "--text", str(evaltext)]
+    assert main([*argv, "--ctx", "64", "--windows", "2", "--quiet", "--json", str(res)]) == 0
+    assert json.loads(res.read_text())["results"][0]["kld_mean"] >= 0

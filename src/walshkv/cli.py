@@ -196,6 +196,16 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             else ""
         )
     )
+    if eq is not None:
+        from walshkv.ops.equalize import predicted_gain_db
+
+        gains = torch.stack(
+            [predicted_gain_db(stats.k_covariance(i), stats.query_moment(i), eq[i]) for i in range(stats.num_layers)]
+        )
+        print(
+            f"eq+ predicted score-error gain (high-rate, on the calibration text): mean {float(gains.mean()):.2f} dB "
+            f"over layers and kv-heads (min {float(gains.min()):.2f}, max {float(gains.max()):.2f})"
+        )
     return 0
 
 

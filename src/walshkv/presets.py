@@ -56,7 +56,9 @@ BUILTIN: dict[str, str] = {
 # What `walshkv recommend` tries, by budget; specs over the budget at the model's head_dim are dropped
 # (sink:1: specs counted over the selection windows' length: their fp16 token costs (16 - b) / 512 bits
 # at 512 tokens, so they fit where the plain spec leaves room, e.g. tq's fp16 norm at head_dim 128).
-# K gets more bits than V in most: K is the sensitive half on every model measured.
+# K gets more bits than V in most: K is the sensitive half on every model measured. eq+ (a calibrated
+# query-weighted K transform) joins the best plain specs; it pays most beside a sink (the first token's
+# K lies where the transform, fitted to the typical token, amplifies error).
 CANDIDATES: dict[float, tuple[str, ...]] = {
     3.0: (
         "center+tq:3.5/tq:2",
@@ -65,6 +67,9 @@ CANDIDATES: dict[float, tuple[str, ...]] = {
         "center+tq:2.5/tq:3",
         "sink:1:center+tq:3.5/tq:2",
         "sink:1:center+tq:3/tq:2.5",
+        "center+eq+tq:3.5/tq:2",
+        "center+eq+tq:3/tq:2.5",
+        "sink:1:center+eq+tq:3.5/tq:2",
     ),
     3.5: (
         "center+tq:4/tq:2.5",
@@ -75,6 +80,10 @@ CANDIDATES: dict[float, tuple[str, ...]] = {
         "sink:1:center+tq:4/tq:2.5",
         "sink:1:center+tq:3.5/tq:3",
         "sink:1:center+tq:3.5/tq:2.5",
+        "center+eq+tq:4/tq:2.5",
+        "center+eq+tq:3.5/tq:3",
+        "sink:1:center+eq+tq:3.5/tq:3",
+        "sink:1:center+eq+tq:4/tq:2.5",
     ),
     4.5: (
         "center+tq:5/tq:3.5",
@@ -88,6 +97,10 @@ CANDIDATES: dict[float, tuple[str, ...]] = {
         "sink:1:center+tq:5/tq:3.5",
         "sink:1:center+rot+iq4_nl/tq:4",
         "sink:1:center+rot+q4_0/tq:4",
+        "center+eq+tq:5/tq:3.5",
+        "center+eq+tq:4.5/tq:4",
+        "sink:1:center+eq+tq:5/tq:3.5",
+        "sink:1:center+eq+rot+iq4_nl/tq:4",
     ),
 }
 

@@ -272,3 +272,13 @@ def test_fused_attention_reads_an_eq_cache(tiny_llama):
         tiny_llama.set_attn_implementation("sdpa")
     assert torch.allclose(ref, got, atol=2e-5), float((ref - got).abs().max())
     assert cache.bits_per_element() == pytest.approx(parse_cache_spec(spec).bits_at(16, 24))
+
+
+def test_gemma3_sliding_layers_calibrate_and_run(tiny_gemma3):
+    lm = LoadedModel(tiny_gemma3, ToyTokenizer(), "tiny-gemma3", "test", _describe(tiny_gemma3))
+    stats = collect_kv_stats(lm, TEXT, tokens=64, ctx=32, progress=False)
+    assert stats.q_outer is not None and stats.k_equalizer(0).shape == (1, 32, 32)
+    ids = torch.randint(3, 90, (1, 20), generator=torch.Generator().manual_seed(4))
+    ref = _logits(tiny_gemma3, DynamicCache(config=tiny_gemma3.config), ids, [20])
+    cache = CompressedCache("center+eq+fp32", config=tiny_gemma3.config, calibration=stats)
+    assert (_logits(tiny_gemma3, cache, ids, [12, 20]) - ref).abs().max() < 1e-3
