@@ -205,7 +205,18 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     device = next(lm.model.parameters()).device
-    queries: dict[int, torch.Tensor] = {}
+
+    class _QueryMoments(dict):
+        """Adds each layer's queries to ``q_outer`` as the recorder hands them over (nothing kept)."""
+
+        def __setitem__(self, layer: int, q: torch.Tensor) -> None:
+            b, hq, t, d = q.shape  # q head j reads kv head j // (hq // heads)
+            qg = q.reshape(b, heads, hq // heads, t, d)
+            q_outer[layer] += torch.einsum("bhgnd,bhgne->hde", qg, qg).cpu().to(torch.float64)
+            q_count[layer] += b * t
+            super().__setitem__(layer, True)
+
+    queries = _QueryMoments()
     recorded = True
     with recording_queries(lm.model, queries) as recording:
         for w in tqdm(range(n_win), desc=f"calibrate on {text.name}", unit="window", disable=not progress):
@@ -217,11 +228,6 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
                 logits_to_keep=1,
             )
             recorded = recorded and recording and sorted(queries) == list(range(layers))
-            for layer, q in queries.items() if recorded else ():
-                b, hq, t, d = q.shape  # q head j reads kv head j // (hq // heads)
-                qg = q.reshape(b, heads, hq // heads, t, d)
-                q_outer[layer] += torch.einsum("bhgnd,bhgne->hde", qg, qg).cpu().to(torch.float64)
-                q_count[layer] += b * t
     if recorded:
         stats.q_outer, stats.q_count = q_outer, q_count
     return stats

@@ -92,7 +92,9 @@ def add_calibration_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens")
     parser.add_argument(
-        "--kv-mean-center", metavar="FILE", help="K bias file from `walshkv calibrate` for center+ codecs"
+        "--kv-mean-center",
+        metavar="FILE",
+        help="calibration file from `walshkv calibrate` (or recommend) for center+ and eq+ codecs",
     )
 
 
