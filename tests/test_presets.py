@@ -207,6 +207,29 @@ def test_allocate_layers_pairs_moves_within_the_budget(hd64_lm):
     assert allocate_layers(hd64_lm, select, stats, "center+rot+int4", windows=1, ctx=64, progress=False) is None
 
 
+def test_allocate_layers_keeps_the_sink_and_spends_unused_bits(hd64_lm):
+    from walshkv.calibration import collect_kv_stats
+    from walshkv.presets import allocate_layers
+
+    calib, select = split_text(TEXT)
+    stats = collect_kv_stats(hd64_lm, calib, tokens=128, ctx=64, progress=False)
+    base = "sink:1:center+tq:4/tq:2.5"
+    layers = hd64_lm.info["layers"]
+    one_raise = 0.5 / 2 / layers  # one layer's K or V half a bit wider
+    budget = parse_cache_spec(base).bits_at(64, 64, layers) + 1.5 * one_raise
+    plan = allocate_layers(hd64_lm, select, stats, base, windows=2, ctx=64, budget=budget, progress=False)
+    assert plan is not None and all(m["spec"].startswith("sink:1:") for m in plan.moves)
+    ups = [m for m in plan.chosen if m["delta"] > 0]
+    downs = [m for m in plan.chosen if m["delta"] < 0]
+    paired = {(m["layer"], m["kind"]) for m in plan.chosen[: 2 * len(downs)]}
+    free = [m for m in plan.moves if m["delta"] > 0 and m["kld_change"] < 0 and (m["layer"], m["kind"]) not in paired]
+    assert len(ups) - len(downs) == (1 if free else 0)  # one raise fits the 1.5 raises' worth left over
+    assert all(m["kld_change"] < 0 for m in ups)
+    for row in plan.rows:
+        assert row["codec"].startswith("sink:1:")
+        assert parse_cache_spec(row["codec"]).bits_at(64, 64, layers) <= budget + 1e-9
+
+
 def test_cli_calibrate_eq_then_eval_from_the_file(hd64_lm, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(walshkv.models, "load_model", lambda name, progress=True: hd64_lm)
     calib = tmp_path / "calib.txt"

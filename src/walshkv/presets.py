@@ -318,9 +318,9 @@ def recommend(
         windows, ctx: selection windows of the second half.
         calib_tokens: tokens of the first half for the statistics.
         extra: more candidate specs (kept if they fit the budget).
-        per_layer: then move widths between layers at the same budget (:func:`allocate_layers`, from the
-            best ``tq`` candidate, on the same selection windows) and keep the result if it beats the
-            uniform winner.
+        per_layer: then move widths between layers (:func:`allocate_layers`, from the best uniform ``tq``
+            candidate, on the same selection windows), spending any bits it leaves unused, and keep the
+            result if it beats the uniform winner.
         progress: progress bars.
     """
     from walshkv.calibration import collect_kv_stats
@@ -337,7 +337,9 @@ def recommend(
     if per_layer:  # from the best candidate whose widths can move (tq), which need not be the winner
         movable = [r["codec"] for r in rows if _movable(r["codec"])]
         if movable:
-            plan = allocate_layers(lm, select, stats, movable[0], windows=windows, ctx=ctx, progress=progress)
+            plan = allocate_layers(
+                lm, select, stats, movable[0], windows=windows, ctx=ctx, budget=bits, progress=progress
+            )
         if plan is not None and plan.spec != plan.base:
             rows = sorted([*rows, *(r for r in plan.rows if r["codec"] == plan.spec)], key=lambda r: r["kld_mean"])
             winner = rows[0]["codec"]
@@ -368,7 +370,7 @@ def _movable(spec: str) -> bool:
     from walshkv.codecs.spec import LayeredCacheSpec
 
     parsed = parse_cache_spec(spec)
-    if isinstance(parsed, LayeredCacheSpec) or parsed.sink:  # moves keep the budget of plain tq widths only
+    if isinstance(parsed, LayeredCacheSpec):  # moves start from one uniform spec (a sink:N: one included)
         return False
     return shift_width(parsed.k.spec, 0) is not None and shift_width(parsed.v.spec, 0) is not None
 
@@ -382,7 +384,8 @@ class LayerPlan:
         base: the uniform spec the moves start from.
         moves: one dict per measured single-layer move: ``layer``, ``kind`` (``k``/``v``), ``delta``
             (bits), ``spec`` and ``kld_change`` (mean KLD of the move minus the base's).
-        chosen: the moves applied (pairs of a +step and a -step, so the budget is unchanged).
+        chosen: the moves applied: pairs of a +step and a -step (the budget unchanged), then, with a
+            ``budget``, single raises that spend the bits the base left unused.
         rows: the evaluation rows of the final check (base and chosen spec), best first.
     """
 
@@ -393,18 +396,19 @@ class LayerPlan:
     rows: list[dict[str, Any]]
 
 
-def _layered(base_k: str, base_v: str, widths: dict[int, tuple[str, str]], num_layers: int) -> str:
+def _layered(base_k: str, base_v: str, widths: dict[int, tuple[str, str]], num_layers: int, sink: int = 0) -> str:
     """``layers:`` spec for per-layer (K, V) codec specs; layers not in ``widths`` keep the base."""
     groups: dict[tuple[str, str], list[int]] = {}
     for layer in range(num_layers):
         groups.setdefault(widths.get(layer, (base_k, base_v)), []).append(layer)
     base = (base_k, base_v)
+    prefix = f"sink:{sink}:" if sink else ""
     if set(groups) == {base}:
-        return f"{base_k}/{base_v}"
+        return f"{prefix}{base_k}/{base_v}"
     parts = [f"{k}/{v}@{','.join(str(i) for i in layers)}" for (k, v), layers in groups.items() if (k, v) != base]
     from walshkv.codecs import parse_cache_spec
 
-    return parse_cache_spec("layers:" + ";".join([*parts, f"{base_k}/{base_v}"])).spec  # canonical form
+    return parse_cache_spec(prefix + "layers:" + ";".join([*parts, f"{base_k}/{base_v}"])).spec  # canonical
 
 
 def allocate_layers(
@@ -416,6 +420,7 @@ def allocate_layers(
     step: float = 0.5,
     windows: int = 4,
     ctx: int = 512,
+    budget: float | None = None,
     progress: bool = True,
 ) -> LayerPlan | None:
     """Per-layer widths at the same budget: move ``step`` bits from insensitive layers to sensitive ones.
@@ -426,15 +431,19 @@ def allocate_layers(
     smallest KLD loss of a lowering, while the gain exceeds the loss; each pair keeps the bits per
     element unchanged (every layer holds the same number of elements). Assuming the layers' effects
     add up, which the final check tests: the chosen spec and the base are evaluated together and the
-    better one is kept.
+    better one is kept. With a ``budget``, the bits the base leaves unused (``tq``'s half-bit widths
+    rarely fill a budget exactly, and a ``sink:N:`` base counts its fp16 tokens over ``ctx``) go to the
+    remaining raises that gained most, as many as fit.
 
     Args:
         lm: the loaded model.
         select: selection text (never the evaluation text).
         stats: calibration statistics for ``center+`` (from the other half of the calibration text).
-        base: a uniform spec whose K and V are (wrapped) ``tq:B`` codecs, e.g. ``center+tq:4/tq:2.5``.
+        base: a uniform spec whose K and V are (wrapped) ``tq:B`` codecs, e.g. ``center+tq:4/tq:2.5``
+            (``sink:N:`` allowed: every spec built from it keeps the sink).
         step: bits per move.
         windows, ctx: selection windows.
+        budget: bits per element the result may use (at ``ctx`` tokens); ``None``: only paired moves.
         progress: progress bars.
 
     Returns:
@@ -447,6 +456,7 @@ def allocate_layers(
     base_k, base_v = parsed.k.spec, parsed.v.spec  # type: ignore[union-attr]
     if shift_width(base_k, 0) is None or shift_width(base_v, 0) is None:
         return None
+    sink = getattr(parsed, "sink", 0)
     num_layers = lm.info["layers"]
     moves: list[dict[str, Any]] = []
     for layer in range(num_layers):
@@ -456,9 +466,9 @@ def allocate_layers(
                 if moved is None:
                     continue
                 k, v = (moved, base_v) if kind == "k" else (base_k, moved)
-                spec = _layered(base_k, base_v, {layer: (k, v)}, num_layers)
+                spec = _layered(base_k, base_v, {layer: (k, v)}, num_layers, sink)
                 moves.append({"layer": layer, "kind": kind, "delta": delta, "spec": spec})
-    specs = [f"{base_k}/{base_v}", *(m["spec"] for m in moves)]
+    specs = [_layered(base_k, base_v, {}, num_layers, sink), *(m["spec"] for m in moves)]
     result = evaluate(lm, select, specs, ctx=ctx, windows=windows, calibration=stats, progress=progress)
     kld = [r["kld_mean"] for r in result.results]  # in the order of specs
     for m, value in zip(moves, kld[1:], strict=True):
@@ -479,12 +489,27 @@ def allocate_layers(
         di += 1
         chosen += [up, down]
         used |= {(up["layer"], up["kind"]), (down["layer"], down["kind"])}
-    widths: dict[int, list[str]] = {}
-    for m in chosen:
-        pair = widths.setdefault(m["layer"], [base_k, base_v])
-        i = 0 if m["kind"] == "k" else 1
-        pair[i] = shift_width(pair[i], m["delta"]) or pair[i]
-    plan_spec = _layered(base_k, base_v, {k: (a, b) for k, (a, b) in widths.items()}, num_layers)
+
+    def build(applied: list[dict[str, Any]]) -> str:
+        widths: dict[int, list[str]] = {}
+        for m in applied:
+            pair = widths.setdefault(m["layer"], [base_k, base_v])
+            i = 0 if m["kind"] == "k" else 1
+            pair[i] = shift_width(pair[i], m["delta"]) or pair[i]
+        return _layered(base_k, base_v, {k: (a, b) for k, (a, b) in widths.items()}, num_layers, sink)
+
+    if budget is not None:  # spend what the base leaves unused on the best remaining raises
+        head_dim = lm.info["head_dim"]
+        for up in ups:
+            if up["kld_change"] >= 0:
+                break
+            if (up["layer"], up["kind"]) in used:
+                continue
+            trial = build([*chosen, up])
+            if parse_cache_spec(trial).bits_at(head_dim, ctx, num_layers) <= budget + 1e-9:  # type: ignore[union-attr]
+                chosen.append(up)
+                used.add((up["layer"], up["kind"]))
+    plan_spec = build(chosen)
     rows = list(result.results[:1])
     if plan_spec != specs[0]:
         check = evaluate(lm, select, [plan_spec], ctx=ctx, windows=windows, calibration=stats, progress=progress)
