@@ -150,6 +150,7 @@ def main(argv: list[str]) -> int:
         print("\n".join(model_section(root, model)))
     print("\n".join(sink_section(root)))
     print("\n".join(eq_section(root)))
+    print("\n".join(per_layer_section(root)))
     return 0
 
 
@@ -178,6 +179,44 @@ def sink_section(root: Path) -> list[str]:
         "included).\n",
         "| model | budget | spec | bits/el | mean KLD | with sink:1: bits/el | mean KLD | change |",
         "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
+def per_layer_section(root: Path) -> list[str]:
+    """What ``recommend --per-layer`` predicted from single-layer moves and what its check measured."""
+    rows = []
+    for model in MODELS:
+        for path in sorted((root / "presets" / model).glob("recommend-*.json")):
+            data = json.loads(path.read_text())
+            plan = data.get("per_layer")
+            if not plan:
+                continue
+            budget = path.stem.split("-", 1)[1]
+            check = {r["codec"]: r["kld_mean"] for r in plan["check"]}
+            base = check.get(plan["base"])
+            if base is None:
+                base = next(r["kld_mean"] for r in data["results"] if r["codec"] == plan["base"])
+            ups = sum(1 for m in plan["chosen"] if m["delta"] > 0)
+            downs = len(plan["chosen"]) - ups
+            predicted = base + sum(m["kld_change"] for m in plan["chosen"])
+            layered = next((c for c in check if c != plan["base"]), None)
+            measured = f"{check[layered]:.5f} ({check[layered] / base - 1:+.0%})" if layered else "-"
+            kept = "per-layer" if plan["spec"] != plan["base"] else "uniform"
+            rows.append(
+                f"| {model} | {budget} | `{plan['base']}` | {base:.5f} | {ups} / {downs} | {predicted:.5f} | "
+                f"{measured} | {kept} | `{data['winner'][:60]}{'...' if len(data['winner']) > 60 else ''}` |"
+            )
+    if not rows:
+        return []
+    return [
+        "### Per-layer widths (`recommend --per-layer`), on the selection windows\n",
+        "From `recommend-B.json` (`per_layer`): the uniform spec the moves start from, the raises / lowerings "
+        "applied, the mean KLD the single-layer measurements predict if the layers' effects added up, what the "
+        "check measured, which one `--per-layer` kept, and the overall winner.\n",
+        "| model | budget | start | mean KLD | raises / lowerings | predicted | measured | kept | winner |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
     ]

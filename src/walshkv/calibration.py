@@ -51,6 +51,9 @@ class KVStats:
     k_sum1: torch.Tensor | None = None  # [layers, kv_heads, head_dim], positions >= 1
     count1: torch.Tensor | None = None  # [layers]
     q_outer: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim], group heads summed
+    v_outer: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim], positions >= 1
+    v_sum1: torch.Tensor | None = None  # [layers, kv_heads, head_dim], positions >= 1
+    o_metric: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim]: sum of W_oᵀW_o over a group
     q_count: torch.Tensor | None = None  # [layers]
 
     def _check(self, kind: str, basis: str, layer: int) -> None:
@@ -102,10 +105,36 @@ class KVStats:
         return self.q_outer[layer] / float(self.q_count[layer].clamp_min(1))
 
     def k_equalizer(self, layer: int) -> torch.Tensor:
-        """The ``eq+`` transform ``[kv_heads, head_dim, head_dim]`` of ``layer`` (float32)."""
+        """The ``eq+`` K transform ``[kv_heads, head_dim, head_dim]`` of ``layer`` (float32)."""
         from walshkv.ops.equalize import k_equalizer
 
         return k_equalizer(self.k_covariance(layer), self.query_moment(layer)).to(torch.float32)
+
+    def v_covariance(self, layer: int) -> torch.Tensor:
+        """V covariance ``[kv_heads, head_dim, head_dim]`` (float64) of ``layer``, first tokens left out."""
+        self._check("v", "plain", layer)
+        if self.v_outer is None or self.v_sum1 is None or self.count1 is None:
+            raise ValueError("these statistics hold no V covariance; collect them with collect_kv_stats")
+        n = float(self.count1[layer].clamp_min(1))
+        mean = self.v_sum1[layer] / n
+        return self.v_outer[layer] / n - mean[:, :, None] * mean[:, None, :]
+
+    def output_metric(self, layer: int) -> torch.Tensor:
+        """``Σ W_oᵀ W_o`` ``[kv_heads, head_dim, head_dim]`` over the heads of each kv-head's group."""
+        self._check("v", "plain", layer)
+        if self.o_metric is None:
+            raise ValueError(
+                "these statistics hold no output-projection metric (the model has no layers.N.self_attn.o_proj); "
+                "eq+ on V needs it"
+            )
+        return self.o_metric[layer]
+
+    def v_equalizer(self, layer: int) -> torch.Tensor:
+        """The ``eq+`` V transform ``[kv_heads, head_dim, head_dim]`` of ``layer`` (float32): V's error as
+        the output projection sees it, in place of the queries' view of K's."""
+        from walshkv.ops.equalize import k_equalizer
+
+        return k_equalizer(self.v_covariance(layer), self.output_metric(layer)).to(torch.float32)
 
     def describe(self) -> dict[str, Any]:
         """Provenance for result files."""
@@ -140,10 +169,16 @@ class MergedCalibration:
         return self.stats.variance(kind, layer, basis)
 
     def k_equalizer(self, layer: int) -> torch.Tensor:
-        """The file's ``eq+`` transform where it holds one, else the one of the statistics."""
+        """The file's ``eq+`` K transform where it holds one, else the one of the statistics."""
         if getattr(self.bias, "has_k_equalizer", False):
             return self.bias.k_equalizer(layer)
         return self.stats.k_equalizer(layer)
+
+    def v_equalizer(self, layer: int) -> torch.Tensor:
+        """The file's ``eq+`` V transform where it holds one, else the one of the statistics."""
+        if getattr(self.bias, "has_v_equalizer", False):
+            return self.bias.v_equalizer(layer)
+        return self.stats.v_equalizer(layer)
 
     def check_matches(self, *args: Any, **kwargs: Any) -> None:
         self.stats.check_matches(*args, **kwargs)
@@ -157,6 +192,27 @@ def _shape(config: Any) -> tuple[int, int, int]:
     cfg = config.get_text_config(decoder=True)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim
+
+
+def _output_metric(model: Any, layers: int, heads: int, head_dim: int) -> torch.Tensor | None:
+    """``Σ W_oᵀ W_o`` per (layer, kv-head) from each layer's ``self_attn.o_proj``, or ``None`` if absent."""
+    import re
+
+    found: dict[int, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        m = re.search(r"layers\.(\d+)\.self_attn\.o_proj$", name)
+        if m is not None and isinstance(getattr(module, "weight", None), torch.Tensor):
+            found[int(m.group(1))] = module.weight.detach()
+    if sorted(found) != list(range(layers)):
+        return None
+    metric = torch.zeros(layers, heads, head_dim, head_dim, dtype=torch.float64)
+    for layer, w in found.items():
+        w = w.to(torch.float64).cpu()  # [hidden, q_heads * head_dim]
+        q_heads = w.shape[1] // head_dim
+        per_head = w.reshape(w.shape[0], q_heads, head_dim)
+        gram = torch.einsum("nqd,nqe->qde", per_head, per_head)  # [q_heads, d, d]
+        metric[layer] = gram.reshape(heads, q_heads // heads, head_dim, head_dim).sum(1)
+    return metric
 
 
 @torch.inference_mode()
@@ -186,6 +242,9 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
     stats.k_outer = torch.zeros(layers, heads, head_dim, head_dim, dtype=torch.float64)
     stats.k_sum1 = torch.zeros(layers, heads, head_dim, dtype=torch.float64)
     stats.count1 = torch.zeros(layers)
+    stats.v_outer = torch.zeros(layers, heads, head_dim, head_dim, dtype=torch.float64)
+    stats.v_sum1 = torch.zeros(layers, heads, head_dim, dtype=torch.float64)
+    stats.o_metric = _output_metric(lm.model, layers, heads, head_dim)
     q_outer = torch.zeros(layers, heads, head_dim, head_dim, dtype=torch.float64)
     q_count = torch.zeros(layers)
 
@@ -202,6 +261,9 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
             stats.k_outer[layer_idx] += torch.einsum("bhnd,bhne->hde", k1, k1).cpu().to(torch.float64)
             stats.k_sum1[layer_idx] += k1.sum(dim=(0, 2)).cpu()
             stats.count1[layer_idx] += k1.shape[0] * k1.shape[2]
+            v1 = value_states[:, :, 1:].detach().to(torch.float32)
+            stats.v_outer[layer_idx] += torch.einsum("bhnd,bhne->hde", v1, v1).cpu().to(torch.float64)
+            stats.v_sum1[layer_idx] += v1.sum(dim=(0, 2)).cpu().to(torch.float64)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     device = next(lm.model.parameters()).device

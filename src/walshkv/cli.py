@@ -179,6 +179,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         return 0
     mean = torch.stack([stats.mean("k", i, "plain") for i in range(stats.num_layers)])
     eq = torch.stack([stats.k_equalizer(i) for i in range(stats.num_layers)]) if args.eq else None
+    v_eq = None
+    if args.eq and stats.o_metric is not None:
+        v_eq = torch.stack([stats.v_equalizer(i) for i in range(stats.num_layers)])
     write_kv_mean_center(
         args.output,
         mean,
@@ -188,12 +191,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         text=text.name,
         model=lm.name,
         k_equalizer=eq,
+        v_equalizer=v_eq,
     )
     print(
         f"wrote {args.output}: {stats.num_layers} tensors kv_bar.blk.0.k .. kv_bar.blk.{stats.num_layers - 1}.k of "
         f"{stats.head_dim} x {stats.num_kv_heads} values, basis {args.basis}, {stats.tokens:,} tokens of {text.name}"
         + (
-            f"; eq+ K transforms walshkv.k_eq.blk.<il> ({stats.num_kv_heads} x {stats.head_dim}^2 each)"
+            f"; eq+ transforms walshkv.k_eq.blk.<il>{' and walshkv.v_eq.blk.<il>' if v_eq is not None else ''} "
+            f"({stats.num_kv_heads} x {stats.head_dim}^2 each)"
             if args.eq
             else ""
         )
@@ -205,9 +210,20 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             [predicted_gain_db(stats.k_covariance(i), stats.query_moment(i), eq[i]) for i in range(stats.num_layers)]
         )
         print(
-            f"eq+ predicted score-error gain (high-rate, on the calibration text): mean {float(gains.mean()):.2f} dB "
+            f"eq+ predicted score-error gain (high-rate, on the calibration text): K mean {float(gains.mean()):.2f} dB "
             f"over layers and kv-heads (min {float(gains.min()):.2f}, max {float(gains.max()):.2f})"
         )
+        if v_eq is not None:
+            v_gains = torch.stack(
+                [
+                    predicted_gain_db(stats.v_covariance(i), stats.output_metric(i), v_eq[i])
+                    for i in range(stats.num_layers)
+                ]
+            )
+            print(
+                f"eq+ predicted output-error gain: V mean {float(v_gains.mean()):.2f} dB "
+                f"(min {float(v_gains.min()):.2f}, max {float(v_gains.max()):.2f})"
+            )
     return 0
 
 
@@ -423,8 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument(
         "--eq",
         action="store_true",
-        help="also write the eq+ K transforms (per layer and kv-head, from the K covariance and the queries' "
-        "second moment) for specs such as center+eq+tq:3.5/tq:3",
+        help="also write the eq+ transforms (per layer and kv-head: K's from the K covariance and the queries' "
+        "second moment, V's from the V covariance and the output projection) for specs such as "
+        "center+eq+tq:3.5/eq+tq:3",
     )
     ca.add_argument(
         "--preset",

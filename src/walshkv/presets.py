@@ -29,9 +29,9 @@ __all__ = [
     "Recommendation",
     "allocate_layers",
     "candidates_for",
+    "equalized_kinds",
     "is_preset",
     "k_mean_basis",
-    "needs_k_equalizer",
     "preset_name_for_bits",
     "recommend",
     "resolve_preset",
@@ -246,20 +246,21 @@ def k_mean_basis(spec: str) -> str:
     return bases.pop()
 
 
-def needs_k_equalizer(spec: str) -> bool:
-    """True if any part of ``spec`` transforms K with ``eq+`` (its file must hold the transforms)."""
+def equalized_kinds(spec: str) -> set[str]:
+    """``{"k", "v"}`` or part of it: where some part of ``spec`` has ``eq+`` (its file must hold those)."""
     from walshkv.codecs import parse_cache_spec
     from walshkv.codecs.spec import LayeredCacheSpec
 
     parsed = parse_cache_spec(spec)
     parts = [p for p, _ in parsed.parts] if isinstance(parsed, LayeredCacheSpec) else [parsed]
+    kinds: set[str] = set()
     for part in parts:
-        codec = part.k
-        while codec is not None:
-            if getattr(codec, "is_equalizing", False):
-                return True
-            codec = getattr(codec, "inner", None)
-    return False
+        for kind, codec in (("k", part.k), ("v", part.v)):
+            while codec is not None:
+                if getattr(codec, "is_equalizing", False):
+                    kinds.add(kind)
+                codec = getattr(codec, "inner", None)
+    return kinds
 
 
 def split_text(text: Any) -> tuple[Any, Any]:
@@ -521,7 +522,7 @@ def allocate_layers(
 
 def write_preset_file(path: Any, lm: Any, preset: Preset, stats: Any, note: str = "") -> str:
     """Write the calibration file of ``preset`` for ``lm``: the K mean in the basis its spec needs
-    (and the ``eq+`` K transforms where its spec has ``eq+``).
+    (and the ``eq+`` K / V transforms where its spec has ``eq+``).
 
     The GGUF holds llama.cpp's ``kv_bar.blk.<il>.k`` tensors and, under ``walshkv.``, the model,
     the calibration text and the preset's name and spec (``walshkv.preset.name/spec/budget``).
@@ -535,9 +536,9 @@ def write_preset_file(path: Any, lm: Any, preset: Preset, stats: Any, note: str 
 
     basis = k_mean_basis(preset.spec)
     mean = torch.stack([stats.mean("k", i, "plain") for i in range(stats.num_layers)])
-    eq = None
-    if needs_k_equalizer(preset.spec):
-        eq = torch.stack([stats.k_equalizer(i) for i in range(stats.num_layers)])
+    kinds = equalized_kinds(preset.spec)
+    k_eq = torch.stack([stats.k_equalizer(i) for i in range(stats.num_layers)]) if "k" in kinds else None
+    v_eq = torch.stack([stats.v_equalizer(i) for i in range(stats.num_layers)]) if "v" in kinds else None
     extra = {_FILE_NAME: preset.name, _FILE_SPEC: preset.spec, "walshkv.preset.budget": f"{preset.budget:g}"}
     if note:
         extra["walshkv.preset.note"] = note
@@ -550,6 +551,7 @@ def write_preset_file(path: Any, lm: Any, preset: Preset, stats: Any, note: str 
         text=stats.text,
         model=lm.name,
         extra=extra,
-        k_equalizer=eq,
+        k_equalizer=k_eq,
+        v_equalizer=v_eq,
     )
     return basis

@@ -16,7 +16,7 @@ from walshkv.data import Text
 from walshkv.export import read_kv_mean_center, write_kv_mean_center
 from walshkv.models import LoadedModel, _describe, recording_queries
 from walshkv.ops.equalize import k_equalizer, predicted_gain_db
-from walshkv.presets import Preset, needs_k_equalizer, write_preset_file
+from walshkv.presets import Preset, equalized_kinds, write_preset_file
 
 TEXT = Text("toy-calib", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(2000)))
 
@@ -94,9 +94,13 @@ class Moments:
             ]
         ).to(torch.float32)
         self.bias = 2.0 * torch.randn(layers, heads, head_dim, generator=torch.Generator().manual_seed(5))
+        self.veq = self.eq.flip(0).contiguous()
 
     def k_equalizer(self, layer: int) -> torch.Tensor:
         return self.eq[layer]
+
+    def v_equalizer(self, layer: int) -> torch.Tensor:
+        return self.veq[layer]
 
     def k_bias(self, layer: int, basis: str) -> torch.Tensor:
         return self.bias[layer]
@@ -112,8 +116,12 @@ def test_the_transform_is_exact_around_a_lossless_codec():
     assert codec.bits_per_element(16) == parse_codec("fp32").bits_per_element(16)
 
 
-def test_values_skip_the_transform():
-    assert parse_codec("eq+tq:3").bind(0, "v", Moments()).spec == "tq:3"
+def test_values_take_their_own_transform():
+    calib = Moments()
+    codec = parse_codec("eq+fp32").bind(1, "v", calib)
+    assert torch.equal(codec.matrix, calib.veq[1])
+    x = torch.randn(1, 2, 4, 16)
+    assert torch.allclose(codec.decode(codec.encode(x)), x, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -161,7 +169,16 @@ def test_calibration_keeps_the_moments_eq_needs(tiny_lm, stats):
         assert float(torch.linalg.eigvalsh(qm).min()) > -1e-6 and float(torch.linalg.eigvalsh(cov).min()) > -1e-6
         a = stats.k_equalizer(layer)
         assert a.shape == (2, 16, 16) and a.dtype == torch.float32
+        assert stats.v_covariance(layer).shape == stats.output_metric(layer).shape == (2, 16, 16)
+        assert stats.v_equalizer(layer).shape == (2, 16, 16)
     assert tiny_lm.model.config._attn_implementation == "sdpa"  # the recorder is gone afterwards
+
+
+def test_the_output_metric_sums_each_groups_projection(tiny_lm, stats):
+    w = tiny_lm.model.model.layers[1].self_attn.o_proj.weight.detach().double()  # [hidden, 4 heads * 16]
+    group = [w[:, h * 16 : (h + 1) * 16] for h in (2, 3)]  # q heads 2, 3 read kv head 1
+    want = sum(g.T @ g for g in group)
+    assert torch.allclose(stats.output_metric(1)[1], want, atol=1e-8)
 
 
 def test_query_recording_sees_every_layer_and_restores_attention(tiny_lm):
@@ -184,10 +201,11 @@ def test_transforms_round_trip_through_the_file(tmp_path: Path, arch: str):
     mean = torch.randn(3, 2, 8, dtype=torch.float64)
     eq = torch.stack([torch.stack([_spd(8, 3 * i + h) for h in range(2)]) for i in range(3)])
     path = tmp_path / "eq.gguf"
-    write_kv_mean_center(path, mean, arch=arch, k_equalizer=eq)
+    write_kv_mean_center(path, mean, arch=arch, k_equalizer=eq, v_equalizer=eq.flip(0))
     got = read_kv_mean_center(path, model_arch=arch)
-    assert got.has_k_equalizer
+    assert got.has_k_equalizer and got.has_v_equalizer
     assert torch.allclose(got.k_eq, eq, atol=1e-5 * float(eq.abs().max()))
+    assert torch.allclose(got.v_eq, eq.flip(0), atol=1e-5 * float(eq.abs().max()))
     assert torch.allclose(got.plain, mean, atol=1e-6)
     plain = tmp_path / "plain.gguf"
     write_kv_mean_center(plain, mean, arch=arch)
@@ -224,14 +242,18 @@ def test_a_file_missing_a_layer_of_transforms_is_refused(tmp_path: Path):
 
 
 def test_a_preset_file_holds_the_transforms_its_spec_needs(tmp_path: Path, tiny_lm, stats):
-    assert needs_k_equalizer("sink:1:layers:center+tq:3/tq:3@0;center+eq+tq:3/tq:3")
-    assert not needs_k_equalizer("center+tq:3/eq+tq:3")  # V never takes it
+    assert equalized_kinds("sink:1:layers:center+tq:3/tq:3@0;center+eq+tq:3/tq:3") == {"k"}
+    assert equalized_kinds("center+tq:3/eq+tq:3") == {"v"} and equalized_kinds("eq+tq:3") == {"k", "v"}
     path = tmp_path / "p.gguf"
-    write_preset_file(path, tiny_lm, Preset("walshkv:3.5", 3.5, "center+eq+tq:3.5/tq:3"), stats)
+    write_preset_file(path, tiny_lm, Preset("walshkv:3.5", 3.5, "center+eq+tq:3.5/eq+tq:3"), stats)
     got = read_kv_mean_center(path, model_arch="llama")
     assert torch.allclose(got.k_equalizer(1), stats.k_equalizer(1), atol=1e-4)
-    write_preset_file(path, tiny_lm, Preset("walshkv:3.5", 3.5, "center+tq:3.5/tq:3"), stats)
-    assert not read_kv_mean_center(path, model_arch="llama").has_k_equalizer
+    assert torch.allclose(got.v_equalizer(1), stats.v_equalizer(1), atol=1e-4)
+    write_preset_file(path, tiny_lm, Preset("walshkv:3.5", 3.5, "center+eq+tq:3.5/tq:3"), stats)
+    got = read_kv_mean_center(path, model_arch="llama")
+    assert got.has_k_equalizer and not got.has_v_equalizer
+    with pytest.raises(ValueError, match=r"walshkv\.v_eq\.blk"):
+        got.v_equalizer(0)
     merged = MergedCalibration(stats, got)
     assert torch.equal(merged.k_equalizer(0), stats.k_equalizer(0))
 
@@ -251,7 +273,7 @@ def _logits(model, cache, ids, splits):
 def test_a_lossless_eq_cache_is_the_reference(tiny_llama):
     ids = torch.randint(3, 90, (2, 20), generator=torch.Generator().manual_seed(1))
     ref = _logits(tiny_llama, DynamicCache(config=tiny_llama.config), ids, [12, 13, 20])
-    for spec in ("center+eq+fp32", "sink:2:center+eq+fp32/fp32"):
+    for spec in ("center+eq+fp32", "sink:2:center+eq+fp32/fp32", "center+eq+fp32/eq+fp32"):
         got = _logits(
             tiny_llama, CompressedCache(spec, config=tiny_llama.config, calibration=Moments()), ids, [12, 13, 20]
         )
@@ -259,7 +281,7 @@ def test_a_lossless_eq_cache_is_the_reference(tiny_llama):
 
 
 def test_fused_attention_reads_an_eq_cache(tiny_llama):
-    spec = "sink:1:center+eq+tq:4/tq:3"
+    spec = "sink:1:center+eq+tq:4/eq+tq:3"
     ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(2))
     splits = [15, 16, 17, 24]
     tiny_llama.set_attn_implementation("sdpa")

@@ -1,14 +1,15 @@
-"""``eq+SPEC``: a calibrated, query-weighted linear transform of K before the K codec.
+"""``eq+SPEC``: a calibrated linear transform of K or V before the codec.
 
 Any invertible transform ``A`` is allowed before a codec, since decoding applies ``A⁻¹``. ``eq+``
-chooses, per (layer, kv-head), the ``A`` that minimises the attention-score error of a codec with
-isotropic noise (a rotation then one width per coordinate, as ``tq``), from the K covariance and the
-queries' second moment measured on calibration text (:func:`walshkv.ops.equalize.k_equalizer`).
-K directions the queries weigh heavily get more of the codec's precision, directions they ignore less.
+chooses, per (layer, kv-head), the ``A`` that minimises the error a codec with isotropic noise (a
+rotation then one width per coordinate, as ``tq``) leaves where the model reads it
+(:func:`walshkv.ops.equalize.k_equalizer`): for K the attention scores, weighted by the queries'
+second moment; for V the attention output after the output projection, weighted by ``Σ W_oᵀW_o``
+over the heads that share the kv-head. Both use the covariance measured on calibration text.
+Directions the model weighs heavily get more of the codec's precision, directions it ignores less.
 Stored bytes are the inner codec's: ``A`` lives in the calibration file, not in the cache.
 
-K only (``bind(..., "v")`` returns the inner codec). Write it after ``center+`` and before any
-rotation: ``center+eq+tq:3.5``.
+Write it after ``center+`` and before any rotation: ``center+eq+tq:3.5/eq+tq:3``.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ __all__ = ["Equalized"]
 
 
 class Equalized(Codec):
-    """Wrap a K codec with a per-(layer, kv-head) transform ``y = A k`` (decode: ``k = A⁻¹ y``).
+    """Wrap a codec with a per-(layer, kv-head) transform ``y = A x`` (decode: ``x = A⁻¹ y``).
 
     Args:
-        inner: the codec that stores ``A k``.
+        inner: the codec that stores ``A x``.
         matrix: ``[kv_heads, head_dim, head_dim]`` for a bound (per-layer) codec; ``None`` until
             :meth:`bind`.
     """
@@ -59,14 +60,13 @@ class Equalized(Codec):
 
     def bind(self, layer_idx: int, kind: str, calibration: Any = None) -> Codec:
         inner = self.inner.bind(layer_idx, kind, calibration)
-        if kind == "v":
-            return inner  # the transform is weighted by the queries that read K
-        if calibration is None or not hasattr(calibration, "k_equalizer"):
+        method = "k_equalizer" if kind == "k" else "v_equalizer"
+        if calibration is None or not hasattr(calibration, method):
             raise ValueError(
-                f"{self.spec} needs a calibrated K transform: pass --calib-text TEXT, or a file written by "
-                "`walshkv calibrate --preset ...` / `walshkv recommend` for a spec with eq+"
+                f"{self.spec} needs a calibrated {kind.upper()} transform: pass --calib-text TEXT, or a file written "
+                "by `walshkv calibrate --eq` / `--preset NAME` / `walshkv recommend` for a spec with eq+"
             )
-        return Equalized(inner, calibration.k_equalizer(layer_idx), self.spec)
+        return Equalized(inner, getattr(calibration, method)(layer_idx), self.spec)
 
     def layout(self, head_dim: int) -> dict[str, Field]:
         return self.inner.layout(head_dim)
@@ -74,13 +74,15 @@ class Equalized(Codec):
     def check_head_dim(self, head_dim: int) -> None:
         self.inner.check_head_dim(head_dim)
         if self.matrix is not None and self.matrix.shape[-1] != head_dim:
-            raise ValueError(f"{self.spec}: the transform has head_dim {self.matrix.shape[-1]}, K has {head_dim}")
+            raise ValueError(
+                f"{self.spec}: the transform has head_dim {self.matrix.shape[-1]}, the input has {head_dim}"
+            )
 
     def _apply(self, m: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
         if m is None:
-            raise ValueError(f"{self.spec} is not bound to a layer's K transform; build it through CompressedCache")
+            raise ValueError(f"{self.spec} is not bound to a layer's transform; build it through CompressedCache")
         if m.shape[0] != x.shape[1]:
-            raise ValueError(f"{self.spec}: the transform has {m.shape[0]} kv heads, K has {x.shape[1]}")
+            raise ValueError(f"{self.spec}: the transform has {m.shape[0]} kv heads, the input has {x.shape[1]}")
         return torch.einsum("hed,bhnd->bhne", m.to(x.device), x.to(torch.float32))
 
     def _encode(self, x: torch.Tensor) -> Packed:

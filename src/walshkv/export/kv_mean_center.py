@@ -10,7 +10,8 @@ Format (the fork's documented layout):
   calibration tokens, calibration text, walshkv version;
 * for specs with ``eq+`` (walshkv only; llama.cpp forks ignore them): one F32 tensor per layer named
   ``walshkv.k_eq.blk.<il>`` holding the ``n_head_kv`` K transforms ``A`` (numpy ``[n_head_kv,
-  head_dim, head_dim]``, ``y = A k`` with rows and columns in llama.cpp's channel order).
+  head_dim, head_dim]``, ``y = A k`` with rows and columns in llama.cpp's channel order), and
+  ``walshkv.v_eq.blk.<il>`` likewise for V (V channels are never permuted).
 
 Channel order: llama-architecture GGUF files store Q and K permuted relative to Hugging Face's
 layout (transformers undoes it on load). A K channel ``a * head_dim/2 + b`` of the Hugging Face
@@ -43,7 +44,7 @@ __all__ = [
 PERMUTED_ARCHS = ("llama", "mistral")
 BASES = ("plain", "rot")
 _TENSOR = "kv_bar.blk.{}.k"
-_EQ_TENSOR = "walshkv.k_eq.blk.{}"
+_EQ_TENSOR = {"k": "walshkv.k_eq.blk.{}", "v": "walshkv.v_eq.blk.{}"}
 
 
 def to_llamacpp_channel_order(x: torch.Tensor, arch: str) -> torch.Tensor:
@@ -85,6 +86,7 @@ class KMeanBias:
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     k_eq: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim], Hugging Face order
+    v_eq: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim]
 
     @property
     def num_layers(self) -> int:
@@ -95,17 +97,31 @@ class KMeanBias:
         """True if the file holds the ``eq+`` K transforms."""
         return self.k_eq is not None
 
-    def k_equalizer(self, layer: int) -> torch.Tensor:
-        """The ``eq+`` transform ``[kv_heads, head_dim, head_dim]`` of ``layer``."""
-        if self.k_eq is None:
+    @property
+    def has_v_equalizer(self) -> bool:
+        """True if the file holds the ``eq+`` V transforms."""
+        return self.v_eq is not None
+
+    def _equalizer(self, kind: str, layer: int) -> torch.Tensor:
+        eq = self.k_eq if kind == "k" else self.v_eq
+        if eq is None:
+            name = _EQ_TENSOR[kind].format("<il>")
             raise ValueError(
-                f"{self.source} holds no eq+ K transforms (walshkv.k_eq.blk.<il> tensors): write the file with "
+                f"{self.source} holds no eq+ {kind.upper()} transforms ({name} tensors): write the file with "
                 "`walshkv calibrate --eq ...` or `walshkv calibrate --preset NAME` for a spec with eq+, or pass "
                 "--calib-text TEXT"
             )
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"{self.source} has {self.num_layers} layers; layer {layer} requested")
-        return self.k_eq[layer].to(torch.float32)
+        return eq[layer].to(torch.float32)
+
+    def k_equalizer(self, layer: int) -> torch.Tensor:
+        """The ``eq+`` K transform ``[kv_heads, head_dim, head_dim]`` of ``layer``."""
+        return self._equalizer("k", layer)
+
+    def v_equalizer(self, layer: int) -> torch.Tensor:
+        """The ``eq+`` V transform ``[kv_heads, head_dim, head_dim]`` of ``layer``."""
+        return self._equalizer("v", layer)
 
     def k_bias(self, layer: int, basis: str) -> torch.Tensor:
         """Bias ``[kv_heads, head_dim]`` for ``layer`` in walshkv's ``basis`` (``plain`` or ``rot``)."""
@@ -160,6 +176,7 @@ def write_kv_mean_center(
     model: str = "",
     extra: dict[str, str] | None = None,
     k_equalizer: torch.Tensor | None = None,
+    v_equalizer: torch.Tensor | None = None,
 ) -> None:
     """Write a K bias file.
 
@@ -172,6 +189,7 @@ def write_kv_mean_center(
         extra: more string metadata, each key under ``walshkv.`` (e.g. ``walshkv.preset.spec``).
         k_equalizer: ``[layers, kv_heads, head_dim, head_dim]`` ``eq+`` K transforms (Hugging Face
             order), written as ``walshkv.k_eq.blk.<il>``; ``None`` writes none.
+        v_equalizer: the same for V, written as ``walshkv.v_eq.blk.<il>``.
     """
     import gguf
 
@@ -184,14 +202,16 @@ def write_kv_mean_center(
     if not bool(torch.isfinite(plain_mean).all()):
         raise ValueError("the K mean has NaN/Inf values; calibrate on finite activations")
     layers, heads, head_dim = plain_mean.shape
-    if k_equalizer is not None:
-        if tuple(k_equalizer.shape) != (layers, heads, head_dim, head_dim):
+    for name, eq in (("eq+ K", k_equalizer), ("eq+ V", v_equalizer)):
+        if eq is None:
+            continue
+        if tuple(eq.shape) != (layers, heads, head_dim, head_dim):
             raise ValueError(
-                f"the eq+ transforms must be [layers, kv_heads, head_dim, head_dim] = "
-                f"{(layers, heads, head_dim, head_dim)}, got {tuple(k_equalizer.shape)}"
+                f"the {name} transforms must be [layers, kv_heads, head_dim, head_dim] = "
+                f"{(layers, heads, head_dim, head_dim)}, got {tuple(eq.shape)}"
             )
-        if not bool(torch.isfinite(k_equalizer).all()):
-            raise ValueError("the eq+ transforms have NaN/Inf values; recalibrate")
+        if not bool(torch.isfinite(eq).all()):
+            raise ValueError(f"the {name} transforms have NaN/Inf values; recalibrate")
     data = to_llamacpp_channel_order(plain_mean.to(torch.float64), arch)
     if basis == "rot":
         data = hadamard_transform(data)
@@ -221,7 +241,10 @@ def write_kv_mean_center(
     if k_equalizer is not None:
         eq = _permute_matrix(k_equalizer.to(torch.float64), arch, to_llamacpp=True)
         for il in range(layers):
-            writer.add_tensor(_EQ_TENSOR.format(il), eq[il].to(torch.float32).numpy().astype(np.float32))
+            writer.add_tensor(_EQ_TENSOR["k"].format(il), eq[il].to(torch.float32).numpy().astype(np.float32))
+    if v_equalizer is not None:
+        for il in range(layers):
+            writer.add_tensor(_EQ_TENSOR["v"].format(il), v_equalizer[il].to(torch.float32).numpy().astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -306,28 +329,33 @@ def read_kv_mean_center(path: str | Path, model_arch: str | None = None) -> KMea
         data = hadamard_transform(data)  # self-inverse: back to the plain basis, llama.cpp order
     plain = from_llamacpp_channel_order(data, arch)
     meta = {k: _field(reader, k) for k in reader.fields if k.startswith("walshkv.")}
-    return KMeanBias(plain, basis, arch, str(path), meta, _read_k_eq(path, tensors, layers, heads, head_dim, arch))
+    k_eq = _read_eq(path, tensors, "k", layers, heads, head_dim)
+    v_eq = _read_eq(path, tensors, "v", layers, heads, head_dim)
+    if k_eq is not None:
+        k_eq = _permute_matrix(k_eq, arch, to_llamacpp=False)
+    return KMeanBias(plain, basis, arch, str(path), meta, k_eq, v_eq)
 
 
-def _read_k_eq(
-    path: Path, tensors: dict[str, Any], layers: int, heads: int, head_dim: int, arch: str
+def _read_eq(
+    path: Path, tensors: dict[str, Any], kind: str, layers: int, heads: int, head_dim: int
 ) -> torch.Tensor | None:
-    """The ``walshkv.k_eq.blk.<il>`` tensors, Hugging Face order, or ``None`` if the file has none."""
+    """The ``walshkv.{k,v}_eq.blk.<il>`` tensors (as stored), or ``None`` if the file has none."""
     import gguf
 
     fix = "rewrite it with `walshkv calibrate --eq ... -o FILE`"
-    present = [n for n in tensors if n.startswith("walshkv.k_eq.blk.")]
+    pattern = _EQ_TENSOR[kind]
+    present = [n for n in tensors if n.startswith(pattern.format(""))]
     if not present:
         return None
-    missing = [_EQ_TENSOR.format(i) for i in range(layers) if _EQ_TENSOR.format(i) not in tensors]
+    missing = [pattern.format(i) for i in range(layers) if pattern.format(i) not in tensors]
     if missing or len(present) != layers:
         raise ValueError(
-            f"{path} holds {len(present)} walshkv.k_eq.blk tensors for {layers} layers"
+            f"{path} holds {len(present)} {pattern.format('')[:-1]} tensors for {layers} layers"
             f"{' (missing ' + ', '.join(missing[:3]) + ')' if missing else ''}; {fix}"
         )
     arrays = []
     for i in range(layers):
-        t = tensors[_EQ_TENSOR.format(i)]
+        t = tensors[pattern.format(i)]
         if t.tensor_type != gguf.GGMLQuantizationType.F32:
             raise ValueError(f"{path}: {t.name} is {t.tensor_type.name}, expected F32; {fix}")
         arr = np.asarray(t.data, dtype=np.float32)
@@ -339,4 +367,4 @@ def _read_k_eq(
     eq = torch.from_numpy(np.stack(arrays)).to(torch.float64)
     if not bool(torch.isfinite(eq).all()):
         raise ValueError(f"{path}: the eq+ transforms hold NaN/Inf values; recalibrate")
-    return _permute_matrix(eq, arch, to_llamacpp=False)
+    return eq
