@@ -9,9 +9,10 @@
 # (run it first: MODELS="..." bash docs/baselines-reproduce.sh) and checks the targets.
 # RECOMMEND=0 skips step 1 and evaluates the three built-in presets in one run, with the K mean
 # collected from python-docs in the same run (--calib-text). That is the default for qwen2.5-1.5b
-# (its recommend runs need about 40 minutes on 2 cores; RECOMMEND=1 runs them).
-# Idempotent: finished files are kept. On 2 CPU cores: about 25 minutes for smollm2-135m, 10 for
-# qwen2.5-1.5b (built-in presets only) and 40 for gemma3-270m (the per-layer step dominates).
+# (its per-layer recommend runs would take hours on 2 cores; RECOMMEND=1 runs them), which instead gets
+# recommend runs with hand-written per-layer candidates at 3, 3.5 and 4.5 bits (below).
+# Idempotent: finished files are kept. On 2 CPU cores: about 25-60 minutes for smollm2-135m, 60 for
+# qwen2.5-1.5b and 40-60 for gemma3-270m (the per-layer step dominates).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TEXT=../shared/data/austen_emma.txt
@@ -59,8 +60,20 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
   for bits in ${BITS:-3 3.5 4.5}; do
     chosen="$out/walshkv-$bits.gguf"
     builtin="$out/builtin-$bits.gguf"
+    # smollm2-135m (head_dim 64): tq fills the budget, so a sink:1: spec pays for its fp16 token with V half
+    # a bit narrower in three layers (four at 3 bits): 5, 8, 12 (and 14), where the first 3.5-bit per-layer
+    # run on python-docs measured the smallest losses from narrowing V
+    extra=()
+    if [ "$model" = smollm2-135m ]; then
+      case "$bits" in
+        3) extra=(--candidate 'sink:1:layers:center+eq+tq:3.5/tq:1.5@5,8,12,14;center+eq+tq:3.5/tq:2'
+                  --candidate 'sink:1:layers:center+eq+tq:3/tq:2@5,8,12,14;center+eq+tq:3/tq:2.5') ;;
+        3.5) extra=(--candidate 'sink:1:layers:center+eq+tq:4/tq:2@5,8,12;center+eq+tq:4/tq:2.5'
+                    --candidate 'sink:1:layers:center+eq+tq:3.5/tq:2.5@5,8,12;center+eq+tq:3.5/tq:3') ;;
+      esac
+    fi
     [ -f "$chosen" ] || walshkv recommend --model "$model" --text python-docs --bits "$bits" --quiet \
-      --per-layer -o "$chosen" --json "$out/recommend-$bits.json"
+      --per-layer "${extra[@]}" -o "$chosen" --json "$out/recommend-$bits.json"
     [ -f "$builtin" ] || walshkv calibrate --model "$model" --text python-docs --preset "walshkv:$bits" \
       --quiet -o "$builtin"
     [ -f "$out/eval-$bits.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec "walshkv:$bits" \
