@@ -154,22 +154,30 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def sink_section(root: Path) -> list[str]:
-    """Each ``sink:1:`` candidate of a ``recommend`` run next to the same spec without it (selection windows)."""
-    rows = []
+def _recommend_runs(root: Path):
+    """``(model, budget, data)`` for every ``recommend-B.json`` under ``root``."""
     for model in MODELS:
         for path in sorted((root / "presets" / model).glob("recommend-*.json")):
-            results = {r["codec"]: r for r in json.loads(path.read_text())["results"]}
-            budget = path.stem.split("-", 1)[1]
-            for codec, r in results.items():
-                plain = codec.split(":", 2)[2] if codec.startswith("sink:") else None
-                if plain in results:
-                    p = results[plain]
-                    change = r["kld_mean"] / p["kld_mean"] - 1
-                    rows.append(
-                        f"| {model} | {budget} | `{plain}` | {p['bits_per_element']:.3f} | {p['kld_mean']:.5f} | "
-                        f"{r['bits_per_element']:.3f} | {r['kld_mean']:.5f} | {change:+.0%} |"
-                    )
+            yield model, path.stem.split("-", 1)[1], json.loads(path.read_text())
+
+
+def _pairs(root: Path, partner):
+    """``(model, budget, other_spec, row, other_row)`` for each recommend row whose ``partner`` was run too."""
+    for model, budget, data in _recommend_runs(root):
+        results = {r["codec"]: r for r in data["results"]}
+        for codec, r in results.items():
+            other = partner(codec)
+            if other is not None and other != codec and other in results:
+                yield model, budget, other, r, results[other]
+
+
+def sink_section(root: Path) -> list[str]:
+    """Each ``sink:1:`` candidate of a ``recommend`` run next to the same spec without it (selection windows)."""
+    rows = [
+        f"| {model} | {budget} | `{plain}` | {p['bits_per_element']:.3f} | {p['kld_mean']:.5f} | "
+        f"{r['bits_per_element']:.3f} | {r['kld_mean']:.5f} | {r['kld_mean'] / p['kld_mean'] - 1:+.0%} |"
+        for model, budget, plain, r, p in _pairs(root, lambda c: c.split(":", 2)[2] if c.startswith("sink:") else None)
+    ]
     if not rows:
         return []
     return [
@@ -187,13 +195,9 @@ def sink_section(root: Path) -> list[str]:
 def per_layer_section(root: Path) -> list[str]:
     """What ``recommend --per-layer`` predicted from single-layer moves and what its check measured."""
     rows = []
-    for model in MODELS:
-        for path in sorted((root / "presets" / model).glob("recommend-*.json")):
-            data = json.loads(path.read_text())
-            plan = data.get("per_layer")
-            if not plan:
-                continue
-            budget = path.stem.split("-", 1)[1]
+    for model, budget, data in _recommend_runs(root):
+        plan = data.get("per_layer")
+        if plan:
             check = {r["codec"]: r["kld_mean"] for r in plan["check"]}
             base = check.get(plan["base"])
             if base is None:
@@ -224,22 +228,11 @@ def per_layer_section(root: Path) -> list[str]:
 
 def eq_section(root: Path) -> list[str]:
     """Each ``eq+`` candidate of a ``recommend`` run next to the same spec without it (selection windows)."""
-    rows = []
-    for model in MODELS:
-        for path in sorted((root / "presets" / model).glob("recommend-*.json")):
-            results = {r["codec"]: r for r in json.loads(path.read_text())["results"]}
-            budget = path.stem.split("-", 1)[1]
-            for codec, r in results.items():
-                if "eq+" not in codec:
-                    continue
-                plain = codec.replace("center+eq+", "center+")
-                if plain in results:
-                    p = results[plain]
-                    change = r["kld_mean"] / p["kld_mean"] - 1
-                    rows.append(
-                        f"| {model} | {budget} | `{plain}` | {p['bits_per_element']:.3f} | {p['kld_mean']:.5f} | "
-                        f"{r['kld_mean']:.5f} | {change:+.0%} |"
-                    )
+    rows = [
+        f"| {model} | {budget} | `{plain}` | {p['bits_per_element']:.3f} | {p['kld_mean']:.5f} | "
+        f"{r['kld_mean']:.5f} | {r['kld_mean'] / p['kld_mean'] - 1:+.0%} |"
+        for model, budget, plain, r, p in _pairs(root, lambda c: c.replace("center+eq+", "center+"))
+    ]
     if not rows:
         return []
     return [

@@ -104,3 +104,13 @@ def smollm2():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return load_model("smollm2-135m", progress=False)
+
+
+def logits_in_splits(model, cache, ids: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    """Run ``ids`` through ``model`` in blocks ending at each of ``splits`` and return all logits."""
+    outs, s = [], 0
+    with torch.inference_mode():
+        for e in splits:
+            outs.append(model(input_ids=ids[:, s:e], cache=cache).logits)
+            s = e
+    return torch.cat(outs, dim=1)

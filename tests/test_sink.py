@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from conftest import logits_in_splits
 from walshkv.cache import CompressedCache, CompressedLayer, enable_fused_attention
 from walshkv.codecs.spec import CacheSpec, LayeredCacheSpec, parse_cache_spec
 from walshkv.presets import candidates_for
@@ -28,13 +29,7 @@ def _ids(n: int, seed: int = 3) -> torch.Tensor:
     return torch.randint(3, 90, (2, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _logits(model, cache, ids, splits):
-    outs, s = [], 0
-    with torch.inference_mode():
-        for e in splits:
-            outs.append(model(input_ids=ids[:, s:e], cache=cache).logits)
-            s = e
-    return torch.cat(outs, dim=1)
+_logits = logits_in_splits
 
 
 # ---- the spec -----------------------------------------------------------------------------------------

@@ -85,14 +85,19 @@ class KVStats:
         mean = self.sums[(kind, basis)][layer] / n
         return (self.sq_sums[(kind, basis)][layer] / n - mean**2).clamp_min(0.0)
 
-    def k_covariance(self, layer: int) -> torch.Tensor:
-        """K covariance ``[kv_heads, head_dim, head_dim]`` (float64) of ``layer``, first tokens left out."""
-        self._check("k", "plain", layer)
-        if self.k_outer is None or self.k_sum1 is None or self.count1 is None:
-            raise ValueError("these statistics hold no K covariance; collect them with collect_kv_stats")
+    def covariance(self, kind: str, layer: int) -> torch.Tensor:
+        """K or V covariance ``[kv_heads, head_dim, head_dim]`` (float64) of ``layer``, first tokens left out."""
+        self._check(kind, "plain", layer)
+        outer, sums = (self.k_outer, self.k_sum1) if kind == "k" else (self.v_outer, self.v_sum1)
+        if outer is None or sums is None or self.count1 is None:
+            raise ValueError(f"these statistics hold no {kind.upper()} covariance; collect them with collect_kv_stats")
         n = float(self.count1[layer].clamp_min(1))
-        mean = self.k_sum1[layer] / n
-        return self.k_outer[layer] / n - mean[:, :, None] * mean[:, None, :]
+        mean = sums[layer] / n
+        return outer[layer] / n - mean[:, :, None] * mean[:, None, :]
+
+    def k_covariance(self, layer: int) -> torch.Tensor:
+        """K covariance of ``layer`` (:meth:`covariance`)."""
+        return self.covariance("k", layer)
 
     def query_moment(self, layer: int) -> torch.Tensor:
         """Second moment ``E[q qᵀ]`` ``[kv_heads, head_dim, head_dim]`` of the queries of each kv-head's group."""
@@ -111,13 +116,8 @@ class KVStats:
         return k_equalizer(self.k_covariance(layer), self.query_moment(layer)).to(torch.float32)
 
     def v_covariance(self, layer: int) -> torch.Tensor:
-        """V covariance ``[kv_heads, head_dim, head_dim]`` (float64) of ``layer``, first tokens left out."""
-        self._check("v", "plain", layer)
-        if self.v_outer is None or self.v_sum1 is None or self.count1 is None:
-            raise ValueError("these statistics hold no V covariance; collect them with collect_kv_stats")
-        n = float(self.count1[layer].clamp_min(1))
-        mean = self.v_sum1[layer] / n
-        return self.v_outer[layer] / n - mean[:, :, None] * mean[:, None, :]
+        """V covariance of ``layer`` (:meth:`covariance`)."""
+        return self.covariance("v", layer)
 
     def output_metric(self, layer: int) -> torch.Tensor:
         """``Σ W_oᵀ W_o`` ``[kv_heads, head_dim, head_dim]`` over the heads of each kv-head's group."""

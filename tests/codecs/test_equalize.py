@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import ToyTokenizer
+from conftest import ToyTokenizer, logits_in_splits
 from walshkv.cache import CompressedCache, enable_fused_attention
 from walshkv.calibration import MergedCalibration, collect_kv_stats
 from walshkv.codecs.spec import parse_cache_spec, parse_codec
@@ -261,13 +261,7 @@ def test_a_preset_file_holds_the_transforms_its_spec_needs(tmp_path: Path, tiny_
 # ---- the cache ---------------------------------------------------------------------------------------
 
 
-def _logits(model, cache, ids, splits):
-    outs, s = [], 0
-    with torch.inference_mode():
-        for e in splits:
-            outs.append(model(input_ids=ids[:, s:e], cache=cache).logits)
-            s = e
-    return torch.cat(outs, dim=1)
+_logits = logits_in_splits
 
 
 def test_a_lossless_eq_cache_is_the_reference(tiny_llama):
