@@ -136,6 +136,11 @@ class KVStats:
 
         return k_equalizer(self.v_covariance(layer), self.output_metric(layer)).to(torch.float32)
 
+    def equalizers(self, kind: str) -> torch.Tensor:
+        """Every layer's ``eq+`` transform, K (``"k"``) or V (``"v"``): ``[layers, kv_heads, d, d]``."""
+        one = self.k_equalizer if kind == "k" else self.v_equalizer
+        return torch.stack([one(i) for i in range(self.num_layers)])
+
     def describe(self) -> dict[str, Any]:
         """Provenance for result files."""
         return {"kind": "kv-stats", "model": self.model, "text": self.text, "tokens": self.tokens}

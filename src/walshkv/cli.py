@@ -178,10 +178,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         )
         return 0
     mean = torch.stack([stats.mean("k", i, "plain") for i in range(stats.num_layers)])
-    eq = torch.stack([stats.k_equalizer(i) for i in range(stats.num_layers)]) if args.eq else None
-    v_eq = None
-    if args.eq and stats.o_metric is not None:
-        v_eq = torch.stack([stats.v_equalizer(i) for i in range(stats.num_layers)])
+    eq = stats.equalizers("k") if args.eq else None
+    v_eq = stats.equalizers("v") if args.eq and stats.o_metric is not None else None
     write_kv_mean_center(
         args.output,
         mean,

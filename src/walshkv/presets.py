@@ -537,8 +537,8 @@ def write_preset_file(path: Any, lm: Any, preset: Preset, stats: Any, note: str 
     basis = k_mean_basis(preset.spec)
     mean = torch.stack([stats.mean("k", i, "plain") for i in range(stats.num_layers)])
     kinds = equalized_kinds(preset.spec)
-    k_eq = torch.stack([stats.k_equalizer(i) for i in range(stats.num_layers)]) if "k" in kinds else None
-    v_eq = torch.stack([stats.v_equalizer(i) for i in range(stats.num_layers)]) if "v" in kinds else None
+    k_eq = stats.equalizers("k") if "k" in kinds else None
+    v_eq = stats.equalizers("v") if "v" in kinds else None
     extra = {_FILE_NAME: preset.name, _FILE_SPEC: preset.spec, "walshkv.preset.budget": f"{preset.budget:g}"}
     if note:
         extra["walshkv.preset.note"] = note
