@@ -36,21 +36,24 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
       [ -f "$out/eval-4.5.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec walshkv:4.5 \
         --kv-mean-center "$out/walshkv-4.5.gguf" --windows 8 --quiet --json "$out/eval-4.5.json"
       # 3.5 bits: the built-in candidates (sink:1: ones included: at head_dim 128 the first token in fp16,
-      # 0.025 bit at 512 tokens, fits in the 0.125 bit tq leaves) plus two that also widen a quarter of
-      # the layers, chosen on python-docs (about 10 minutes), then evaluated on Emma
+      # 0.025 bit at 512 tokens, fits in the 0.125 bit tq leaves) plus ones that also widen the first and
+      # last layers (a quarter of them, or as many as the budget allows: 11 of 28), chosen on python-docs
+      # (about 30 minutes), then evaluated on Emma
       [ -f "$out/walshkv-3.5.gguf" ] || walshkv recommend --model "$model" --text python-docs --bits 3.5 --quiet \
         --candidate 'sink:1:layers:center+tq:3.5/tq:3.5@0-3,25-27;center+tq:3.5/tq:3' \
         --candidate 'sink:1:layers:center+tq:4/tq:3@0-3,25-27;center+tq:3.5/tq:3' \
         --candidate 'sink:1:layers:center+eq+tq:3.5/tq:3.5@0-3,25-27;center+eq+tq:3.5/tq:3' \
         --candidate 'sink:1:layers:center+eq+tq:4/tq:3@0-3,25-27;center+eq+tq:3.5/tq:3' \
+        --candidate 'sink:1:layers:center+eq+tq:3.5/tq:3.5@0-5,23-27;center+eq+tq:3.5/tq:3' \
         -o "$out/walshkv-3.5.gguf" --json "$out/recommend-3.5.json"
       [ -f "$out/eval-3.5.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec walshkv:3.5 \
         --kv-mean-center "$out/walshkv-3.5.gguf" --windows 8 --quiet --json "$out/eval-3.5.json"
       # 3 bits: the same idea one step down (the built-in candidates, eq+ ones included, plus V half a bit
-      # wider in the first and last layers, paid by the 0.125 bit tq leaves), then evaluated on Emma
+      # wider in the first and last 7 or 11 layers, paid by the 0.125 bit tq leaves), then evaluated on Emma
       [ -f "$out/walshkv-3.gguf" ] || walshkv recommend --model "$model" --text python-docs --bits 3 --quiet \
         --candidate 'sink:1:layers:center+eq+tq:3.5/tq:2.5@0-3,25-27;center+eq+tq:3.5/tq:2' \
         --candidate 'sink:1:layers:center+eq+tq:3/tq:3@0-3,25-27;center+eq+tq:3/tq:2.5' \
+        --candidate 'sink:1:layers:center+eq+tq:3/tq:3@0-5,23-27;center+eq+tq:3/tq:2.5' \
         -o "$out/walshkv-3.gguf" --json "$out/recommend-3.json"
       [ -f "$out/eval-3.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec walshkv:3 \
         --kv-mean-center "$out/walshkv-3.gguf" --windows 8 --quiet --json "$out/eval-3.json"
