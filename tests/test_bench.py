@@ -11,8 +11,9 @@ from walshkv.cli import main
 
 
 def test_attention_rows():
-    rows = bench_attention([64, 100], ["int4", "rot+int3", "vht2:5,5,4,3", "vzc"], repeats=1, progress=False)
-    assert len(rows) == 2 * (3 + 4)
+    codecs = ["int4", "rot+int3", "vht2:5,5,4,3", "tq:4/tq:2.5", "vzc"]
+    rows = bench_attention([64, 100], codecs, repeats=1, progress=False)
+    assert len(rows) == 2 * (3 + 5)
     for r in rows:
         assert r["seconds"] > 0 and r["cache_bytes"] > 0 and r["speedup_vs_sdpa_fp16"] > 0
     fp16 = next(r for r in rows if r["kv_len"] == 100 and r["method"] == "sdpa-fp16")
@@ -20,6 +21,7 @@ def test_attention_rows():
     int4 = next(r for r in rows if r["kv_len"] == 100 and r["method"] == "int4")
     assert int4["cache_bytes"] == 2 * 3 * 100 * 34  # 32 code bytes + an fp16 scale per vector, K and V
     assert next(r for r in rows if r["method"] == "vht2:5,5,4,3")["backend"] == "cpu"
+    assert next(r for r in rows if r["method"] == "tq:4/tq:2.5")["backend"] == "cpu"
     assert next(r for r in rows if r["method"] == "vzc")["backend"] == "reference"
 
 

@@ -54,7 +54,16 @@ __all__ = [
     "machine_description",
 ]
 
-DEFAULT_ATTENTION_CODECS: tuple[str, ...] = ("rot+int4", "int4", "rot+int3", "rot+int8", "q4_0", "q8_0", "vht2:5,5,4,3")
+DEFAULT_ATTENTION_CODECS: tuple[str, ...] = (
+    "rot+int4",
+    "int4",
+    "rot+int3",
+    "rot+int8",
+    "q4_0",
+    "q8_0",
+    "vht2:5,5,4,3",
+    "tq:4/tq:2.5",
+)
 DEFAULT_KV_LENS: tuple[int, ...] = (1024, 4096, 16384, 65536)
 DEFAULT_CONTEXTS: tuple[int, ...] = (1024, 8192, 32768)
 SDPA_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

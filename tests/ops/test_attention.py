@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.center import Centered
+from walshkv.codecs.equalize import Equalized
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.spec import parse_codec
@@ -30,8 +31,13 @@ BACKENDS = tuple(b for b in ALL_BACKENDS if b != "triton")
 
 CPU_CODECS = ["int2", "int3", "int4", "int5", "int6", "int7", "int8", "rot+int4", "rot+int3", "rrot:7+int4", "q4_0"]
 CPU_CODECS += ["q8_0", "vht2:5,5,4,3", "vht2:3", "vht2:5,5,4,3:order=sequency"]
+# tq: whole and half widths (two code tensors), 1 to 8 bits, both codebooks, a seed, under a rotation
+CPU_CODECS += ["tq:3.5", "tq:4", "tq:2.5", "tq:1", "tq:5.5", "tq:6.5", "tq:8", "tq:3:codebook=beta", "tq:4.5:seed=9"]
+CPU_CODECS += ["rot+tq:3"]
+D128 = ("int3", "rot+int4", "q8_0", "int6", "tq:3.5", "tq:6.5", "tq:3:codebook=beta")
 MIXED = [("rot+int4", "int3"), ("rot+int4", "rot+int3"), ("int8", "q4_0"), ("q8_0", "rrot:7+int4"), ("int2", "int5")]
 MIXED += [("vht2:5,5,4,3", "vht2:3"), ("rot+int4", "vht2:2"), ("vht2:6,4,3:order=squarefree", "int4")]
+MIXED += [("tq:4", "tq:2.5"), ("rot+int4", "tq:3"), ("tq:3.5", "q4_0")]
 # vht2 layouts: 1- and 8-bit bands, a skeleton (sk), uneven bands, every order that needs no calibration
 VHT2_VARIANTS = ["vht2:1", "vht2:8,1", "vht2:4,3:sk=40", "vht2:2,7,5,6,3", "vht2:5,5,4,3:order=squarefree-dc"]
 VHT2_VARIANTS += ["rot+vht2:4", "vht2:" + ",".join(["3"] * 32)]
@@ -79,7 +85,7 @@ def _encode(spec: str, x: torch.Tensor) -> tuple[Codec, Packed]:
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("spec", CPU_CODECS)
 def test_codecs_match_sdpa(spec: str, backend: str) -> None:
-    d = 128 if spec in ("int3", "rot+int4", "q8_0", "int6") else 64
+    d = 128 if spec in D128 else 64
     k, v = _kv(2, 2, 1029, d, seed=3)
     codec, pk = _encode(spec, k)
     pv = codec.encode(v)
@@ -175,7 +181,7 @@ def test_dtypes_gqa_lengths(t: int, ratio: int, dtype: torch.dtype, backend: str
 
 @pytest.mark.parametrize(
     ("spec", "backend"),
-    [(s, b) for s in ("rrot:7+int4", "q4_0", "int5", "vht2:5,5,4,3") for b in BACKENDS],
+    [(s, b) for s in ("rrot:7+int4", "q4_0", "int5", "vht2:5,5,4,3", "tq:3.5") for b in BACKENDS],
 )
 @pytest.mark.parametrize("r", [1, 5])
 def test_full_precision_window(spec: str, r: int, backend: str) -> None:
@@ -237,6 +243,47 @@ def test_center_wrapper_is_peeled() -> None:
         torch.testing.assert_close(decode_attention(q, pk, pv, kc, vc, backend=backend), want, atol=2e-5, rtol=0)
 
 
+def _equalized(inner: str, kv: int, d: int, seed: int) -> Codec:
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.eye(d) + torch.randn(kv, d, d, generator=gen) / (2 * math.sqrt(d))  # well conditioned
+    return Equalized(parse_codec(inner), a)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("kspec", "vspec"), [("center+eq+tq:3.5", "eq+tq:3"), ("eq+rot+int4", "int4")])
+def test_eq_wrapper_maps_the_query_and_the_output_once(kspec: str, vspec: str, backend: str) -> None:
+    """eq+X is read as X's cache: A⁻ᵀ on the query, A⁻¹ on the V sum, both per kv head."""
+
+    def build(spec: str, seed: int) -> Codec:
+        if spec.startswith("center+"):
+            return Centered(_equalized(spec.removeprefix("center+eq+"), 3, 64, seed), bias=torch.randn(3, 64))
+        return _equalized(spec.removeprefix("eq+"), 3, 64, seed) if spec.startswith("eq+") else parse_codec(spec)
+
+    kc, vc = build(kspec, 1), build(vspec, 2)
+    k, v = _kv(2, 3, 300, 64, seed=21)
+    wk, wv = _kv(2, 3, 2, 64, seed=22)
+    pk, pv = kc.encode(k), vc.encode(v)
+    q = _query(2, 9, 64)
+    assert attention_cpu.cpu_supports(kc, 64) and attention_cpu.cpu_supports(vc, 64)
+    out = _run(backend, q, pk, pv, kc, vc, window_k=wk, window_v=wv)
+    want = _expected(q, kc.decode(pk), vc.decode(pv), window=(wk, wv))
+    torch.testing.assert_close(out, want, atol=5e-5, rtol=1e-4)
+
+
+def test_eq_wrapper_errors() -> None:
+    k, v = _kv(1, 3, 20, 64, seed=23)
+    kc = _equalized("tq:4", 3, 64, 3)
+    pk, pv = kc.encode(k), kc.encode(v)
+    with pytest.raises(ValueError, match="kv heads"):  # the transform of a layer with another head count
+        decode_attention(_query(1, 4, 64), _slice_heads(pk, 2), _slice_heads(pv, 2), kc, kc)
+    with pytest.raises(ValueError, match="not bound"):
+        decode_attention(_query(1, 9, 64), pk, pv, parse_codec("eq+tq:4"), "tq:4")
+
+
+def _slice_heads(p: Packed, n: int) -> Packed:
+    return Packed({name: t[:, :n] for name, t in p.tensors.items()}, p.head_dim, p.dtype)
+
+
 # ---- how the work is done ----------------------------------------------------------------------------
 
 
@@ -272,7 +319,7 @@ def test_auto_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attn, "fused_decode_cpu", spy)
     k, v = _kv(1, 1, 33, 64, seed=13)
     q = _query(1, 1, 64)
-    for spec, fused in (("rot+int4", True), ("q8_0", True), ("vht2:5,5,4,3", True), ("vzc", False), ("fp16", False)):
+    for spec, fused in (("rot+int4", True), ("q8_0", True), ("vht2:5,5,4,3", True), ("tq:3.5", True), ("vzc", False)):
         calls.clear()
         codec, pk = _encode(spec, k)
         out = decode_attention(q, pk, codec.encode(v), codec, codec)

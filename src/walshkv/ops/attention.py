@@ -23,13 +23,19 @@ float32 whatever the query dtype; the result is cast to the query's dtype at the
 transformed once into that basis (WHT, then the order; calibrated orders and bands are per layer) and
 the V sum is transformed back once.
 
-What is not covered yet: ``tq``, ``kivi``, ``vzc``, ``sqfree``,
+``eq+`` (a calibrated matrix ``A`` per kv head before the codec) is the same trick without
+orthogonality: ``q·A⁻¹y = (A⁻ᵀq)·y`` and ``Σ p_t A⁻¹y_t = A⁻¹ Σ p_t y_t``, so every backend reads the
+inner codec's cache with the query mapped once and the V sum mapped back once
+(:func:`walshkv.ops.attention_cpu.peel_equalizer`).
+
+What is not covered yet: ``kivi``, ``vzc``, ``sqfree``, ``tqprod``,
 ggml types other than q4_0/q8_0 and float codecs go through the reference (correct, but it decodes
-each chunk to float, so it is no faster than decoding the cache); only one query token per call.
+each chunk to float, so it is no faster than decoding the cache), as does ``tq`` on the Triton
+backend; only one query token per call.
 
 Backends (:func:`decode_attention`): ``"reference"`` (pure torch, any codec, decodes chunks of at
 most ``chunk`` tokens), ``"cpu"`` (the fused C++ kernel of :mod:`walshkv.ops.attention_cpu`, for
-int2..int8, ggml q4_0/q8_0 and vht2, also under rot+/rrot+/center+) and ``"triton"`` (the fused GPU kernel of
+int2..int8, ggml q4_0/q8_0, vht2 and tq, also under rot+/rrot+/center+/eq+) and ``"triton"`` (the fused GPU kernel of
 :mod:`walshkv.ops.attention_triton`, same codecs, CUDA tensors; on CPU tensors only under the Triton
 interpreter, ``TRITON_INTERPRET=1``, which is how the tests run it). The CPU and Triton kernels return
 the partial softmax state of the packed tokens; the rotations and the window are applied here, as for
@@ -52,7 +58,15 @@ import torch
 
 from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.rotation import Rotated
-from walshkv.ops.attention_cpu import CPU_SUPPORTED, CpuPlan, cpu_plan, cpu_supports, fused_decode_cpu, peel
+from walshkv.ops.attention_cpu import (
+    CPU_SUPPORTED,
+    CpuPlan,
+    cpu_plan,
+    cpu_supports,
+    fused_decode_cpu,
+    peel,
+    peel_equalizer,
+)
 from walshkv.ops.attention_triton import (
     TRITON_SUPPORTED,
     fused_decode_triton,
@@ -242,9 +256,13 @@ def _attend(
     chunk: int,
     plan: CpuPlan | None,
     use_triton: bool = False,
+    k_eq: torch.Tensor | None = None,
+    v_eq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shared body of the backends; ``plan`` selects the fused CPU kernel, ``use_triton`` the Triton one
-    (neither: the reference)."""
+    (neither: the reference). ``k_eq``/``v_eq``: the ``eq+`` inverses ``[kv_heads, d, d]`` that
+    :func:`peel_equalizer` took off the codecs (the query is mapped once before the packed tokens, their
+    V sum once after)."""
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk!r}")
     sm_scale = _validate(q, packed_k, packed_v, k_codec, v_codec, window_k, window_v, scale, plan is None)
@@ -254,17 +272,22 @@ def _attend(
     q0 = q.reshape(batch, kv, g, d).to(torch.float32)  # unscaled, model basis
     state = None
     if packed_k is not None and packed_v is not None and packed_k.seq_len > 0:
+        # eq+ K: q . A⁻¹y = (A⁻ᵀq) . y, so the packed tokens are read as the inner codec's with A⁻ᵀq
+        qp = q0 if k_eq is None else torch.einsum("bhge,hed->bhgd", q0, _per_head(k_eq, kv, "K", q.device))
         if plan is not None:
-            state = fused_decode_cpu(q0, plan, packed_k, packed_v)  # None: no compiler (warned once)
+            state = fused_decode_cpu(qp, plan, packed_k, packed_v)  # None: no compiler (warned once)
         if state is None:
             k_rots, k_core = peel(k_codec)
             v_rots, v_core = peel(v_codec)
-            qk = _rotate(q0 * sm_scale, k_rots)
+            qk = _rotate(qp * sm_scale, k_rots)
             if use_triton:
                 m, l_sum, acc = fused_decode_triton(qk, packed_k, packed_v, k_core, v_core)
             else:
                 m, l_sum, acc = _reference_partial(qk, packed_k, packed_v, k_core, v_core, chunk)
             state = (m, l_sum, _unrotate(acc, v_rots))  # the V sum, unrotated once
+        if v_eq is not None:  # eq+ V: sum p A⁻¹y = A⁻¹ sum p y
+            m, l_sum, acc = state
+            state = (m, l_sum, torch.einsum("hed,bhgd->bhge", _per_head(v_eq, kv, "V", q.device), acc))
     if window_k is not None and window_v is not None and window_k.shape[2] > 0:
         if state is None:
             m = torch.full((batch, kv, g), float("-inf"), dtype=torch.float32, device=q.device)
@@ -274,6 +297,15 @@ def _attend(
     assert state is not None  # _validate refused an empty cache
     _, l_sum, acc = state
     return (acc / l_sum.unsqueeze(-1)).reshape(batch, hq, 1, d).to(q.dtype)
+
+
+def _per_head(inverse: torch.Tensor, kv: int, what: str, device: torch.device) -> torch.Tensor:
+    if inverse.shape[0] != kv:
+        raise ValueError(
+            f"the {what} codec's eq+ transform has {inverse.shape[0]} kv heads, the cache {kv}: pass the codec of "
+            "the layer whose cache this is"
+        )
+    return inverse.to(device=device, dtype=torch.float32)
 
 
 def decode_attention_reference(
@@ -313,7 +345,9 @@ def decode_attention_reference(
             its codec, an empty cache, or a NaN/Inf query.
     """
     k_codec, v_codec = _codec(k_codec, "k_codec"), _codec(v_codec, "v_codec")
-    return _attend(q, packed_k, packed_v, k_codec, v_codec, scale, window_k, window_v, chunk, None)
+    k_eq, k_codec = peel_equalizer(k_codec)
+    v_eq, v_codec = peel_equalizer(v_codec)
+    return _attend(q, packed_k, packed_v, k_codec, v_codec, scale, window_k, window_v, chunk, None, False, k_eq, v_eq)
 
 
 def decode_attention(
@@ -354,6 +388,8 @@ def decode_attention(
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     k_codec, v_codec = _codec(k_codec, "k_codec"), _codec(v_codec, "v_codec")
+    k_eq, k_codec = peel_equalizer(k_codec)
+    v_eq, v_codec = peel_equalizer(v_codec)
     plan = None
     on_cpu = isinstance(q, torch.Tensor) and q.dim() == 4 and q.device.type == "cpu"
     if backend != "reference" and on_cpu:
@@ -395,4 +431,6 @@ def decode_attention(
                 f"{TRITON_SUPPORTED}. Use backend='reference' (or 'auto') for other codecs"
             )
         use_triton = True
-    return _attend(q, packed_k, packed_v, k_codec, v_codec, scale, window_k, window_v, chunk, plan, use_triton)
+    return _attend(
+        q, packed_k, packed_v, k_codec, v_codec, scale, window_k, window_v, chunk, plan, use_triton, k_eq, v_eq
+    )

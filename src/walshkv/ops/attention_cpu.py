@@ -46,10 +46,19 @@ the last one must be contiguous):
   once by its transpose; calibrated codecs (``order=variance``, ``vht2:auto@BITS``) carry their own
   order and bands per layer, so their plans are keyed on the bound codec object, not on the spec.
 
+* ``tq`` (:class:`walshkv.codecs.turbo.TurboQuant`): ``codes uint8[ceil(d*B/8)]`` (whole B) or
+  ``codes_hi`` / ``codes_lo`` (half widths: the first ``d/2`` rotated coordinates at ``ceil(B)`` bits,
+  the rest at ``floor(B)``), each its own tensor with its own strides, LSB-first; and ``norm
+  float16[1]``. Each segment is unpacked with the generic B-bit path into its buffer positions and each
+  code replaced by its Lloyd-Max level (a lane permute from one or two registers up to 5 bits with
+  AVX-512, a gather otherwise); the row factor is ``norm / sqrt(d)``. The basis is the codec's inverse
+  rotation (sign flips, then the WHT), so the query is rotated once and the V sum unrotated once.
+
 Rotations (``rot+``/``rrot+``): the query is multiplied once by the K codec's forward rotation (random
 signs included) and the V sum once by the V codec's inverse rotation; both are cached d x d matrices,
 fused with the softmax scale and the plane order above, so the kernel only ever reads the inner codec's
-codes. ``center+`` is peeled (its decode adds no bias back). All other codecs are not read here;
+codes. ``center+`` is peeled (its decode adds no bias back); ``eq+`` (a per-kv-head matrix) is applied
+to the query and the V sum by the caller (:func:`peel_equalizer`). All other codecs are not read here;
 :func:`walshkv.ops.attention.decode_attention` sends them to the pure-torch reference.
 
 Why C++: a torch-only chunked path (unpack 4096 tokens of codes at a time with shifts/masks, float
@@ -86,12 +95,14 @@ from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.ggml import QK, GGMLCodec
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.rotation import Rotated
+from walshkv.codecs.turbo import TurboQuant
 from walshkv.codecs.vht2 import VHT2Codec
 from walshkv.ops.packing import packed_nbytes
 
 __all__ = [
     "CPU_SUPPORTED",
     "CpuPlan",
+    "core_codec",
     "cpu_format",
     "cpu_plan",
     "cpu_supports",
@@ -99,10 +110,11 @@ __all__ = [
     "kernel_available",
     "load_kernel",
     "peel",
+    "peel_equalizer",
 ]
 
 #: Human-readable list of the (inner) codecs the fused CPU kernel reads.
-CPU_SUPPORTED = "int2..int8, q4_0, q8_0, vht2 (each also under rot+, rrot+ and center+)"
+CPU_SUPPORTED = "int2..int8, q4_0, q8_0, vht2, tq (each also under rot+, rrot+, center+ and eq+)"
 
 # Formats understood by the C++ kernel (keep in sync with the enum in _CPP_SOURCE).
 _FMT_INT4 = 0
@@ -112,6 +124,7 @@ _FMT_Q4_0 = 3
 _FMT_Q8_0 = 4
 _FMT_INT2 = 5
 _FMT_BANDED = 6  # vht2
+_FMT_TQ = 7  # tq: Lloyd-Max codes in one or two segments (own tensors), one fp16 norm
 
 _MIN_SPLIT_TOKENS = 256  # no parallel range shorter than this many tokens
 
@@ -147,9 +160,11 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 
 enum Fmt : int {
-  FMT_INT4 = 0, FMT_INT8 = 1, FMT_INT_GENERIC = 2, FMT_Q4_0 = 3, FMT_Q8_0 = 4, FMT_INT2 = 5, FMT_BANDED = 6
+  FMT_INT4 = 0, FMT_INT8 = 1, FMT_INT_GENERIC = 2, FMT_Q4_0 = 3, FMT_Q8_0 = 4, FMT_INT2 = 5, FMT_BANDED = 6,
+  FMT_TQ = 7
 };
 static constexpr int MAX_BANDS = 32;
+static constexpr int MAX_SEGS = 2;
 #include <array>
 static constexpr int TILE = 32;  // tokens per tile
 static constexpr int JB = 4;     // query heads per register block
@@ -237,6 +252,13 @@ struct Src {
   const uint8_t* end;  // one past the last byte of the codes tensor (bounds for over-wide vector loads)
   int nbands;          // FMT_BANDED: bands of (first byte, first buffer position, size, bits), one fp16 scale each
   int band_byte[MAX_BANDS], band_start[MAX_BANDS], band_size[MAX_BANDS], band_bits[MAX_BANDS];
+  int nseg;            // FMT_TQ: segments of codes, each its own tensor, decoded through its level table
+  const uint8_t* seg_codes[MAX_SEGS];
+  int64_t seg_s0[MAX_SEGS], seg_s1[MAX_SEGS], seg_s2[MAX_SEGS];
+  const uint8_t* seg_end[MAX_SEGS];
+  int seg_start[MAX_SEGS], seg_size[MAX_SEGS], seg_bits[MAX_SEGS];
+  const float* seg_levels[MAX_SEGS];  // max(2^bits, 32) floats (zero padded: whole-vector permutes)
+  float row_mul;                      // FMT_TQ: the row factor is norm * row_mul (1 / sqrt(d))
 };
 
 static Src make_src(const std::vector<int64_t>& a) {
@@ -256,6 +278,30 @@ static Src make_src(const std::vector<int64_t>& a) {
   s.L = (int)a[12];
   s.offset = (float)a[13];
   s.end = reinterpret_cast<const uint8_t*>(a.at(14));
+  s.nbands = 0;
+  s.nseg = 0;
+  s.row_mul = 1.0f;
+  if (s.fmt == FMT_TQ) {
+    s.nseg = a.size() > 15 ? (int)a[15] : 0;
+    if (s.nseg < 1 || s.nseg > MAX_SEGS || (int64_t)a.size() != 16 + 9 * (int64_t)s.nseg)
+      throw std::invalid_argument("walshkv decode attention: bad tq segment table");
+    for (int i = 0; i < s.nseg; ++i) {
+      const int64_t* e = a.data() + 16 + 9 * i;
+      s.seg_codes[i] = reinterpret_cast<const uint8_t*>(e[0]);
+      s.seg_s0[i] = e[1];
+      s.seg_s1[i] = e[2];
+      s.seg_s2[i] = e[3];
+      s.seg_end[i] = reinterpret_cast<const uint8_t*>(e[4]);
+      s.seg_start[i] = (int)e[5];
+      s.seg_size[i] = (int)e[6];
+      s.seg_bits[i] = (int)e[7];
+      s.seg_levels[i] = reinterpret_cast<const float*>(e[8]);
+      if (s.seg_bits[i] < 1 || s.seg_bits[i] > 8 || s.seg_start[i] < 0 || s.seg_start[i] + s.seg_size[i] > s.L)
+        throw std::invalid_argument("walshkv decode attention: bad tq segment");
+    }
+    s.row_mul = 1.0f / std::sqrt((float)s.d);
+    return s;
+  }
   s.nbands = a.size() > 15 ? (int)a[15] : 0;
   if (s.fmt == FMT_BANDED && (s.nbands < 1 || s.nbands > MAX_BANDS || (int64_t)a.size() != 16 + 4 * (int64_t)s.nbands))
     throw std::invalid_argument("walshkv decode attention: bad band table");
@@ -521,6 +567,54 @@ static void decode_tile(const Src& s, int64_t b, int64_t h, int64_t t, int nt, f
   for (int i = 0; i < nt; ++i) rs[i] = decode_row<FMT>(s, c + i * s.cs2, sc + i * s.ss2, tile + i * ld);
 }
 
+// buf[j] (a code c, as float) -> lv[c], for j < n. lv holds at least 32 floats (zero padded).
+static inline void lookup_levels(float* __restrict buf, int n, const float* __restrict lv, int bits) {
+  int j = 0;
+#if defined(__AVX512F__)
+  if (bits <= 5) {  // every level in one or two registers: a lane permute per 16 codes
+    const __m512 l0 = _mm512_loadu_ps(lv), l1 = _mm512_loadu_ps(lv + 16);
+    for (; j + 16 <= n; j += 16) {
+      const __m512i idx = _mm512_cvttps_epi32(_mm512_loadu_ps(buf + j));
+      _mm512_storeu_ps(buf + j, bits <= 4 ? _mm512_permutexvar_ps(idx, l0) : _mm512_permutex2var_ps(l0, idx, l1));
+    }
+  } else {
+    for (; j + 16 <= n; j += 16)
+      _mm512_storeu_ps(buf + j, _mm512_i32gather_ps(_mm512_cvttps_epi32(_mm512_loadu_ps(buf + j)), lv, 4));
+  }
+#elif defined(__AVX2__)
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(buf + j, _mm256_i32gather_ps(lv, _mm256_cvttps_epi32(_mm256_loadu_ps(buf + j)), 4));
+#endif
+  for (; j < n; ++j) buf[j] = lv[(int)buf[j]];
+}
+
+// tq: each segment's codes (own tensor and strides) unpacked to its buffer positions, then replaced by
+// their Lloyd-Max levels; the row factor is norm / sqrt(d).
+static void decode_tile_tq(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
+                           float* rs) {
+  const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
+  for (int i = 0; i < nt; ++i) {
+    float* row_buf = tile + i * ld;
+    for (int g = 0; g < s.nseg; ++g) {
+      const uint8_t* r = s.seg_codes[g] + b * s.seg_s0[g] + h * s.seg_s1[g] + (t + i) * s.seg_s2[g];
+      float* dst = row_buf + s.seg_start[g];
+      const int n = s.seg_size[g];
+      switch (s.seg_bits[g]) {
+        case 1: unpack_generic<1>(r, n, 0.0f, s.seg_end[g], dst); break;
+        case 2: unpack_generic<2>(r, n, 0.0f, s.seg_end[g], dst); break;
+        case 3: unpack_generic<3>(r, n, 0.0f, s.seg_end[g], dst); break;
+        case 4: unpack_generic<4>(r, n, 0.0f, s.seg_end[g], dst); break;
+        case 5: unpack_generic<5>(r, n, 0.0f, s.seg_end[g], dst); break;
+        case 6: unpack_generic<6>(r, n, 0.0f, s.seg_end[g], dst); break;
+        case 7: unpack_generic<7>(r, n, 0.0f, s.seg_end[g], dst); break;
+        default: unpack_generic<8>(r, n, 0.0f, s.seg_end[g], dst); break;
+      }
+      lookup_levels(dst, n, s.seg_levels[g], s.seg_bits[g]);
+    }
+    rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
+  }
+}
+
 static TileFn tile_fn(int fmt) {
   switch (fmt) {
     case FMT_INT4: return decode_tile<FMT_INT4>;
@@ -530,6 +624,7 @@ static TileFn tile_fn(int fmt) {
     case FMT_Q4_0: return decode_tile<FMT_Q4_0>;
     case FMT_Q8_0: return decode_tile<FMT_Q8_0>;
     case FMT_BANDED: return decode_tile<FMT_BANDED>;
+    case FMT_TQ: return decode_tile_tq;
   }
   throw std::invalid_argument("walshkv decode attention: unknown packed format");
 }
@@ -780,6 +875,34 @@ def peel(codec: Codec) -> tuple[list[Rotated], Codec]:
             return rots, codec
 
 
+def peel_equalizer(codec: Codec) -> tuple[torch.Tensor | None, Codec]:
+    """Split off an ``eq+`` wrapper: ``(inverse, inner)``, or ``(None, codec)`` when there is none.
+
+    ``center+eq+X`` stores ``X(A x)`` and decodes ``A⁻¹ X⁻¹(...)`` per kv head. Attention reads it as
+    ``X``'s cache with the query multiplied by ``A⁻ᵀ`` once and the weighted V sum by ``A⁻¹`` once
+    (``inverse`` is ``A⁻¹``, ``[kv_heads, head_dim, head_dim]``); ``center+`` goes too (see :func:`peel`).
+
+    Raises:
+        ValueError: an ``eq+`` codec that is not bound to a layer's transform.
+    """
+    inner = codec
+    while getattr(inner, "is_centering", False):
+        inner = inner.inner  # type: ignore[attr-defined]
+    if not getattr(inner, "is_equalizing", False):
+        return None, codec
+    inverse = inner.inverse  # type: ignore[attr-defined]
+    if inverse is None:
+        raise ValueError(f"{codec.spec} is not bound to a layer's transform; build it through CompressedCache")
+    return inverse, inner.inner  # type: ignore[attr-defined]
+
+
+def core_codec(codec: Codec) -> Codec:
+    """The codec that stores the codes: ``codec`` without its ``center+``, ``eq+`` and rotation wrappers."""
+    while getattr(codec, "is_centering", False) or getattr(codec, "is_equalizing", False):
+        codec = codec.inner  # type: ignore[attr-defined]
+    return peel(codec)[1]
+
+
 @dataclass(frozen=True)
 class _Format:
     """How the kernel reads one codec's rows: format id, code width, bytes per row, decoded length L.
@@ -798,6 +921,8 @@ class _Format:
     basis: torch.Tensor | None
     scales: int = 1  # fp16 scales per row
     bands: tuple[int, ...] = ()  # FMT_BANDED: (first byte, first buffer position, size, bits) per band
+    # FMT_TQ: (field, first buffer position, size, bits, levels) per segment; levels float32, >= 32 entries
+    segments: tuple[tuple[str, int, int, int, torch.Tensor], ...] = ()
 
 
 _FORMATS: dict[tuple[str, str, int], _Format | None] = {}
@@ -830,6 +955,24 @@ def _vht2_format(core: VHT2Codec, head_dim: int) -> _Format | None:
     return _Format(_FMT_BANDED, 0, byte, start, 0, "codes", "scale", basis, len(bands), tuple(table))
 
 
+def _tq_format(core: TurboQuant, head_dim: int) -> _Format | None:
+    """tq: each segment's codes through its Lloyd-Max levels; the basis is the codec's inverse rotation."""
+    try:
+        core.check_head_dim(head_dim)
+    except ValueError:
+        return None
+    segments = []
+    for name, start, stop, bits in core.segments(head_dim):
+        levels = core.quantizer(bits, head_dim).levels.to(torch.float32)
+        padded = torch.zeros(max(32, levels.numel()))
+        padded[: levels.numel()] = levels
+        segments.append((name, start, stop - start, bits, padded))
+    basis = core.unrotate(torch.eye(head_dim)).T.contiguous()  # column j: the vector buffer position j decodes to
+    first = segments[0]
+    row_bytes = packed_nbytes(first[2], first[3])
+    return _Format(_FMT_TQ, 0, row_bytes, head_dim, 0, first[0], "norm", basis, segments=tuple(segments))
+
+
 def cpu_format(core: Codec, head_dim: int) -> _Format | None:
     """How the kernel reads ``core``'s packed rows at ``head_dim``, or ``None`` if it cannot."""
     key = (type(core).__qualname__, core.spec, head_dim)
@@ -858,13 +1001,15 @@ def cpu_format(core: Codec, head_dim: int) -> _Format | None:
         fmt = _vht2_format(core, head_dim)
         if core._perm is not None:  # a calibrated (bound) codec: its spec names the layer, but do not cache
             return fmt
+    elif type(core) is TurboQuant:
+        fmt = _tq_format(core, head_dim)
     _FORMATS[key] = fmt
     return fmt
 
 
 def cpu_supports(codec: Codec, head_dim: int) -> bool:
     """True if the fused kernel reads ``codec``'s packed rows (after peeling rotations and centering)."""
-    return cpu_format(peel(codec)[1], head_dim) is not None
+    return cpu_format(core_codec(codec), head_dim) is not None
 
 
 @dataclass(frozen=True)
@@ -935,20 +1080,9 @@ def _calibrated(codec: Codec) -> bool:
 
 def _desc(packed: Packed, f: _Format, head_dim: int, what: str) -> tuple[list[int], list[torch.Tensor]]:
     """Pointer/stride/format list for the kernel, and the tensors that must stay alive during the call."""
-    codes = packed.tensors.get(f.codes_field)
-    if codes is None or codes.dtype != torch.uint8 or codes.dim() != 4 or codes.shape[3] != f.row_bytes:
-        got = "missing" if codes is None else f"{codes.dtype} {tuple(codes.shape)}"
-        raise ValueError(
-            f"packed {what} field {f.codes_field!r} should be uint8 [..., {f.row_bytes}] at head_dim {head_dim}, got "
-            f"{got}: pass the codec that encoded this cache"
-        )
-    shape, st = codes.shape, codes.stride()
-    if st[3] != 1:
-        codes = codes.contiguous()
-        st = codes.stride()
-    ptr = codes.data_ptr()
-    end = ptr + (shape[0] - 1) * st[0] + (shape[1] - 1) * st[1] + (shape[2] - 1) * st[2] + shape[3]
-    keep = [codes]
+    codes, ptr, st, end = _codes_field(packed, f.codes_field, f.row_bytes, head_dim, what)
+    shape = codes.shape
+    keep: list[torch.Tensor] = [codes]
     scale_ptr, s0, s1, s2 = 0, 0, 0, 0
     if f.scale_field is not None:
         scale = packed.tensors.get(f.scale_field)
@@ -964,7 +1098,35 @@ def _desc(packed: Packed, f: _Format, head_dim: int, what: str) -> tuple[list[in
     desc += [f.offset, end]
     if f.bands:
         desc += [len(f.bands) // 4, *f.bands]
+    if f.segments:
+        desc.append(len(f.segments))
+        for name, start, size, bits, levels in f.segments:
+            seg, seg_ptr, seg_st, seg_end = _codes_field(packed, name, packed_nbytes(size, bits), head_dim, what)
+            if tuple(seg.shape[:3]) != tuple(shape[:3]):
+                raise ValueError(f"packed {what} fields {f.codes_field!r} and {name!r} hold different token counts")
+            keep += [seg, levels]
+            desc += [seg_ptr, seg_st[0], seg_st[1], seg_st[2], seg_end, start, size, bits, levels.data_ptr()]
     return desc, keep
+
+
+def _codes_field(
+    packed: Packed, name: str, row_bytes: int, head_dim: int, what: str
+) -> tuple[torch.Tensor, int, tuple[int, ...], int]:
+    """A uint8 codes field ``[batch, heads, seq, row_bytes]`` (last dim made contiguous), its data pointer,
+    strides and one past its last byte."""
+    codes = packed.tensors.get(name)
+    if codes is None or codes.dtype != torch.uint8 or codes.dim() != 4 or codes.shape[3] != row_bytes:
+        got = "missing" if codes is None else f"{codes.dtype} {tuple(codes.shape)}"
+        raise ValueError(
+            f"packed {what} field {name!r} should be uint8 [..., {row_bytes}] at head_dim {head_dim}, got "
+            f"{got}: pass the codec that encoded this cache"
+        )
+    if codes.stride(3) != 1:
+        codes = codes.contiguous()
+    shape, st = codes.shape, codes.stride()
+    ptr = codes.data_ptr()
+    end = ptr + (shape[0] - 1) * st[0] + (shape[1] - 1) * st[1] + (shape[2] - 1) * st[2] + shape[3]
+    return codes, ptr, tuple(st), end
 
 
 def fused_decode_cpu(

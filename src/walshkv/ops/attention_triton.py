@@ -25,8 +25,8 @@ dimension of every field must be contiguous, the leading three may have any stri
   a gather load of one or two bytes per code. The query is multiplied by the WHT and the codec's order
   before the kernel and the V sum by the transpose after it, here rather than in the caller.
 
-Rotation wrappers (``rot+``/``rrot+``) and ``center+`` are peeled by the caller: it passes the query
-rotated into the K codec's basis and unrotates the V sum once. Anything else raises a ValueError.
+Rotation wrappers (``rot+``/``rrot+``), ``center+`` and ``eq+`` are peeled by the caller: it passes the
+query rotated into the K codec's basis and unrotates the V sum once. Anything else raises a ValueError.
 
 The kernels are built on first use, separately for compiled and interpreted mode: ``TRITON_INTERPRET``
 is read at each call (Triton itself reads it when a function is decorated), so setting
@@ -52,7 +52,7 @@ from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.ggml import QK, GGMLCodec
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.vht2 import VHT2Codec
-from walshkv.ops.attention_cpu import peel
+from walshkv.ops.attention_cpu import core_codec
 from walshkv.ops.packing import packed_nbytes
 
 __all__ = [
@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 #: Human-readable list of the (inner) codecs the Triton kernel reads.
-TRITON_SUPPORTED = "int2..int8, q4_0, q8_0, vht2 (each also under rot+, rrot+ and center+)"
+TRITON_SUPPORTED = "int2..int8, q4_0, q8_0, vht2 (each also under rot+, rrot+, center+ and eq+)"
 
 _FMT_INT = 0
 _FMT_Q4_0 = 1
@@ -135,7 +135,7 @@ def _band_table(core: VHT2Codec, head_dim: int, device: torch.device) -> tuple[t
 
 def triton_supports(codec: Codec, head_dim: int) -> bool:
     """True if the Triton kernel reads ``codec``'s packed rows (after peeling rotations and centering)."""
-    return _format(peel(codec)[1], head_dim) is not None
+    return _format(core_codec(codec), head_dim) is not None
 
 
 # The kernel bodies are plain functions here (so this module imports without triton); _build() applies
