@@ -219,6 +219,30 @@ def test_scale_and_strided_packed_views(backend: str) -> None:
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 
+def _tq_views(kspec: str, vspec: str) -> tuple[Codec, Codec, Packed, Packed]:
+    """A tq:B.5 cache whose two code tensors have different strides: a strided view and a compact copy."""
+    k, v = _kv(3, 2, 120, 64, seed=24)
+    kc, pk = _encode(kspec, k)
+    vc, pv = _encode(vspec, v)
+    rows = torch.tensor([2, 0])
+    views = []
+    for p in (pk, pv):
+        p2 = p.slice_seq(13, 110).index_batch(rows).slice_seq(1, None)
+        tensors = dict(p2.tensors)
+        tensors["codes_lo"] = tensors["codes_lo"].contiguous()
+        assert not tensors["codes_hi"].is_contiguous()
+        views.append(Packed(tensors, p2.head_dim, p2.dtype))
+    return kc, vc, views[0], views[1]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_tq_segments_with_their_own_strides(backend: str) -> None:
+    kc, vc, pk, pv = _tq_views("tq:3.5", "tq:2.5")
+    q = _query(2, 4, 64)
+    out = _run(backend, q, pk, pv, kc, vc, scale=0.05)
+    torch.testing.assert_close(out, _expected(q, kc.decode(pk), vc.decode(pv), scale=0.05), atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("d", [13, 72, 100])
 def test_cpu_odd_head_dims(d: int) -> None:
     for spec in ("int2", "int3", "int4", "int7", "int8"):

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_attention import ATOL, _kv, _query  # the CPU backends' tests share their data helpers
+from test_attention import ATOL, _equalized, _kv, _query, _tq_views  # the CPU backends' tests share their data helpers
 
 from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.spec import parse_codec
@@ -26,8 +26,10 @@ from walshkv.ops import attention_triton as at
 from walshkv.ops.attention import BACKENDS, decode_attention, decode_attention_reference
 
 CODECS = ["int2", "int3", "int4", "int8", "q4_0", "q8_0", "rot+int4", "rrot:7+int4", "vht2:5,5,4,3", "vht2:3"]
+CODECS += ["tq:3.5", "tq:4", "tq:1.5", "tq:8", "tq:3:codebook=beta"]
 MIXED = [("rot+int4", "int8"), ("q8_0", "rrot:7+int4"), ("int5", "q4_0"), ("int4", "int2"), ("int6", "int7")]
 MIXED += [("vht2:5,5,4,3:order=sequency", "vht2:1"), ("vht2:4,3:sk=40", "vht2:8,2,7"), ("rot+vht2:6,4", "int4")]
+MIXED += [("tq:4", "tq:2.5"), ("rot+int4", "tq:6.5"), ("tq:5.5", "vht2:3")]
 
 
 def _cache(kspec: str, vspec: str, b: int, kv: int, t: int, d: int, seed: int) -> tuple[Codec, Codec, Packed, Packed]:
@@ -103,6 +105,11 @@ def test_scale_and_strided_packed_views() -> None:
     _check(_query(2, 4, 64), pk2, pv2, kc, vc, scale=0.05)
 
 
+def test_tq_segments_with_their_own_strides() -> None:
+    kc, vc, pk, pv = _tq_views("tq:3.5", "tq:2.5")
+    _check(_query(2, 4, 64), pk, pv, kc, vc, scale=0.05)
+
+
 @pytest.mark.parametrize("d", [40, 96])
 def test_odd_head_dims_and_small_blocks(d: int) -> None:
     """head_dim not a power of two (masked lanes), and several blocks per call with block_n=16."""
@@ -114,6 +121,13 @@ def test_odd_head_dims_and_small_blocks(d: int) -> None:
     rm, rl, racc = attn._reference_partial(qk, pk, pv, kc, vc, chunk=1024)
     torch.testing.assert_close(m, rm, atol=1e-5, rtol=0)
     torch.testing.assert_close(acc / l_sum.unsqueeze(-1), racc / rl.unsqueeze(-1), atol=2e-5, rtol=0)
+
+
+def test_eq_wrapper() -> None:
+    kc, vc = _equalized("tq:3.5", 2, 64, seed=1), _equalized("rot+int4", 2, 64, seed=2)
+    k, v = _kv(1, 2, 40, 64, seed=5)
+    _check(_query(1, 6, 64), kc.encode(k), vc.encode(v), kc, vc)
+    assert at.triton_supports(kc, 64)
 
 
 def test_supports() -> None:

@@ -30,8 +30,7 @@ inner codec's cache with the query mapped once and the V sum mapped back once
 
 What is not covered yet: ``kivi``, ``vzc``, ``sqfree``, ``tqprod``,
 ggml types other than q4_0/q8_0 and float codecs go through the reference (correct, but it decodes
-each chunk to float, so it is no faster than decoding the cache), as does ``tq`` on the Triton
-backend; only one query token per call.
+each chunk to float, so it is no faster than decoding the cache); only one query token per call.
 
 Backends (:func:`decode_attention`): ``"reference"`` (pure torch, any codec, decodes chunks of at
 most ``chunk`` tokens), ``"cpu"`` (the fused C++ kernel of :mod:`walshkv.ops.attention_cpu`, for

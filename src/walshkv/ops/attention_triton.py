@@ -25,6 +25,12 @@ dimension of every field must be contiguous, the leading three may have any stri
   a gather load of one or two bytes per code. The query is multiplied by the WHT and the codec's order
   before the kernel and the V sum by the transpose after it, here rather than in the caller.
 
+* ``tq``: ``codes`` (or ``codes_hi`` and ``codes_lo``, two tensors with their own strides) of
+  LSB-first Lloyd-Max indices and ``norm float16[1]``. A per-position int32 table (bit offset in its
+  segment's row, width, segment, first level, the segment's row bytes) drives the loads; each code
+  picks its level from a small float table (levels over ``sqrt(d)``) and the token's factor is its
+  norm. The query is rotated by the codec's rotation before the kernel and the V sum back after it.
+
 Rotation wrappers (``rot+``/``rrot+``), ``center+`` and ``eq+`` are peeled by the caller: it passes the
 query rotated into the K codec's basis and unrotates the V sum once. Anything else raises a ValueError.
 
@@ -42,6 +48,7 @@ read ``g`` times (mostly from L2); there is no split of long caches over several
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from typing import Any
@@ -51,6 +58,7 @@ import torch
 from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.ggml import QK, GGMLCodec
 from walshkv.codecs.intq import IntCodec
+from walshkv.codecs.turbo import TurboQuant
 from walshkv.codecs.vht2 import VHT2Codec
 from walshkv.ops.attention_cpu import core_codec
 from walshkv.ops.packing import packed_nbytes
@@ -64,12 +72,13 @@ __all__ = [
 ]
 
 #: Human-readable list of the (inner) codecs the Triton kernel reads.
-TRITON_SUPPORTED = "int2..int8, q4_0, q8_0, vht2 (each also under rot+, rrot+, center+ and eq+)"
+TRITON_SUPPORTED = "int2..int8, q4_0, q8_0, vht2, tq (each also under rot+, rrot+, center+ and eq+)"
 
 _FMT_INT = 0
 _FMT_Q4_0 = 1
 _FMT_Q8_0 = 2
 _FMT_BANDED = 3  # vht2
+_FMT_TQ = 4  # tq: Lloyd-Max codes in one or two code tensors, one fp16 norm
 
 _lock = threading.Lock()
 _available: bool | None = None
@@ -110,7 +119,36 @@ def _format(core: Codec, head_dim: int) -> tuple[int, int, int, int, str] | None
         except ValueError:  # not bound yet (auto / variance without calibration), or a bad head_dim
             return None
         return _FMT_BANDED, 0, row_bytes, 0, "codes"
+    if type(core) is TurboQuant:
+        try:
+            core.check_head_dim(head_dim)
+        except ValueError:
+            return None
+        name, start, stop, bits = core.segments(head_dim)[0]
+        return _FMT_TQ, 0, packed_nbytes(stop - start, bits), 0, name
     return None
+
+
+def _tq_table(core: TurboQuant, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position ``j < head_dim``: int32 rows (bit offset in its segment's row, width, segment, first
+    level, the segment's row bytes); the levels of every segment divided by ``sqrt(head_dim)`` (float32,
+    one after another: times the token's norm they are the rotated coordinates); and the
+    basis ``[head_dim, head_dim]`` whose column ``j`` is the vector rotated coordinate ``j`` decodes to."""
+    table = torch.zeros(5, head_dim, dtype=torch.int32)
+    levels: list[torch.Tensor] = []
+    first = 0
+    for i, (_, start, stop, bits) in enumerate(core.segments(head_dim)):
+        sl = slice(start, stop)
+        table[0, sl] = torch.arange(stop - start, dtype=torch.int32) * bits
+        table[1, sl] = bits
+        table[2, sl] = i
+        table[3, sl] = first
+        table[4, sl] = packed_nbytes(stop - start, bits)
+        lv = (core.quantizer(bits, head_dim).levels / math.sqrt(head_dim)).to(torch.float32)
+        levels.append(lv)
+        first += lv.numel()
+    basis = core.unrotate(torch.eye(head_dim)).T.contiguous()
+    return table.to(device), torch.cat(levels).to(device), basis.to(device)
 
 
 def _band_table(core: VHT2Codec, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +187,8 @@ def _rows(
     codes_ptr,
     scale_ptr,
     tab_ptr,
+    codes2_ptr,
+    lev_ptr,
     b,
     h,
     offs_n,
@@ -161,6 +201,9 @@ def _rows(
     ss0,
     ss1,
     ss2,
+    c2s0,
+    c2s1,
+    c2s2,
     FMT: tl.constexpr,
     BITS: tl.constexpr,
     ROW_BYTES: tl.constexpr,
@@ -200,6 +243,24 @@ def _rows(
         bsc = tl.load(srow, mask=mk, other=0.0).to(tl.float32)
         vals = tl.where(mk, (code * mul[None, :] - off[None, :]).to(tl.float32) * bsc, 0.0)
         tok = tl.where(mask_n, 1.0, 0.0)
+    elif FMT == 4:  # tq: per position bit offset, width, segment, first level, segment row bytes
+        bitpos = tl.load(tab_ptr + offs_d, mask=mask_d, other=0)
+        width = tl.load(tab_ptr + ROW_D + offs_d, mask=mask_d, other=0)
+        seg = tl.load(tab_ptr + 2 * ROW_D + offs_d, mask=mask_d, other=0)
+        first = tl.load(tab_ptr + 3 * ROW_D + offs_d, mask=mask_d, other=0)
+        nbytes = tl.load(tab_ptr + 4 * ROW_D + offs_d, mask=mask_d, other=0)
+        row2 = codes2_ptr + b * c2s0 + h * c2s1 + offs_n[:, None] * c2s2
+        byte = (bitpos // 8)[None, :]
+        shift = (bitpos % 8)[None, :]
+        in0 = m2 & (seg == 0)[None, :]
+        in1 = m2 & (seg == 1)[None, :]
+        more = (byte + 1) < nbytes[None, :]
+        lo = tl.load(row + byte, mask=in0, other=0).to(tl.int32) + tl.load(row2 + byte, mask=in1, other=0).to(tl.int32)
+        hi = tl.load(row + byte + 1, mask=in0 & more, other=0).to(tl.int32)
+        hi += tl.load(row2 + byte + 1, mask=in1 & more, other=0).to(tl.int32)
+        code = ((lo | (hi << 8)) >> shift) & ((1 << width) - 1)[None, :]
+        vals = tl.load(lev_ptr + first[None, :] + code, mask=m2, other=0.0)
+        tok = tl.load(scale_ptr + b * ss0 + h * ss1 + offs_n * ss2, mask=mask_n, other=0.0).to(tl.float32)
     else:  # ggml q4_0 / q8_0: 32-value blocks, fp16 d first
         j = offs_d % 32
         base = (offs_d // 32) * (18 if FMT == 1 else 34)  # block bytes
@@ -226,6 +287,10 @@ def _decode_kernel(
     vc_ptr,
     vs_ptr,
     vt_ptr,
+    kc2_ptr,
+    kl_ptr,
+    vc2_ptr,
+    vl_ptr,
     m_ptr,
     l_ptr,
     acc_ptr,
@@ -244,6 +309,12 @@ def _decode_kernel(
     vss0,
     vss1,
     vss2,
+    kc2s0,
+    kc2s1,
+    kc2s2,
+    vc2s0,
+    vc2s1,
+    vc2s2,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -271,8 +342,8 @@ def _decode_kernel(
         mask_n = offs_n < T
         offs_n64 = offs_n.to(tl.int64)
         kv_rows, ktok = _rows(
-            kc_ptr, ks_ptr, kt_ptr, b, h, offs_n64, mask_n, offs_d, mask_d, kcs0, kcs1, kcs2, kss0, kss1, kss2,
-            K_FMT, K_BITS, K_ROW, K_QMAX, D,
+            kc_ptr, ks_ptr, kt_ptr, kc2_ptr, kl_ptr, b, h, offs_n64, mask_n, offs_d, mask_d,
+            kcs0, kcs1, kcs2, kss0, kss1, kss2, kc2s0, kc2s1, kc2s2, K_FMT, K_BITS, K_ROW, K_QMAX, D,
         )  # fmt: skip
         s = tl.sum(kv_rows * q[None, :], axis=1) * ktok
         s = tl.where(mask_n, s, -float("inf"))
@@ -281,8 +352,8 @@ def _decode_kernel(
         p = tl.exp(s - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         v_rows, vtok = _rows(
-            vc_ptr, vs_ptr, vt_ptr, b, h, offs_n64, mask_n, offs_d, mask_d, vcs0, vcs1, vcs2, vss0, vss1, vss2,
-            V_FMT, V_BITS, V_ROW, V_QMAX, D,
+            vc_ptr, vs_ptr, vt_ptr, vc2_ptr, vl_ptr, b, h, offs_n64, mask_n, offs_d, mask_d,
+            vcs0, vcs1, vcs2, vss0, vss1, vss2, vc2s0, vc2s1, vc2s2, V_FMT, V_BITS, V_ROW, V_QMAX, D,
         )  # fmt: skip
         acc = acc * alpha + tl.sum((p * vtok)[:, None] * v_rows, axis=0)
         m_i = m_new
@@ -319,7 +390,7 @@ def _build() -> Any:
 def _fields(
     packed: Packed, fmt: tuple[int, int, int, int, str], what: str, scales: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The codes (uint8, last dim contiguous) and, for intB and vht2, the fp16 scales of one packed cache."""
+    """The codes (uint8, last dim contiguous) and, for intB, vht2 and tq, the fp16 scales (tq: norms)."""
     kind, _, row_bytes, _, name = fmt
     codes = packed.tensors.get(name)
     if codes is None or codes.dtype != torch.uint8 or codes.dim() != 4 or codes.shape[3] != row_bytes:
@@ -330,14 +401,48 @@ def _fields(
         )
     if codes.stride(3) != 1:
         codes = codes.contiguous()
-    if kind not in (_FMT_INT, _FMT_BANDED):
+    if kind not in (_FMT_INT, _FMT_BANDED, _FMT_TQ):
         return codes, None
-    scale = packed.tensors.get("scale")
+    field = "norm" if kind == _FMT_TQ else "scale"
+    scale = packed.tensors.get(field)
     if scale is None or scale.dtype != torch.float16 or tuple(scale.shape) != (*codes.shape[:3], scales):
-        raise ValueError(f"packed {what} field 'scale' must be float16 [batch, heads, seq, {scales}]")
+        raise ValueError(f"packed {what} field {field!r} must be float16 [batch, heads, seq, {scales}]")
     if scale.stride(3) != 1:
         scale = scale.contiguous()
     return codes, scale
+
+
+def _side(
+    packed: Packed, core: Codec, fmt: tuple[int, int, int, int, str], d: int, device: torch.device, what: str
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One side's kernel inputs: codes, scales, position table, second codes tensor, levels, basis.
+
+    Inputs a format does not read are stand-ins (the codes again, with their strides): any pointer will do.
+    """
+    table = basis = None
+    codes2 = levels = None
+    scales = 1
+    if isinstance(core, VHT2Codec):
+        table, basis = _band_table(core, d, device)
+        scales = len(core.bands(d))
+    codes, scale = _fields(packed, fmt, what, scales)
+    if isinstance(core, TurboQuant):
+        table, levels, basis = _tq_table(core, d, device)
+        segments = core.segments(d)
+        if len(segments) == 2:
+            name, start, stop, bits = segments[1]
+            codes2, _ = _fields(packed, (fmt[0], 0, packed_nbytes(stop - start, bits), 0, name), what)
+            if tuple(codes2.shape[:3]) != tuple(codes.shape[:3]):
+                raise ValueError(f"packed {what} fields {fmt[4]!r} and {name!r} hold different token counts")
+    stand_in = codes
+    return (
+        codes,
+        scale,
+        table if table is not None else stand_in,
+        codes2 if codes2 is not None else stand_in,
+        levels if levels is not None else stand_in,
+        basis,
+    )
 
 
 def fused_decode_triton(
@@ -382,17 +487,10 @@ def fused_decode_triton(
             f"the Triton decode kernel needs CUDA tensors, q is on {q.device}; CPU tensors only run under the "
             "Triton interpreter (set TRITON_INTERPRET=1)"
         )
-    k_tab = v_tab = k_basis = v_basis = None
-    if isinstance(k_core, VHT2Codec):
-        k_tab, k_basis = _band_table(k_core, d, q.device)
-    if isinstance(v_core, VHT2Codec):
-        v_tab, v_basis = _band_table(v_core, d, q.device)
-    kc, ks = _fields(packed_k, fk, "K", len(k_core.bands(d)) if isinstance(k_core, VHT2Codec) else 1)
-    vc, vs = _fields(packed_v, fv, "V", len(v_core.bands(d)) if isinstance(v_core, VHT2Codec) else 1)
+    kc, ks, kt_t, kc2, kl, k_basis = _side(packed_k, k_core, fk, d, q.device, "K")
+    vc, vs, vt_t, vc2, vl, v_basis = _side(packed_v, v_core, fv, d, q.device, "V")
     ks_t = ks if ks is not None else kc  # (unused by the ggml branch: any pointer will do)
     vs_t = vs if vs is not None else vc
-    kt_t = k_tab if k_tab is not None else kc  # (read by the vht2 branch only)
-    vt_t = v_tab if v_tab is not None else vc
     if k_basis is not None:  # the query in the order the kernel unpacks K's coefficients
         q = q.to(torch.float32) @ k_basis
     kss = ks.stride()[:3] if ks is not None else (0, 0, 0)
@@ -406,8 +504,8 @@ def fused_decode_triton(
     bn = block_n if block_n is not None else (64 if block_d <= 64 else 32)
     kernel = _build()
     kernel[(b * kv * g,)](
-        qc, kc, ks_t, kt_t, vc, vs_t, vt_t, m, l_sum, acc, t, kv, g,
-        *kc.stride()[:3], *kss, *vc.stride()[:3], *vss,
+        qc, kc, ks_t, kt_t, vc, vs_t, vt_t, kc2, kl, vc2, vl, m, l_sum, acc, t, kv, g,
+        *kc.stride()[:3], *kss, *vc.stride()[:3], *vss, *kc2.stride()[:3], *vc2.stride()[:3],
         D=d, BLOCK_D=block_d, BLOCK_N=bn,
         K_FMT=fk[0], K_BITS=fk[1], K_ROW=fk[2], K_QMAX=fk[3],
         V_FMT=fv[0], V_BITS=fv[1], V_ROW=fv[2], V_QMAX=fv[3],
