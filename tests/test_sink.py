@@ -161,6 +161,12 @@ def test_a_preset_file_can_choose_a_sink_spec(tiny_llama):
     calibration.meta = {"walshkv.preset.name": "walshkv:3.5", "walshkv.preset.spec": "sink:1:center+tq:3.5/tq:3"}
     cache = CompressedCache.from_preset(tiny_llama, "walshkv:3.5", calibration=calibration)
     assert cache.cache_spec.spec == "sink:1:center+tq:3.5/tq:3"
+    enable_fused_attention(tiny_llama)
+    try:
+        fused = CompressedCache.from_preset(tiny_llama, "walshkv:3.5", calibration=calibration, fused=True)
+    finally:
+        tiny_llama.set_attn_implementation("sdpa")
+    assert fused.fused and fused.cache_spec.spec == cache.cache_spec.spec
     assert all(layer.sink == 1 for layer in cache.layers)
     _logits(tiny_llama, cache, _ids(12), [12])
     assert cache.bits_per_element() == pytest.approx(cache.cache_spec.bits_at(16, 12))

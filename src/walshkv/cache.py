@@ -652,7 +652,14 @@ class CompressedCache(Cache):
 
     @classmethod
     def from_preset(
-        cls, model: Any, name: str = "walshkv:4.5", *, calibration: Any = None, residual: int = 0
+        cls,
+        model: Any,
+        name: str = "walshkv:4.5",
+        *,
+        calibration: Any = None,
+        residual: int = 0,
+        fused: bool = False,
+        max_cache_len: int | None = None,
     ) -> CompressedCache:
         """A cache for ``model`` with the preset ``name`` (``walshkv:3``, ``walshkv:3.5``, ``walshkv:4.5``).
 
@@ -663,13 +670,23 @@ class CompressedCache(Cache):
                 (``walshkv.export.read_kv_mean_center(path)``) or ``collect_kv_stats(...)``; a file
                 written for this preset by ``walshkv recommend`` also chooses the spec.
             residual: full-precision window of recent tokens (0: every token compressed).
+            fused: attention reads the packed codes (after :func:`enable_fused_attention`), as for
+                :class:`CompressedCache`.
+            max_cache_len: tokens to allocate per layer on the first write, as for :class:`CompressedCache`.
 
         The resolved :class:`walshkv.presets.Preset` is kept as ``cache.preset``.
         """
         from walshkv.presets import resolve_preset
 
         preset = resolve_preset(name, calibration)
-        cache = cls(preset.spec, config=model.config, residual=residual, calibration=calibration)
+        cache = cls(
+            preset.spec,
+            config=model.config,
+            residual=residual,
+            calibration=calibration,
+            fused=fused,
+            max_cache_len=max_cache_len,
+        )
         cache.preset = preset
         return cache
 

@@ -274,7 +274,18 @@ def test_a_lossless_eq_cache_is_the_reference(tiny_llama):
         assert (got - ref).abs().max() < 1e-3, spec
 
 
-def test_fused_attention_reads_an_eq_cache(tiny_llama):
+def test_fused_attention_reads_an_eq_cache(tiny_llama, monkeypatch):
+    """Decode steps of a fused eq+ tq cache run in the CPU kernel (eq+ mapped outside it), same logits."""
+    from walshkv.ops import attention
+
+    calls: list[int] = []
+    kernel = attention.fused_decode_cpu
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "fused_decode_cpu", spy)
     spec = "sink:1:center+eq+tq:4/eq+tq:3"
     ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(2))
     splits = [15, 16, 17, 24]
@@ -288,6 +299,7 @@ def test_fused_attention_reads_an_eq_cache(tiny_llama):
         tiny_llama.set_attn_implementation("sdpa")
     assert torch.allclose(ref, got, atol=2e-5), float((ref - got).abs().max())
     assert cache.bits_per_element() == pytest.approx(parse_cache_spec(spec).bits_at(16, 24))
+    assert calls  # the decode steps (16, 17) went through the kernel
 
 
 def test_gemma3_sliding_layers_calibrate_and_run(tiny_gemma3):
