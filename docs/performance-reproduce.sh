@@ -13,3 +13,8 @@ python scripts/update_readme.py "$out/bench.md" docs/performance.md
 walshkv bench --part generation --ctx "${CTX_GLIBC:-1024,8192}" --malloc-mmap-threshold 0 \
   --new-tokens "${NEW_TOKENS:-16}" --quiet --no-plot --out docs/results/bench-glibc-default
 python scripts/update_readme.py docs/results/bench-glibc-default/bench.md docs/performance.md glibc
+# the presets' codec (tq, TurboQuant-class Lloyd-Max codes) in the fused kernel, against rot+int4 and SDPA
+# in the same run (a few minutes)
+walshkv bench --part attention --kv-len "${KV_LEN_TQ:-4096,16384,65536}" --codec rot+int4 --codec tq:4/tq:2.5 \
+  --codec tq:3.5 --codec tq:5/tq:3.5 --quiet --no-plot --out docs/results/bench-tq
+python scripts/update_readme.py docs/results/bench-tq/bench.md docs/performance.md tq
