@@ -1080,7 +1080,8 @@ def _calibrated(codec: Codec) -> bool:
 
 def _desc(packed: Packed, f: _Format, head_dim: int, what: str) -> tuple[list[int], list[torch.Tensor]]:
     """Pointer/stride/format list for the kernel, and the tensors that must stay alive during the call."""
-    codes, ptr, st, end = _codes_field(packed, f.codes_field, f.row_bytes, head_dim, what)
+    first = _codes_field(packed, f.codes_field, f.row_bytes, head_dim, what)
+    codes, ptr, st, end = first
     shape = codes.shape
     keep: list[torch.Tensor] = [codes]
     scale_ptr, s0, s1, s2 = 0, 0, 0, 0
@@ -1101,7 +1102,11 @@ def _desc(packed: Packed, f: _Format, head_dim: int, what: str) -> tuple[list[in
     if f.segments:
         desc.append(len(f.segments))
         for name, start, size, bits, levels in f.segments:
-            seg, seg_ptr, seg_st, seg_end = _codes_field(packed, name, packed_nbytes(size, bits), head_dim, what)
+            seg, seg_ptr, seg_st, seg_end = (
+                first
+                if name == f.codes_field
+                else _codes_field(packed, name, packed_nbytes(size, bits), head_dim, what)
+            )
             if tuple(seg.shape[:3]) != tuple(shape[:3]):
                 raise ValueError(f"packed {what} fields {f.codes_field!r} and {name!r} hold different token counts")
             keep += [seg, levels]

@@ -129,11 +129,18 @@ def _format(core: Codec, head_dim: int) -> tuple[int, int, int, int, str] | None
     return None
 
 
+_TQ_TABLES: dict[tuple[str, int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
 def _tq_table(core: TurboQuant, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per position ``j < head_dim``: int32 rows (bit offset in its segment's row, width, segment, first
     level, the segment's row bytes); the levels of every segment divided by ``sqrt(head_dim)`` (float32,
     one after another: times the token's norm they are the rotated coordinates); and the
-    basis ``[head_dim, head_dim]`` whose column ``j`` is the vector rotated coordinate ``j`` decodes to."""
+    basis ``[head_dim, head_dim]`` whose column ``j`` is the vector rotated coordinate ``j`` decodes to.
+    Built once per (spec, head_dim, device): a tq codec is fixed by its spec, and this runs every step."""
+    key = (core.spec, head_dim, str(device))
+    if key in _TQ_TABLES:
+        return _TQ_TABLES[key]
     table = torch.zeros(5, head_dim, dtype=torch.int32)
     levels: list[torch.Tensor] = []
     first = 0
@@ -148,7 +155,8 @@ def _tq_table(core: TurboQuant, head_dim: int, device: torch.device) -> tuple[to
         levels.append(lv)
         first += lv.numel()
     basis = core.unrotate(torch.eye(head_dim)).T.contiguous()
-    return table.to(device), torch.cat(levels).to(device), basis.to(device)
+    _TQ_TABLES[key] = (table.to(device), torch.cat(levels).to(device), basis.to(device))
+    return _TQ_TABLES[key]
 
 
 def _band_table(core: VHT2Codec, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
