@@ -70,9 +70,13 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
     if [ "$model" = smollm2-135m ]; then
       case "$bits" in
         3) extra=(--candidate 'sink:1:layers:center+eq+tq:3.5/tq:1.5@5,8,12,14;center+eq+tq:3.5/tq:2'
-                  --candidate 'sink:1:layers:center+eq+tq:3/tq:2@5,8,12,14;center+eq+tq:3/tq:2.5') ;;
+                  --candidate 'sink:1:layers:center+eq+tq:3/tq:2@5,8,12,14;center+eq+tq:3/tq:2.5'
+                  --candidate 'sink:1:layers:prerope+center+eq+tq:3.5/tq:1.5@5,8,12,14;prerope+center+eq+tq:3.5/tq:2'
+                  --candidate 'sink:1:layers:prerope+center+eq+tq:3/tq:2@5,8,12,14;prerope+center+eq+tq:3/tq:2.5') ;;
         3.5) extra=(--candidate 'sink:1:layers:center+eq+tq:4/tq:2@5,8,12;center+eq+tq:4/tq:2.5'
-                    --candidate 'sink:1:layers:center+eq+tq:3.5/tq:2.5@5,8,12;center+eq+tq:3.5/tq:3') ;;
+                    --candidate 'sink:1:layers:center+eq+tq:3.5/tq:2.5@5,8,12;center+eq+tq:3.5/tq:3'
+                    --candidate 'sink:1:layers:prerope+center+eq+tq:4/tq:2@5,8,12;prerope+center+eq+tq:4/tq:2.5'
+                    --candidate 'sink:1:layers:prerope+center+eq+tq:3.5/tq:2.5@5,8,12;prerope+center+eq+tq:3.5/tq:3') ;;
       esac
     fi
     [ -f "$chosen" ] || walshkv recommend --model "$model" --text python-docs --bits "$bits" --quiet \

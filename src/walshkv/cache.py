@@ -234,15 +234,19 @@ class CompressedLayer(CacheLayerMixin):
         window_k = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=-2)
         window_v = torch.cat([self.values, value_states.to(self.values.dtype)], dim=-2)
         n_encode = max(0, window_k.shape[-2] - self.residual)
+        # positions (for prerope+): tokens dropped by a sliding window, then sink, packed, window in order
+        packed_pos = self.cumulative_length - self._stored_length() + _seq(sink_k)
+        new_pos = packed_pos + (0 if self.packed_k is None else self.packed_k.seq_len)
         # Encode first: a refused block (NaN, overflow) raises here and leaves the layer as it was.
-        new_k = self.spec.k.encode(window_k[:, :, :n_encode]) if n_encode else None
+        new_k = self._encode_k(window_k[:, :, :n_encode], new_pos) if n_encode else None
         new_v = self.spec.v.encode(window_v[:, :, :n_encode]) if n_encode else None
 
         self.sink_k, self.sink_v = sink_k, sink_v
         if self.fused:  # attention reads the packed codes itself (fused_attention): hand it markers
             out_k, out_v = _marker(self, key_states), _marker(self, value_states)
         else:
-            parts_k = [self.spec.k.decode(p) for p in (self.packed_k, new_k) if p is not None]
+            stored = ((self.packed_k, packed_pos), (new_k, new_pos))
+            parts_k = [self._decode_k(p, at) for p, at in stored if p is not None]
             parts_v = [self.spec.v.decode(p) for p in (self.packed_v, new_v) if p is not None]
             head_k, head_v = self.sink_tokens(window_k.dtype)
             out_k = torch.cat([*head_k, *parts_k, window_k[:, :, n_encode:]], dim=-2)
@@ -256,6 +260,17 @@ class CompressedLayer(CacheLayerMixin):
         self.cumulative_length += n_tokens
         self._after_update()
         return out_k, out_v
+
+    def _encode_k(self, x: torch.Tensor, start: int) -> Packed:
+        """Encode keys at positions ``start, ...`` (positions matter to ``prerope+`` codecs only)."""
+        if getattr(self.spec.k, "is_pre_rope", False):
+            return self.spec.k.encode_at(x, start)  # type: ignore[attr-defined]
+        return self.spec.k.encode(x)
+
+    def _decode_k(self, packed: Packed, start: int) -> torch.Tensor:
+        if getattr(self.spec.k, "is_pre_rope", False):
+            return self.spec.k.decode_at(packed, start)  # type: ignore[attr-defined]
+        return self.spec.k.decode(packed)
 
     def sink_tokens(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The fp16 sink tokens as attention reads them: ``([K], [V])``, or ``([], [])`` if there are none.
@@ -274,7 +289,8 @@ class CompressedLayer(CacheLayerMixin):
         """Every stored token as attention reads it (sink, decoded packed codes, window), ``[b, h, seq, d]``."""
         dtype = self.keys.dtype
         head_k, head_v = self.sink_tokens(dtype)
-        parts_k = [self.spec.k.decode(self.packed_k).to(dtype)] if self.packed_k is not None else []
+        start = self.cumulative_length - self._stored_length() + _seq(self.sink_k)
+        parts_k = [self._decode_k(self.packed_k, start).to(dtype)] if self.packed_k is not None else []
         parts_v = [self.spec.v.decode(self.packed_v).to(dtype)] if self.packed_v is not None else []
         return torch.cat([*head_k, *parts_k, self.keys], dim=-2), torch.cat([*head_v, *parts_v, self.values], dim=-2)
 
@@ -629,6 +645,11 @@ class CompressedCache(Cache):
                     raise ValueError(f"{self.cache_spec.spec} supports full-attention layers only, not {layer_type!r}")
                 layers.append(KiviLayer(spec_i))
             elif layer_type == "full_attention":
+                if fused and getattr(spec_i.k, "is_pre_rope", False):
+                    raise ValueError(
+                        f"{self.cache_spec.spec}: the fused attention kernels do not re-apply RoPE to keys stored "
+                        "before it (prerope+); use fused=False"
+                    )
                 layers.append(CompressedLayer(spec_i, residual, self.cache_spec.sink))
                 layers[-1].fused = fused
                 layers[-1].reserve = max_cache_len or 0

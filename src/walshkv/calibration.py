@@ -10,16 +10,20 @@ For ``eq+`` it also keeps, per (layer, kv-head), the full K covariance (the firs
 window left out: the attention sink is far from every typical key) and the second moment of the
 queries that read each kv-head (post-RoPE, the heads of a group summed), from which
 :meth:`KVStats.k_equalizer` derives the K transform.
+
+For ``prerope+`` it keeps the same K and query statistics before RoPE (each key and query rotated back
+by its own position) and the model's RoPE tables; :meth:`KVStats.pre_rope` is the view those codecs read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from walshkv.ops.hadamard import hadamard_transform
+from walshkv.ops.rope import rope_tables, undo_rope
 
 __all__ = ["KVStats", "MergedCalibration", "collect_kv_stats"]
 
@@ -55,6 +59,10 @@ class KVStats:
     v_sum1: torch.Tensor | None = None  # [layers, kv_heads, head_dim], positions >= 1
     o_metric: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim]: sum of W_oᵀW_o over a group
     q_count: torch.Tensor | None = None  # [layers]
+    k_basis: str = "post-rope"  # "pre-rope": the K and query statistics are before RoPE (pre_rope())
+    pre: dict[Any, Any] = field(default_factory=dict)  # K/query statistics before RoPE (see pre_rope)
+    rope_inv_freq: torch.Tensor | None = None  # [layers, head_dim / 2]: each layer's RoPE table
+    rope_scaling: torch.Tensor | None = None  # [layers]
 
     def _check(self, kind: str, basis: str, layer: int) -> None:
         if kind not in KINDS or basis not in BASES:
@@ -141,9 +149,46 @@ class KVStats:
         one = self.k_equalizer if kind == "k" else self.v_equalizer
         return torch.stack([one(i) for i in range(self.num_layers)])
 
+    def rope_table(self, layer: int) -> Any:
+        """``layer``'s RoPE table (:class:`walshkv.ops.rope.RopeTable`), as read off the model."""
+        from walshkv.ops.rope import RopeTable
+
+        self._check("k", "plain", layer)
+        if self.rope_inv_freq is None or self.rope_scaling is None:
+            raise ValueError("these statistics hold no RoPE tables (a model without RoPE?); prerope+ needs them")
+        return RopeTable(self.rope_inv_freq[layer].to(torch.float32), float(self.rope_scaling[layer]))
+
+    def pre_rope(self) -> KVStats:
+        """The same statistics with K (and the queries) taken before RoPE: what ``prerope+`` codecs read."""
+        if self.k_basis == "pre-rope":
+            return self
+        if not self.pre:
+            raise ValueError(
+                "these statistics hold no K before RoPE (the model has no rotary module walshkv can read); "
+                "prerope+ cannot be used with this model"
+            )
+        sums = dict(self.sums)
+        sq_sums = dict(self.sq_sums)
+        for basis in BASES:
+            sums[("k", basis)] = self.pre["sums", basis]
+            sq_sums[("k", basis)] = self.pre["sq_sums", basis]
+        return replace(
+            self,
+            sums=sums,
+            sq_sums=sq_sums,
+            k_outer=self.pre["k_outer"],
+            k_sum1=self.pre["k_sum1"],
+            q_outer=self.pre.get("q_outer") if self.q_outer is not None else None,
+            k_basis="pre-rope",
+            pre={},
+        )
+
     def describe(self) -> dict[str, Any]:
         """Provenance for result files."""
-        return {"kind": "kv-stats", "model": self.model, "text": self.text, "tokens": self.tokens}
+        out = {"kind": "kv-stats", "model": self.model, "text": self.text, "tokens": self.tokens}
+        if self.k_basis != "post-rope":
+            out["k_basis"] = self.k_basis
+        return out
 
     def check_matches(self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None) -> None:
         """Refuse statistics made for a differently shaped model."""
@@ -184,6 +229,19 @@ class MergedCalibration:
         if getattr(self.bias, "has_v_equalizer", False):
             return self.bias.v_equalizer(layer)
         return self.stats.v_equalizer(layer)
+
+    @property
+    def k_basis(self) -> str:
+        return getattr(self.bias, "k_basis", "post-rope")
+
+    def pre_rope(self) -> MergedCalibration:
+        """Both halves before RoPE (the file must have been written for a ``prerope+`` spec)."""
+        if not hasattr(self.bias, "pre_rope"):
+            raise ValueError("this K bias holds K after RoPE; calibrate for the prerope+ spec")
+        return MergedCalibration(self.stats.pre_rope(), self.bias.pre_rope())
+
+    def rope_table(self, layer: int) -> Any:
+        return self.stats.rope_table(layer)
 
     def check_matches(self, *args: Any, **kwargs: Any) -> None:
         self.stats.check_matches(*args, **kwargs)
@@ -252,6 +310,28 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
     stats.o_metric = _output_metric(lm.model, layers, heads, head_dim)
     q_outer = torch.zeros(layers, heads, head_dim, head_dim, dtype=torch.float64)
     q_count = torch.zeros(layers)
+    tables = rope_tables(lm.model)
+    pre: dict[Any, torch.Tensor] = {}
+    if tables is not None:  # the same K and query statistics before RoPE, for prerope+
+        for basis in BASES:
+            pre["sums", basis] = torch.zeros(layers, heads, head_dim, dtype=torch.float64)
+            pre["sq_sums", basis] = torch.zeros(layers, heads, head_dim, dtype=torch.float64)
+        pre["k_outer"] = torch.zeros(layers, heads, head_dim, head_dim, dtype=torch.float64)
+        pre["k_sum1"] = torch.zeros(layers, heads, head_dim, dtype=torch.float64)
+        pre["q_outer"] = torch.zeros(layers, heads, head_dim, head_dim, dtype=torch.float64)
+        stats.rope_inv_freq = torch.stack([t.inv_freq for t in tables])
+        stats.rope_scaling = torch.tensor([t.scaling for t in tables], dtype=torch.float32)
+
+    def _add_pre_k(layer_idx: int, key_states: torch.Tensor) -> None:
+        # every window runs from an empty cache in one pass: key j sits at position j
+        assert tables is not None
+        k = undo_rope(key_states.detach(), tables[layer_idx]).to(torch.float64)
+        for basis, y in (("plain", k), ("wht", hadamard_transform(k))):
+            pre["sums", basis][layer_idx] += y.sum(dim=(0, 2)).cpu()
+            pre["sq_sums", basis][layer_idx] += (y * y).sum(dim=(0, 2)).cpu()
+        k1 = k[:, :, 1:].to(torch.float32)
+        pre["k_outer"][layer_idx] += torch.einsum("bhnd,bhne->hde", k1, k1).cpu().to(torch.float64)
+        pre["k_sum1"][layer_idx] += k1.sum(dim=(0, 2)).cpu().to(torch.float64)
 
     class _Recorder(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -269,6 +349,8 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
             v1 = value_states[:, :, 1:].detach().to(torch.float32)
             stats.v_outer[layer_idx] += torch.einsum("bhnd,bhne->hde", v1, v1).cpu().to(torch.float64)
             stats.v_sum1[layer_idx] += v1.sum(dim=(0, 2)).cpu().to(torch.float64)
+            if pre:
+                _add_pre_k(layer_idx, key_states)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     device = next(lm.model.parameters()).device
@@ -280,6 +362,10 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
             b, hq, t, d = q.shape  # q head j reads kv head j // (hq // heads)
             qg = q.reshape(b, heads, hq // heads, t, d)
             q_outer[layer] += torch.einsum("bhgnd,bhgne->hde", qg, qg).cpu().to(torch.float64)
+            if pre:
+                assert tables is not None
+                qp = undo_rope(q.detach(), tables[layer]).reshape(b, heads, hq // heads, t, d)
+                pre["q_outer"][layer] += torch.einsum("bhgnd,bhgne->hde", qp, qp).cpu().to(torch.float64)
             q_count[layer] += b * t
             super().__setitem__(layer, True)
 
@@ -297,4 +383,5 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
             recorded = recorded and recording and sorted(queries) == list(range(layers))
     if recorded:
         stats.q_outer, stats.q_count = q_outer, q_count
+    stats.pre = pre
     return stats

@@ -58,7 +58,8 @@ BUILTIN: dict[str, str] = {
 # at 512 tokens, so they fit where the plain spec leaves room, e.g. tq's fp16 norm at head_dim 128).
 # K gets more bits than V in most: K is the sensitive half on every model measured. eq+ (a calibrated
 # query-weighted K transform) joins the best plain specs; it pays most beside a sink (the first token's
-# K lies where the transform, fitted to the typical token, amplifies error).
+# K lies where the transform, fitted to the typical token, amplifies error). prerope+ (K quantized before
+# RoPE, so that center+ removes a channel's whole offset) joins the eq+ ones.
 CANDIDATES: dict[float, tuple[str, ...]] = {
     3.0: (
         "center+tq:3.5/tq:2",
@@ -70,6 +71,10 @@ CANDIDATES: dict[float, tuple[str, ...]] = {
         "center+eq+tq:3.5/tq:2",
         "center+eq+tq:3/tq:2.5",
         "sink:1:center+eq+tq:3.5/tq:2",
+        "prerope+center+eq+tq:3.5/tq:2",
+        "prerope+center+eq+tq:3/tq:2.5",
+        "sink:1:prerope+center+eq+tq:3.5/tq:2",
+        "sink:1:prerope+center+eq+tq:3/tq:2.5",
     ),
     3.5: (
         "center+tq:4/tq:2.5",
@@ -84,6 +89,10 @@ CANDIDATES: dict[float, tuple[str, ...]] = {
         "center+eq+tq:3.5/tq:3",
         "sink:1:center+eq+tq:3.5/tq:3",
         "sink:1:center+eq+tq:4/tq:2.5",
+        "prerope+center+eq+tq:4/tq:2.5",
+        "prerope+center+eq+tq:3.5/tq:3",
+        "sink:1:prerope+center+eq+tq:3.5/tq:3",
+        "sink:1:prerope+center+eq+tq:4/tq:2.5",
     ),
     4.5: (
         "center+tq:5/tq:3.5",
@@ -101,6 +110,10 @@ CANDIDATES: dict[float, tuple[str, ...]] = {
         "center+eq+tq:4.5/tq:4",
         "sink:1:center+eq+tq:5/tq:3.5",
         "sink:1:center+eq+rot+iq4_nl/tq:4",
+        "prerope+center+eq+tq:5/tq:3.5",
+        "prerope+center+eq+tq:4.5/tq:4",
+        "sink:1:prerope+center+eq+tq:5/tq:3.5",
+        "sink:1:prerope+center+eq+rot+iq4_nl/tq:4",
     ),
 }
 
@@ -244,6 +257,22 @@ def k_mean_basis(spec: str) -> str:
             "K mean basis: use the same K wrapper (center+ or center+rot+) in every part"
         )
     return bases.pop()
+
+
+def k_pre_rope(spec: str) -> bool:
+    """True if ``spec`` quantizes K before RoPE (``prerope+``); every part of a per-layer spec must agree."""
+    from walshkv.codecs import parse_cache_spec
+    from walshkv.codecs.spec import LayeredCacheSpec
+
+    parsed = parse_cache_spec(spec)
+    parts = [p for p, _ in parsed.parts] if isinstance(parsed, LayeredCacheSpec) else [parsed]
+    kinds = {bool(getattr(p.k, "is_pre_rope", False)) for p in parts}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"{spec!r} quantizes K before RoPE in some layers only; a preset file holds K statistics of one kind: "
+            "write prerope+ in every part or in none"
+        )
+    return kinds.pop()
 
 
 def equalized_kinds(spec: str) -> set[str]:
@@ -535,9 +564,11 @@ def write_preset_file(path: Any, lm: Any, preset: Preset, stats: Any, note: str 
     from walshkv.export import write_kv_mean_center
 
     basis = k_mean_basis(preset.spec)
-    mean = torch.stack([stats.mean("k", i, "plain") for i in range(stats.num_layers)])
+    pre = k_pre_rope(preset.spec)
+    k_stats = stats.pre_rope() if pre else stats
+    mean = torch.stack([k_stats.mean("k", i, "plain") for i in range(stats.num_layers)])
     kinds = equalized_kinds(preset.spec)
-    k_eq = stats.equalizers("k") if "k" in kinds else None
+    k_eq = k_stats.equalizers("k") if "k" in kinds else None
     v_eq = stats.equalizers("v") if "v" in kinds else None
     extra = {_FILE_NAME: preset.name, _FILE_SPEC: preset.spec, "walshkv.preset.budget": f"{preset.budget:g}"}
     if note:
@@ -553,5 +584,6 @@ def write_preset_file(path: Any, lm: Any, preset: Preset, stats: Any, note: str 
         extra=extra,
         k_equalizer=k_eq,
         v_equalizer=v_eq,
+        rope=(stats.rope_inv_freq, stats.rope_scaling) if pre else None,
     )
     return basis

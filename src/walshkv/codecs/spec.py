@@ -26,6 +26,7 @@ from walshkv.codecs.floats import FLOAT_CODECS, FloatCodec
 from walshkv.codecs.ggml import GGML_BLOCK_BYTES, GGML_TYPES, GGMLCodec
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.kivi import parse_kivi_args
+from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.turbo import parse_tq_args, parse_tqprod_args
 from walshkv.codecs.vht2 import SqfreeCodec, VZCCodec, parse_vht2_args
@@ -168,6 +169,11 @@ register_wrapper(
     "calibrated query-weighted K transform before the codec (K only; write center+eq+SPEC)",
 )
 register_wrapper(
+    "prerope",
+    lambda args, inner: (_no_args("prerope", args), PreRope(inner))[1],
+    "quantize K before RoPE, re-applying it when read (K only, outermost: prerope+center+eq+SPEC)",
+)
+register_wrapper(
     "rrot",
     lambda args, inner: Rotated(inner, seed=_seed(args)),
     "randomized Hadamard: seeded sign flips then rotation (rrot:SEED+...)",
@@ -201,10 +207,13 @@ def parse_codec(spec: str) -> Codec:
             hint = f" ('{base_name}' is a wrapper: write '{base_name}+int4')"
         raise ValueError(f"unknown codec {tokens[-1]!r} in {spec!r}{hint}; {_valid_list()}")
     codec = _CODECS[base_name][0](base_args)
-    for token in reversed(tokens[:-1]):
+    for i, token in reversed(list(enumerate(tokens[:-1]))):
         name, args = _split_name(token)
         if name not in _WRAPPERS:
             raise ValueError(f"unknown wrapper {token!r}+ in {spec!r}; {_valid_list()}")
+        if name == "prerope" and i > 0:
+            fixed = "+".join(["prerope", *(t for t in tokens if _split_name(t)[0] != "prerope")])
+            raise ValueError(f"prerope+ must be the first wrapper (it sees K as the cache does): write {fixed}")
         codec = _WRAPPERS[name][0](args, codec)
     return codec
 
@@ -269,6 +278,11 @@ class CacheSpec:
                 f"cache spec {self.spec!r} is calibrated (center+ / order=variance / auto@BITS): pass calibration "
                 "(CLI: --kv-mean-center FILE for center+, or --calib-text TEXT; API: "
                 "calibration=collect_kv_stats(...) or read_kv_mean_center(...))"
+            )
+        if getattr(calibration, "k_basis", "post-rope") == "pre-rope" and not getattr(self.k, "is_pre_rope", False):
+            raise ValueError(
+                f"this calibration holds K statistics before RoPE (made for a prerope+ spec); {self.spec!r} "
+                "quantizes K after RoPE: calibrate for this spec (walshkv calibrate --preset / --calib-text)"
             )
         k = self.k.bind(layer_idx, "k", calibration)
         v = self.v.bind(layer_idx, "v", calibration)

@@ -11,7 +11,11 @@ Format (the fork's documented layout):
 * for specs with ``eq+`` (walshkv only; llama.cpp forks ignore them): one F32 tensor per layer named
   ``walshkv.k_eq.blk.<il>`` holding the ``n_head_kv`` K transforms ``A`` (numpy ``[n_head_kv,
   head_dim, head_dim]``, ``y = A k`` with rows and columns in llama.cpp's channel order), and
-  ``walshkv.v_eq.blk.<il>`` likewise for V (V channels are never permuted).
+  ``walshkv.v_eq.blk.<il>`` likewise for V (V channels are never permuted);
+* for ``prerope+`` specs (walshkv only): ``walshkv.k_basis = "pre-rope"``, and the model's RoPE tables
+  ``walshkv.rope.inv_freq`` (numpy ``[layers, head_dim/2]``) and ``walshkv.rope.scaling`` (``[layers]``).
+  The K mean and K transforms of such a file are those of K *before* RoPE: a llama.cpp fork that
+  subtracts its ``kv_bar`` tensors from K after RoPE must not read it.
 
 Channel order: llama-architecture GGUF files store Q and K permuted relative to Hugging Face's
 layout (transformers undoes it on load). A K channel ``a * head_dim/2 + b`` of the Hugging Face
@@ -45,6 +49,7 @@ PERMUTED_ARCHS = ("llama", "mistral")
 BASES = ("plain", "rot")
 _TENSOR = "kv_bar.blk.{}.k"
 _EQ_TENSOR = {"k": "walshkv.k_eq.blk.{}", "v": "walshkv.v_eq.blk.{}"}
+_ROPE_TENSOR = {"inv_freq": "walshkv.rope.inv_freq", "scaling": "walshkv.rope.scaling"}
 
 
 def to_llamacpp_channel_order(x: torch.Tensor, arch: str) -> torch.Tensor:
@@ -87,6 +92,28 @@ class KMeanBias:
     meta: dict[str, Any] = field(default_factory=dict)
     k_eq: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim], Hugging Face order
     v_eq: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim]
+    k_basis: str = "post-rope"  # "pre-rope": K mean and K transforms of K before RoPE (prerope+ specs)
+    rope_inv_freq: torch.Tensor | None = None  # [layers, head_dim / 2]
+    rope_scaling: torch.Tensor | None = None  # [layers]
+
+    def pre_rope(self) -> KMeanBias:
+        """This file as ``prerope+`` codecs read it; refused unless it was written for one."""
+        if self.k_basis != "pre-rope":
+            raise ValueError(
+                f"{self.source} holds K statistics after RoPE; a prerope+ spec needs a file written for it "
+                "(`walshkv calibrate --preset` / `walshkv recommend` with a prerope+ spec), or --calib-text TEXT"
+            )
+        return self
+
+    def rope_table(self, layer: int) -> Any:
+        """``layer``'s RoPE table (:class:`walshkv.ops.rope.RopeTable`) as recorded in the file."""
+        from walshkv.ops.rope import RopeTable
+
+        if self.rope_inv_freq is None or self.rope_scaling is None:
+            raise ValueError(f"{self.source} holds no RoPE tables (walshkv.rope.*); rewrite it for the prerope+ spec")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"{self.source} has {self.num_layers} layers; layer {layer} requested")
+        return RopeTable(self.rope_inv_freq[layer].to(torch.float32), float(self.rope_scaling[layer]))
 
     @property
     def num_layers(self) -> int:
@@ -177,6 +204,7 @@ def write_kv_mean_center(
     extra: dict[str, str] | None = None,
     k_equalizer: torch.Tensor | None = None,
     v_equalizer: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write a K bias file.
 
@@ -190,6 +218,8 @@ def write_kv_mean_center(
         k_equalizer: ``[layers, kv_heads, head_dim, head_dim]`` ``eq+`` K transforms (Hugging Face
             order), written as ``walshkv.k_eq.blk.<il>``; ``None`` writes none.
         v_equalizer: the same for V, written as ``walshkv.v_eq.blk.<il>``.
+        rope: ``(inv_freq [layers, head_dim/2], scaling [layers])``: the statistics are of K *before* RoPE
+            (``prerope+``); written as ``walshkv.rope.*`` with ``walshkv.k_basis = "pre-rope"``.
     """
     import gguf
 
@@ -223,6 +253,7 @@ def write_kv_mean_center(
         ("walshkv.text", text),
         ("walshkv.version", walshkv.__version__),
         ("walshkv.channel_order", "llama.cpp"),
+        *((("walshkv.k_basis", "pre-rope"),) if rope is not None else ()),
         *(extra or {}).items(),
     ):
         if not key.startswith("walshkv."):
@@ -245,6 +276,15 @@ def write_kv_mean_center(
     if v_equalizer is not None:
         for il in range(layers):
             writer.add_tensor(_EQ_TENSOR["v"].format(il), v_equalizer[il].to(torch.float32).numpy().astype(np.float32))
+    if rope is not None:
+        inv_freq, scaling = rope
+        if tuple(inv_freq.shape) != (layers, head_dim // 2) or tuple(scaling.shape) != (layers,):
+            raise ValueError(
+                f"the RoPE tables must be [layers, head_dim/2] = {(layers, head_dim // 2)} and [layers], got "
+                f"{tuple(inv_freq.shape)} and {tuple(scaling.shape)}"
+            )
+        writer.add_tensor(_ROPE_TENSOR["inv_freq"], inv_freq.to(torch.float32).numpy().astype(np.float32))
+        writer.add_tensor(_ROPE_TENSOR["scaling"], scaling.to(torch.float32).numpy().astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -333,7 +373,22 @@ def read_kv_mean_center(path: str | Path, model_arch: str | None = None) -> KMea
     v_eq = _read_eq(path, tensors, "v", layers, heads, head_dim)
     if k_eq is not None:
         k_eq = _permute_matrix(k_eq, arch, to_llamacpp=False)
-    return KMeanBias(plain, basis, arch, str(path), meta, k_eq, v_eq)
+    k_basis = meta.get("walshkv.k_basis") or "post-rope"
+    if k_basis not in ("post-rope", "pre-rope"):
+        raise ValueError(f"{path}: walshkv.k_basis is {k_basis!r}, expected 'post-rope' or 'pre-rope'; {fix}")
+    rope: list[torch.Tensor | None] = [None, None]
+    if k_basis == "pre-rope":
+        wanted = ((_ROPE_TENSOR["inv_freq"], layers * (head_dim // 2)), (_ROPE_TENSOR["scaling"], layers))
+        for i, (name, want) in enumerate(wanted):
+            t = tensors.get(name)
+            if t is None or t.tensor_type != gguf.GGMLQuantizationType.F32 or int(np.asarray(t.data).size) != want:
+                raise ValueError(
+                    f"{path} is written for K before RoPE but its {name} tensor is missing or misshapen; {fix}"
+                )
+            rope[i] = torch.from_numpy(np.asarray(t.data, dtype=np.float32).reshape(layers, -1).copy())
+        assert rope[1] is not None
+        rope[1] = rope[1].reshape(layers)
+    return KMeanBias(plain, basis, arch, str(path), meta, k_eq, v_eq, k_basis, rope[0], rope[1])
 
 
 def _read_eq(

@@ -1,0 +1,107 @@
+"""Rotary position embedding (RoPE) tables, applied and undone on ``[batch, kv_heads, seq, head_dim]`` keys.
+
+Hugging Face's channel order: channel ``i`` pairs with ``i + head_dim/2`` (``rotate_half``). RoPE at
+position ``p`` is ``k' = k cos(p θ) + rotate_half(k) sin(p θ)``, with cos and sin scaled by the table's
+``scaling`` (1 for plain RoPE); it is undone by ``k = (k' cos - rotate_half(k') sin) / scaling²``. The
+angles are computed as the model computes them (float32 ``position * inv_freq``), so a round trip is
+exact up to float rounding.
+
+``prerope+`` codecs (:mod:`walshkv.codecs.prerope`) quantize K before RoPE with these tables, which
+calibration reads off the model's own rotary module (:func:`rope_tables`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["RopeTable", "apply_rope", "rope_tables", "undo_rope"]
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """One layer's RoPE: ``inv_freq`` ``[head_dim / 2]`` (float32) and the cos/sin ``scaling``."""
+
+    inv_freq: torch.Tensor
+    scaling: float = 1.0
+
+    @property
+    def head_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
+
+    def cos_sin(self, start: int, length: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[length, head_dim]`` (float32) for positions ``start .. start + length - 1``."""
+        pos = torch.arange(start, start + length, device=device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq.to(device=device, dtype=torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _check(x: torch.Tensor, table: RopeTable) -> None:
+    if x.dim() != 4 or x.shape[-1] != table.head_dim:
+        raise ValueError(
+            f"RoPE table for head_dim {table.head_dim} cannot rotate a tensor of shape {tuple(x.shape)}; "
+            "expected [batch, kv_heads, seq, head_dim] (a calibration made for another model?)"
+        )
+
+
+def apply_rope(x: torch.Tensor, table: RopeTable, start: int = 0) -> torch.Tensor:
+    """Rotate ``x`` ``[batch, kv_heads, seq, head_dim]`` to positions ``start, start + 1, ...`` (float32)."""
+    _check(x, table)
+    cos, sin = table.cos_sin(start, x.shape[-2], x.device)
+    xf = x.to(torch.float32)
+    return xf * cos + _rotate_half(xf) * sin
+
+
+def undo_rope(x: torch.Tensor, table: RopeTable, start: int = 0) -> torch.Tensor:
+    """Inverse of :func:`apply_rope`: keys after RoPE at positions ``start, ...`` back to before it (float32)."""
+    _check(x, table)
+    cos, sin = table.cos_sin(start, x.shape[-2], x.device)
+    xf = x.to(torch.float32)
+    return (xf * cos - _rotate_half(xf) * sin) / (table.scaling**2)
+
+
+def _rotary_module(model: Any) -> Any | None:
+    for _, module in model.named_modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            return module
+    return None
+
+
+def rope_tables(model: Any) -> list[RopeTable] | None:
+    """Every layer's RoPE table, read off the model's rotary module, or ``None`` if it has none.
+
+    gemma3 keeps one table per layer type (``sliding_attention``: local base, ``full_attention``: global);
+    a PrimePE-modified table (:mod:`walshkv.lab.primepe`) is read as modified.
+
+    Raises:
+        ValueError: partial rotary embeddings (rotary dim smaller than head_dim), not supported.
+    """
+    rotary = _rotary_module(model)
+    if rotary is None:
+        return None
+    cfg = model.config.get_text_config(decoder=True)
+    layers = cfg.num_hidden_layers
+    per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    tables: list[RopeTable] = []
+    for i in range(layers):
+        prefix = f"{cfg.layer_types[i]}_" if per_type else ""
+        inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
+        if not isinstance(inv_freq, torch.Tensor):
+            return None
+        scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0) or 1.0)
+        tables.append(RopeTable(inv_freq.detach().to("cpu", torch.float32).clone(), scaling))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if tables and tables[0].head_dim != head_dim:
+        raise ValueError(
+            f"partial rotary embeddings are not supported (rotary dim {tables[0].head_dim}, head_dim {head_dim})"
+        )
+    return tables
