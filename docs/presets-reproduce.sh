@@ -11,8 +11,8 @@
 # collected from python-docs in the same run (--calib-text). That is the default for qwen2.5-1.5b
 # (its per-layer recommend runs would take hours on 2 cores; RECOMMEND=1 runs them), which instead gets
 # recommend runs with hand-written per-layer candidates at 3, 3.5 and 4.5 bits (below).
-# Idempotent: finished files are kept. On 2 CPU cores: about 25-60 minutes for smollm2-135m, 60 for
-# qwen2.5-1.5b and 40-60 for gemma3-270m (the per-layer step dominates).
+# Idempotent: finished files are kept. On 2 CPU cores: about 25-60 minutes per budget for smollm2-135m
+# (the per-layer step dominates), 30-40 per budget for qwen2.5-1.5b and about 15 for gemma3-270m.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TEXT=../shared/data/austen_emma.txt
@@ -45,6 +45,8 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
         --candidate 'sink:1:layers:center+eq+tq:3.5/tq:3.5@0-3,25-27;center+eq+tq:3.5/tq:3' \
         --candidate 'sink:1:layers:center+eq+tq:4/tq:3@0-3,25-27;center+eq+tq:3.5/tq:3' \
         --candidate 'sink:1:layers:center+eq+tq:3.5/tq:3.5@0-5,23-27;center+eq+tq:3.5/tq:3' \
+        --candidate 'sink:1:layers:prerope+center+eq+tq:3.5/tq:3.5@0-3,25-27;prerope+center+eq+tq:3.5/tq:3' \
+        --candidate 'sink:1:layers:prerope+center+eq+tq:4/tq:3@0-3,25-27;prerope+center+eq+tq:3.5/tq:3' \
         -o "$out/walshkv-3.5.gguf" --json "$out/recommend-3.5.json"
       [ -f "$out/eval-3.5.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec walshkv:3.5 \
         --kv-mean-center "$out/walshkv-3.5.gguf" --windows 8 --quiet --json "$out/eval-3.5.json"
@@ -54,6 +56,8 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
         --candidate 'sink:1:layers:center+eq+tq:3.5/tq:2.5@0-3,25-27;center+eq+tq:3.5/tq:2' \
         --candidate 'sink:1:layers:center+eq+tq:3/tq:3@0-3,25-27;center+eq+tq:3/tq:2.5' \
         --candidate 'sink:1:layers:center+eq+tq:3/tq:3@0-5,23-27;center+eq+tq:3/tq:2.5' \
+        --candidate 'sink:1:layers:prerope+center+eq+tq:3.5/tq:2.5@0-3,25-27;prerope+center+eq+tq:3.5/tq:2' \
+        --candidate 'sink:1:layers:prerope+center+eq+tq:3/tq:3@0-3,25-27;prerope+center+eq+tq:3/tq:2.5' \
         -o "$out/walshkv-3.gguf" --json "$out/recommend-3.json"
       [ -f "$out/eval-3.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec walshkv:3 \
         --kv-mean-center "$out/walshkv-3.gguf" --windows 8 --quiet --json "$out/eval-3.json"
@@ -67,6 +71,19 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
     # a bit narrower in three layers (four at 3 bits): 5, 8, 12 (and 14), where the first 3.5-bit per-layer
     # run on python-docs measured the smallest losses from narrowing V
     extra=()
+    per_layer=(--per-layer)
+    if [ "$model" = gemma3-270m ]; then
+      # gemma3-270m: a per-layer step takes 25-60 minutes per budget on 2 cores. The 3- and 3.5-bit winners
+      # of an earlier --per-layer run (K after RoPE) are candidates here as they are and with prerope+, ranked
+      # with the built-in candidates (prerope+ ones included) without a new per-layer step
+      per_layer=()
+      case "$bits" in
+        3) extra=(--candidate 'sink:1:layers:center+eq+tq:4/tq:2@0;center+eq+tq:3/tq:2.5@1-3,5,7-8,11,13-16;center+eq+tq:4/tq:2.5@4,9-10,12;center+eq+tq:3/tq:1.5@6,17;center+eq+tq:3.5/tq:2'
+                  --candidate 'sink:1:layers:prerope+center+eq+tq:4/tq:2@0;prerope+center+eq+tq:3/tq:2.5@1-3,5,7-8,11,13-16;prerope+center+eq+tq:4/tq:2.5@4,9-10,12;prerope+center+eq+tq:3/tq:1.5@6,17;prerope+center+eq+tq:3.5/tq:2') ;;
+        3.5) extra=(--candidate 'sink:1:layers:center+eq+tq:3/tq:2.5@0,9,14,17;center+eq+tq:4/tq:2.5@1,5,13;center+eq+tq:3/tq:3.5@2-3,6-7,16;center+eq+tq:4/tq:3.5@4,8,10-11,15;center+eq+tq:4/tq:3@12;center+eq+tq:3.5/tq:3'
+                    --candidate 'sink:1:layers:prerope+center+eq+tq:3/tq:2.5@0,9,14,17;prerope+center+eq+tq:4/tq:2.5@1,5,13;prerope+center+eq+tq:3/tq:3.5@2-3,6-7,16;prerope+center+eq+tq:4/tq:3.5@4,8,10-11,15;prerope+center+eq+tq:4/tq:3@12;prerope+center+eq+tq:3.5/tq:3') ;;
+      esac
+    fi
     if [ "$model" = smollm2-135m ]; then
       case "$bits" in
         3) extra=(--candidate 'sink:1:layers:center+eq+tq:3.5/tq:1.5@5,8,12,14;center+eq+tq:3.5/tq:2'
@@ -80,7 +97,7 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
       esac
     fi
     [ -f "$chosen" ] || walshkv recommend --model "$model" --text python-docs --bits "$bits" --quiet \
-      --per-layer "${extra[@]}" -o "$chosen" --json "$out/recommend-$bits.json"
+      ${per_layer[@]+"${per_layer[@]}"} ${extra[@]+"${extra[@]}"} -o "$chosen" --json "$out/recommend-$bits.json"
     [ -f "$builtin" ] || walshkv calibrate --model "$model" --text python-docs --preset "walshkv:$bits" \
       --quiet -o "$builtin"
     [ -f "$out/eval-$bits.json" ] || walshkv eval --model "$model" --text "$TEXT" --codec "walshkv:$bits" \

@@ -150,6 +150,7 @@ def main(argv: list[str]) -> int:
         print("\n".join(model_section(root, model)))
     print("\n".join(sink_section(root)))
     print("\n".join(eq_section(root)))
+    print("\n".join(prerope_section(root)))
     print("\n".join(per_layer_section(root)))
     return 0
 
@@ -241,6 +242,27 @@ def eq_section(root: Path) -> list[str]:
         "with `center+` alone, on python-docs' second half (4 windows of 512 tokens; the same bits: `eq+` "
         "stores nothing in the cache).\n",
         "| model | budget | spec (without eq+) | bits/el | mean KLD | with eq+: mean KLD | change |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
+def prerope_section(root: Path) -> list[str]:
+    """Each ``prerope+`` candidate of a ``recommend`` run next to the same spec without it (selection windows)."""
+    rows = [
+        f"| {model} | {budget} | `{plain}` | {p['bits_per_element']:.3f} | {p['kld_mean']:.5f} | "
+        f"{r['kld_mean']:.5f} | {r['kld_mean'] / p['kld_mean'] - 1:+.0%} |"
+        for model, budget, plain, r, p in _pairs(root, lambda c: c.replace("prerope+", ""))
+    ]
+    if not rows:
+        return []
+    return [
+        "### K before RoPE (`prerope+`), on the selection windows\n",
+        "From `walshkv recommend` (`recommend-B.json`): each `prerope+` candidate next to the same spec "
+        "quantizing K after RoPE, on python-docs' second half (4 windows of 512 tokens; the same bits: "
+        "`prerope+` stores nothing in the cache).\n",
+        "| model | budget | spec (K after RoPE) | bits/el | mean KLD | with prerope+: mean KLD | change |",
         "|---|---|---|---|---|---|---|",
         *rows,
         "",

@@ -579,7 +579,8 @@ class CompressedCache(Cache):
             through :func:`walshkv.ops.attention.decode_attention` (the fused CPU kernel where it reads
             the codecs), prefill through :func:`walshkv.ops.attention_chunked.chunked_attention`. Needs
             ``enable_fused_attention(model)`` first (the model's attention then asks the cache). Same
-            quantization, so the same results as the default path up to float rounding.
+            quantization, so the same results as the default path up to float rounding. Layers whose
+            K codec is ``prerope+`` (K stored before RoPE) are not fused: they decode, then run SDPA.
         max_cache_len: tokens to allocate in each full-attention layer's packed store on the first
             write (e.g. prompt + new tokens), so that the store never grows by copying. Without it a
             store grows by 1/8 whenever a write does not fit. Either way the cache holds only
@@ -645,13 +646,9 @@ class CompressedCache(Cache):
                     raise ValueError(f"{self.cache_spec.spec} supports full-attention layers only, not {layer_type!r}")
                 layers.append(KiviLayer(spec_i))
             elif layer_type == "full_attention":
-                if fused and getattr(spec_i.k, "is_pre_rope", False):
-                    raise ValueError(
-                        f"{self.cache_spec.spec}: the fused attention kernels do not re-apply RoPE to keys stored "
-                        "before it (prerope+); use fused=False"
-                    )
                 layers.append(CompressedLayer(spec_i, residual, self.cache_spec.sink))
-                layers[-1].fused = fused
+                # the kernels do not re-apply RoPE to keys stored before it: prerope+ layers decode, then SDPA
+                layers[-1].fused = fused and not getattr(spec_i.k, "is_pre_rope", False)
                 layers[-1].reserve = max_cache_len or 0
             elif layer_type in _SLIDING_TYPES:
                 layers.append(CompressedSlidingWindowLayer(spec_i, kwargs["sliding_window"], residual))

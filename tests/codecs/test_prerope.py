@@ -162,12 +162,22 @@ def test_sliding_layers_keep_their_positions(tiny_gemma3):
 def test_post_and_pre_rope_statistics_are_not_mixed(tiny_llama, stats):
     with pytest.raises(ValueError, match="before RoPE"):
         CompressedCache("center+tq:3/tq:3", config=tiny_llama.config, calibration=stats.pre_rope())
+
+
+def test_a_fused_cache_reads_prerope_layers_through_the_reference_path(tiny_llama, stats):
+    spec = "sink:1:prerope+center+eq+tq:3/tq:3"
+    ids = torch.randint(3, 96, (2, 30))
+    splits = [20, 21, 22, 30]
+    tiny_llama.set_attn_implementation("sdpa")
+    ref = logits_in_splits(tiny_llama, CompressedCache(spec, config=tiny_llama.config, calibration=stats), ids, splits)
     enable_fused_attention(tiny_llama)
     try:
-        with pytest.raises(ValueError, match="fused"):
-            CompressedCache("prerope+tq:3/tq:3", config=tiny_llama.config, calibration=stats, fused=True)
+        cache = CompressedCache(spec, config=tiny_llama.config, calibration=stats, fused=True)
+        assert not any(layer.fused for layer in cache.layers)
+        got = logits_in_splits(tiny_llama, cache, ids, splits)
     finally:
         tiny_llama.set_attn_implementation("sdpa")
+    assert torch.allclose(ref, got, atol=1e-4)
 
 
 def test_a_preset_file_for_prerope_round_trips_and_is_refused_elsewhere(tmp_path: Path, tiny_lm, tiny_llama, stats):
