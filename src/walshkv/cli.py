@@ -167,12 +167,13 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     lm = load_model(args.model, progress=not args.quiet)
     stats = collect_kv_stats(lm, text, tokens=args.tokens, ctx=args.ctx, progress=not args.quiet)
     if preset is not None:
-        from walshkv.presets import write_preset_file
+        from walshkv.presets import k_pre_rope, write_preset_file
 
         basis = write_preset_file(args.output, lm, preset, stats)
+        before = ", K before RoPE" if k_pre_rope(preset.spec) else ""
         print(
             f"wrote {args.output}: preset {preset.name} = {preset.spec} for {lm.name}; K mean of "
-            f"{stats.tokens:,} tokens of {text.name} in the {basis} basis. Use it with "
+            f"{stats.tokens:,} tokens of {text.name} in the {basis} basis{before}. Use it with "
             f"`walshkv eval --model {lm.name} --codec {preset.name} --kv-mean-center {args.output}` "
             "on other text."
         )
@@ -229,7 +230,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     from walshkv.data import load_text
     from walshkv.eval.report import format_table, write_json
     from walshkv.models import load_model
-    from walshkv.presets import candidates_for, preset_name_for_bits, recommend, write_preset_file
+    from walshkv.presets import candidates_for, k_pre_rope, preset_name_for_bits, recommend, write_preset_file
 
     name = preset_name_for_bits(args.bits)  # validates the budget before loading anything
     text = load_text(args.text)
@@ -265,8 +266,9 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     scored, where = rec.meta["scored_tokens"], rec.meta["text"]["name"]
     note = f"recommend: mean KLD {best['kld_mean']:.6f} on {scored} tokens of {where}"
     basis = write_preset_file(output, lm, rec.preset, rec.stats, note=note)
+    before = ", K before RoPE" if k_pre_rope(rec.preset.spec) else ""
     print(
-        f"wrote {output} ({basis}-basis K mean + the preset's spec). Evaluate it on other text: "
+        f"wrote {output} ({basis}-basis K mean{before} + the preset's spec). Evaluate it on other text: "
         f"walshkv eval --model {lm.name} --codec {name} --kv-mean-center {output} --text OTHER"
     )
     if args.json:
