@@ -42,7 +42,8 @@ def test_fused_matches_the_decoding_path(gqa_llama, spec, residual):
     ref, cache_ref = _run(gqa_llama, spec, residual, False, ids, splits)
     got, cache = _run(gqa_llama, spec, residual, True, ids, splits)
     for a, b in zip(ref, got, strict=True):
-        assert torch.allclose(a, b, atol=2e-5), float((a - b).abs().max())
+        # float rounding only (kernel vs reference summation order): 2.2e-5 seen on an AVX-512 machine
+        assert torch.allclose(a, b, atol=5e-5), float((a - b).abs().max())
     assert cache.nbytes() == cache_ref.nbytes()  # the same packed store
 
 
