@@ -227,47 +227,42 @@ def per_layer_section(root: Path) -> list[str]:
     ]
 
 
-def eq_section(root: Path) -> list[str]:
-    """Each ``eq+`` candidate of a ``recommend`` run next to the same spec without it (selection windows)."""
+def _wrapper_section(root: Path, partner, title: str, intro: str, header: str) -> list[str]:
+    """Each candidate of a ``recommend`` run next to its ``partner`` spec (selection windows)."""
     rows = [
         f"| {model} | {budget} | `{plain}` | {p['bits_per_element']:.3f} | {p['kld_mean']:.5f} | "
         f"{r['kld_mean']:.5f} | {r['kld_mean'] / p['kld_mean'] - 1:+.0%} |"
-        for model, budget, plain, r, p in _pairs(root, lambda c: c.replace("center+eq+", "center+"))
+        for model, budget, plain, r, p in _pairs(root, partner)
     ]
     if not rows:
         return []
-    return [
-        "### The query-weighted K transform (`eq+`), on the selection windows\n",
+    return [f"### {title}, on the selection windows\n", intro + "\n", header, "|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def eq_section(root: Path) -> list[str]:
+    """Each ``eq+`` candidate of a ``recommend`` run next to the same spec without it (selection windows)."""
+    return _wrapper_section(
+        root,
+        lambda c: c.replace("center+eq+", "center+"),
+        "The query-weighted K transform (`eq+`)",
         "From `walshkv recommend` (`recommend-B.json`): each `center+eq+` candidate next to the same spec "
         "with `center+` alone, on python-docs' second half (4 windows of 512 tokens; the same bits: `eq+` "
-        "stores nothing in the cache).\n",
+        "stores nothing in the cache).",
         "| model | budget | spec (without eq+) | bits/el | mean KLD | with eq+: mean KLD | change |",
-        "|---|---|---|---|---|---|---|",
-        *rows,
-        "",
-    ]
+    )
 
 
 def prerope_section(root: Path) -> list[str]:
     """Each ``prerope+`` candidate of a ``recommend`` run next to the same spec without it (selection windows)."""
-    rows = [
-        f"| {model} | {budget} | `{plain}` | {p['bits_per_element']:.3f} | {p['kld_mean']:.5f} | "
-        f"{r['kld_mean']:.5f} | {r['kld_mean'] / p['kld_mean'] - 1:+.0%} |"
-        for model, budget, plain, r, p in _pairs(root, lambda c: c.replace("prerope+", ""))
-    ]
-    if not rows:
-        return []
-    return [
-        "### K before RoPE (`prerope+`), on the selection windows\n",
+    return _wrapper_section(
+        root,
+        lambda c: c.replace("prerope+", ""),
+        "K before RoPE (`prerope+`)",
         "From `walshkv recommend` (`recommend-B.json`): each `prerope+` candidate next to the same spec "
         "quantizing K after RoPE, on python-docs' second half (4 windows of 512 tokens; the same bits: "
-        "`prerope+` stores nothing in the cache).\n",
+        "`prerope+` stores nothing in the cache).",
         "| model | budget | spec (K after RoPE) | bits/el | mean KLD | with prerope+: mean KLD | change |",
-        "|---|---|---|---|---|---|---|",
-        *rows,
-        "",
-    ]
-
+    )
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))
