@@ -236,7 +236,14 @@ def _wrapper_section(root: Path, partner, title: str, intro: str, header: str) -
     ]
     if not rows:
         return []
-    return [f"### {title}, on the selection windows\n", intro + "\n", header, "|---|---|---|---|---|---|---|", *rows, ""]
+    return [
+        f"### {title}, on the selection windows\n",
+        intro + "\n",
+        header,
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def eq_section(root: Path) -> list[str]:
@@ -263,6 +270,7 @@ def prerope_section(root: Path) -> list[str]:
         "`prerope+` stores nothing in the cache).",
         "| model | budget | spec (K after RoPE) | bits/el | mean KLD | with prerope+: mean KLD | change |",
     )
+
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))
