@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from walshkv.ops.hadamard import hadamard_transform
-from walshkv.ops.rope import rope_tables, undo_rope
+from walshkv.ops.rope import RopeTable, rope_tables, undo_rope
 
 __all__ = ["KVStats", "MergedCalibration", "collect_kv_stats"]
 
@@ -151,8 +151,6 @@ class KVStats:
 
     def rope_table(self, layer: int) -> Any:
         """``layer``'s RoPE table (:class:`walshkv.ops.rope.RopeTable`), as read off the model."""
-        from walshkv.ops.rope import RopeTable
-
         self._check("k", "plain", layer)
         if self.rope_inv_freq is None or self.rope_scaling is None:
             raise ValueError("these statistics hold no RoPE tables (a model without RoPE?); prerope+ needs them")

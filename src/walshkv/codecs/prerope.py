@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from walshkv.codecs.base import Codec, Field, Packed
+from walshkv.codecs.base import Codec, Field, Packed, check_kv
 from walshkv.ops.rope import RopeTable, apply_rope, undo_rope
 
 __all__ = ["PreRope"]
@@ -84,8 +84,6 @@ class PreRope(Codec):
 
     def encode_at(self, x: torch.Tensor, start: int) -> Packed:
         """Compress keys ``x`` ``[batch, kv_heads, seq, head_dim]`` (after RoPE) at positions ``start, ...``."""
-        from walshkv.codecs.base import check_kv
-
         check_kv(x, "K")
         self.check_head_dim(x.shape[-1])
         packed = self.inner.encode(undo_rope(x, self._table(), start))

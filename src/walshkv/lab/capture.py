@@ -11,7 +11,6 @@ result is the K projection's output after any K normalisation (gemma3's ``k_norm
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,49 +38,24 @@ class KVCapture:
         return {"k_post": self.k_post, "k_pre": self.k_pre, "v": self.v}
 
 
-def _rotary_module(model: Any) -> Any:
-    for _, module in model.named_modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            return module
-    raise ValueError("no rotary embedding module found: K before RoPE needs a RoPE model")
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def unrotate_keys(model: Any, layer: int, k: torch.Tensor) -> torch.Tensor:
-    """Undo RoPE on post-RoPE keys of one layer, positions ``0 .. T-1``.
+    """Undo RoPE on post-RoPE keys of one layer, positions ``0 .. T-1`` (:func:`walshkv.ops.rope.undo_rope`
+    with the model's own table for ``layer``).
 
     Args:
-        model: the Hugging Face model (its rotary module gives cos/sin).
+        model: the Hugging Face model (its rotary module gives the tables).
         layer: the layer index (picks gemma3's local/global table).
         k: ``[batch, kv_heads, T, head_dim]`` keys after RoPE.
 
     Returns:
-        ``[batch, kv_heads, T, head_dim]`` float32 keys before RoPE.
+        ``[batch, kv_heads, T, head_dim]`` float32 keys before RoPE, on the CPU.
     """
-    rotary = _rotary_module(model)
-    t = k.shape[-2]
-    device = next(rotary.buffers()).device if any(True for _ in rotary.buffers()) else k.device
-    x = torch.zeros(1, t, k.shape[-1], dtype=torch.float32, device=device)
-    pos = torch.arange(t, device=device).view(1, t)
-    kwargs = {}
-    if "layer_type" in inspect.signature(rotary.forward).parameters:
-        cfg = model.config.get_text_config(decoder=True)
-        kwargs["layer_type"] = cfg.layer_types[layer]
-    with torch.no_grad():
-        cos, sin = rotary(x, pos, **kwargs)
-    cos = cos[0].to(torch.float32).cpu()
-    sin = sin[0].to(torch.float32).cpu()
-    if cos.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"partial rotary embeddings are not supported (rotary dim {cos.shape[-1]}, head_dim {k.shape[-1]})"
-        )
-    scale2 = cos[0] ** 2 + sin[0] ** 2  # attention scaling squared (1 for plain RoPE)
-    kf = k.to(torch.float32).cpu()
-    return (kf * cos - _rotate_half(kf) * sin) / scale2
+    from walshkv.ops.rope import rope_tables, undo_rope
+
+    tables = rope_tables(model)
+    if tables is None:
+        raise ValueError("no rotary embedding module found: K before RoPE needs a RoPE model")
+    return undo_rope(k.cpu(), tables[layer])
 
 
 CHANNEL_ORDERS = ("hf", "llamacpp")
