@@ -82,7 +82,7 @@ class _Imports(ast.NodeVisitor):
         self.generic_visit(node)
         self._depth -= 1
 
-    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function  # noqa: N815 (ast.NodeVisitor names)
 
     def visit_If(self, node: ast.If) -> None:
         if _is_type_checking(node.test):

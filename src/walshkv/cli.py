@@ -12,6 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from walshkv.codecs.base import unwrap, wrappers
+
 __all__ = ["main"]
 
 _EPILOG = """\
@@ -76,9 +78,7 @@ def _only_centering(spec) -> bool:
     """True if the spec's only calibrated parts are a center+ K bias and eq+ transform (what a file holds)."""
 
     def ok(c) -> bool:
-        while getattr(c, "is_centering", False) or getattr(c, "is_equalizing", False):
-            c = c.inner
-        return not c.needs_calibration
+        return all(w.name in ("center", "eq") for w in wrappers(c)) and not unwrap(c).needs_calibration
 
     return ok(spec.k) and ok(spec.v)
 

@@ -20,6 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from walshkv.codecs.base import find_wrapper
+from walshkv.codecs.center import Centered
+from walshkv.codecs.equalize import Equalized
+from walshkv.codecs.prerope import PreRope
+
 __all__ = [
     "BUILTIN",
     "CANDIDATES",
@@ -250,7 +255,7 @@ def k_mean_basis(spec: str) -> str:
 
     parsed = parse_cache_spec(spec)
     parts = [p for p, _ in parsed.parts] if isinstance(parsed, LayeredCacheSpec) else [parsed]
-    bases = {getattr(p.k, "basis", "plain") if getattr(p.k, "is_centering", False) else "plain" for p in parts}
+    bases = {p.k.basis if isinstance(p.k, Centered) else "plain" for p in parts}
     if len(bases) > 1:
         raise ValueError(
             f"{spec!r} centers K in different bases per layer ({', '.join(sorted(bases))}); a preset file holds one "
@@ -266,7 +271,7 @@ def k_pre_rope(spec: str) -> bool:
 
     parsed = parse_cache_spec(spec)
     parts = [p for p, _ in parsed.parts] if isinstance(parsed, LayeredCacheSpec) else [parsed]
-    kinds = {bool(getattr(p.k, "is_pre_rope", False)) for p in parts}
+    kinds = {isinstance(p.k, PreRope) for p in parts}
     if len(kinds) > 1:
         raise ValueError(
             f"{spec!r} quantizes K before RoPE in some layers only; a preset file holds K statistics of one kind: "
@@ -285,10 +290,8 @@ def equalized_kinds(spec: str) -> set[str]:
     kinds: set[str] = set()
     for part in parts:
         for kind, codec in (("k", part.k), ("v", part.v)):
-            while codec is not None:
-                if getattr(codec, "is_equalizing", False):
-                    kinds.add(kind)
-                codec = getattr(codec, "inner", None)
+            if find_wrapper(codec, Equalized) is not None:
+                kinds.add(kind)
     return kinds
 
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from walshkv.codecs.kivi import KiviCodec
 from walshkv.eval.harness import DEFAULT_CODECS
 
 __all__ = [
@@ -311,7 +312,7 @@ def _unrunnable_specs(specs: Sequence[str], lm: Any) -> dict[str, str]:
     out = {}
     for spec in specs:
         parsed = parse_cache_spec(spec)
-        if spec.startswith("hf-") or getattr(getattr(parsed, "k", None), "token_grouped", False):
+        if spec.startswith("hf-") or isinstance(getattr(parsed, "k", None), KiviCodec):
             try:
                 make_cache(parsed, lm.model.config)
             except (ImportError, ValueError) as err:

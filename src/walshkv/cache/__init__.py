@@ -23,6 +23,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from walshkv.codecs.base import Packed
 from walshkv.codecs.floats import FloatCodec
+from walshkv.codecs.kivi import KiviCodec
+from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, LayeredCacheSpec, parse_cache_spec
 
 __all__ = [
@@ -263,12 +265,12 @@ class CompressedLayer(CacheLayerMixin):
 
     def _encode_k(self, x: torch.Tensor, start: int) -> Packed:
         """Encode keys at positions ``start, ...`` (positions matter to ``prerope+`` codecs only)."""
-        if getattr(self.spec.k, "is_pre_rope", False):
+        if isinstance(self.spec.k, PreRope):
             return self.spec.k.encode_at(x, start)  # type: ignore[attr-defined]
         return self.spec.k.encode(x)
 
     def _decode_k(self, packed: Packed, start: int) -> torch.Tensor:
-        if getattr(self.spec.k, "is_pre_rope", False):
+        if isinstance(self.spec.k, PreRope):
             return self.spec.k.decode_at(packed, start)  # type: ignore[attr-defined]
         return self.spec.k.decode(packed)
 
@@ -638,7 +640,7 @@ class CompressedCache(Cache):
             calibration.check_matches(text_config.num_hidden_layers, text_config.num_key_value_heads, head_dim)
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers: list[CacheLayerMixin] = []
-        kivi = getattr(self.cache_spec.k, "token_grouped", False)
+        kivi = isinstance(self.cache_spec.k, KiviCodec)
         for idx, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True)):
             spec_i = self.cache_spec.bind(idx, calibration)
             if kivi:
@@ -648,7 +650,7 @@ class CompressedCache(Cache):
             elif layer_type == "full_attention":
                 layers.append(CompressedLayer(spec_i, residual, self.cache_spec.sink))
                 # the kernels do not re-apply RoPE to keys stored before it: prerope+ layers decode, then SDPA
-                layers[-1].fused = fused and not getattr(spec_i.k, "is_pre_rope", False)
+                layers[-1].fused = fused and not isinstance(spec_i.k, PreRope)
                 layers[-1].reserve = max_cache_len or 0
             elif layer_type in _SLIDING_TYPES:
                 layers.append(CompressedSlidingWindowLayer(spec_i, kwargs["sliding_window"], residual))
@@ -662,7 +664,7 @@ class CompressedCache(Cache):
     def _next_layer(self) -> CompressedLayer:
         """Layers created on first use (no config): bound to their index in order."""
         spec = self.cache_spec.bind(len(self.layers), self.calibration)
-        if getattr(spec.k, "token_grouped", False):
+        if isinstance(spec.k, KiviCodec):
             return KiviLayer(spec)
         layer = CompressedLayer(spec, self.residual, self.cache_spec.sink)
         layer.reserve = self.max_cache_len or 0

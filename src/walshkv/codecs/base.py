@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from walshkv.ops.quant import check_finite
 
-__all__ = ["Codec", "Field", "Packed", "check_kv"]
+__all__ = ["Codec", "Field", "Packed", "Wrapper", "check_kv", "find_wrapper", "unwrap", "wrappers"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -168,3 +168,62 @@ class Codec(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+
+class Wrapper(Codec):
+    """A codec that transforms each vector and stores the result with ``inner`` (``rot+``, ``center+``, ...).
+
+    A wrapper adds no stored bytes: :meth:`layout` and the head-size check are the inner codec's, and it
+    needs calibration if its inner codec does. Walk a chain with :func:`wrappers` and :func:`unwrap`, never
+    by reading attributes by name.
+
+    Attributes:
+        name: the spec prefix (``"rot"``, ``"center"``, ...), written ``name+INNER``.
+        inner: the wrapped codec.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, inner: Codec) -> None:
+        self.inner = inner
+
+    @property
+    def needs_calibration(self) -> bool:  # type: ignore[override]
+        return self.inner.needs_calibration
+
+    def layout(self, head_dim: int) -> dict[str, Field]:
+        return self.inner.layout(head_dim)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        self.inner.check_head_dim(head_dim)
+
+    def unwrap(self) -> Codec:
+        """The innermost codec, the one that stores the bits."""
+        return unwrap(self.inner)
+
+
+W = TypeVar("W", bound=Wrapper)
+
+
+def wrappers(codec: Codec) -> list[Wrapper]:
+    """The wrappers of ``codec``, outermost first (empty for a plain codec)."""
+    out: list[Wrapper] = []
+    while isinstance(codec, Wrapper):
+        out.append(codec)
+        codec = codec.inner
+    return out
+
+
+def unwrap(codec: Codec) -> Codec:
+    """The innermost (storing) codec of ``codec``; ``codec`` itself if it is not a :class:`Wrapper`."""
+    while isinstance(codec, Wrapper):
+        codec = codec.inner
+    return codec
+
+
+def find_wrapper(codec: Codec, kind: type[W]) -> W | None:
+    """The outermost wrapper of class ``kind`` in ``codec``'s chain, or ``None``."""
+    for w in wrappers(codec):
+        if isinstance(w, kind):
+            return w
+    return None

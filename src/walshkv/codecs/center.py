@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from walshkv.codecs.base import Codec, Field, Packed
+from walshkv.codecs.base import Codec, Packed, Wrapper, find_wrapper
 from walshkv.codecs.rotation import Rotated
 
 __all__ = ["Centered"]
 
 
-class Centered(Codec):
+class Centered(Wrapper):
     """Wrap a K codec with calibrated mean subtraction.
 
     Args:
@@ -30,12 +30,12 @@ class Centered(Codec):
         bias: ``[kv_heads, head_dim]`` for a bound (per-layer) codec; ``None`` until :meth:`bind`.
     """
 
-    is_centering = True
+    name = "center"
 
     def __init__(self, inner: Codec, bias: torch.Tensor | None = None, spec: str | None = None) -> None:
-        if getattr(inner, "is_centering", False):
+        if find_wrapper(inner, Centered) is inner:
             raise ValueError("center+ appears twice in one codec spec")
-        self.inner = inner
+        super().__init__(inner)
         self.bias = bias
         self.spec = spec or f"center+{inner.spec}"
 
@@ -64,9 +64,6 @@ class Centered(Codec):
         else:
             bias = calibration.k_bias(layer_idx, self.basis)
         return Centered(inner, bias.to(torch.float32), self.spec)
-
-    def layout(self, head_dim: int) -> dict[str, Field]:
-        return self.inner.layout(head_dim)
 
     def check_head_dim(self, head_dim: int) -> None:
         self.inner.check_head_dim(head_dim)

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from walshkv.codecs.base import Codec, Field, Packed
+from walshkv.codecs.base import Codec, Packed, Wrapper, wrappers
 
 __all__ = ["Equalized"]
 
 
-class Equalized(Codec):
+class Equalized(Wrapper):
     """Wrap a codec with a per-(layer, kv-head) transform ``y = A x`` (decode: ``x = A⁻¹ y``).
 
     Args:
@@ -32,14 +32,15 @@ class Equalized(Codec):
             :meth:`bind`.
     """
 
-    is_equalizing = True
+    name = "eq"
 
     def __init__(self, inner: Codec, matrix: torch.Tensor | None = None, spec: str | None = None) -> None:
-        if getattr(inner, "is_centering", False):
+        first = next((w.name for w in wrappers(inner)), None)
+        if first == "center":
             raise ValueError(f"write center+ first: center+eq+{inner.spec.removeprefix('center+')}")
-        if getattr(inner, "is_equalizing", False):
+        if first == "eq":
             raise ValueError("eq+ appears twice in one codec spec")
-        self.inner = inner
+        super().__init__(inner)
         self.spec = spec or f"eq+{inner.spec}"
         self.matrix: torch.Tensor | None = None
         self.inverse: torch.Tensor | None = None
@@ -67,9 +68,6 @@ class Equalized(Codec):
                 "by `walshkv calibrate --eq` / `--preset NAME` / `walshkv recommend` for a spec with eq+"
             )
         return Equalized(inner, getattr(calibration, method)(layer_idx), self.spec)
-
-    def layout(self, head_dim: int) -> dict[str, Field]:
-        return self.inner.layout(head_dim)
 
     def check_head_dim(self, head_dim: int) -> None:
         self.inner.check_head_dim(head_dim)

@@ -72,8 +72,6 @@ class KiviCodec(Codec):
         kind: ``"k"`` (per-channel over token groups) or ``"v"`` (per-token); ``None`` until bound.
     """
 
-    token_grouped = True
-
     def __init__(self, bits: int, group: int = 32, residual: int = 32, kind: str | None = None) -> None:
         if not isinstance(bits, int) or not 1 <= bits <= 8:
             raise ValueError(f"kivi takes 1..8 bits (kivi2, kivi4), got {bits!r}")

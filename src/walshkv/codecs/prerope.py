@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from walshkv.codecs.base import Codec, Field, Packed, check_kv
+from walshkv.codecs.base import Codec, Packed, Wrapper, check_kv, find_wrapper
 from walshkv.ops.rope import RopeTable, apply_rope, undo_rope
 
 __all__ = ["PreRope"]
 
 
-class PreRope(Codec):
+class PreRope(Wrapper):
     """Wrap a K codec so that it stores K before RoPE.
 
     Args:
@@ -37,12 +37,12 @@ class PreRope(Codec):
         rope: the layer's :class:`walshkv.ops.rope.RopeTable` (``None`` until :meth:`bind`).
     """
 
-    is_pre_rope = True
+    name = "prerope"
 
     def __init__(self, inner: Codec, rope: RopeTable | None = None, spec: str | None = None) -> None:
-        if getattr(inner, "is_pre_rope", False):
+        if find_wrapper(inner, PreRope) is not None:
             raise ValueError("prerope+ appears twice in one codec spec")
-        self.inner = inner
+        super().__init__(inner)
         self.rope = rope
         self.spec = spec or f"prerope+{inner.spec}"
 
@@ -62,9 +62,6 @@ class PreRope(Codec):
             )
         stats = view()
         return PreRope(self.inner.bind(layer_idx, kind, stats), stats.rope_table(layer_idx), self.spec)
-
-    def layout(self, head_dim: int) -> dict[str, Field]:
-        return self.inner.layout(head_dim)
 
     def check_head_dim(self, head_dim: int) -> None:
         self.inner.check_head_dim(head_dim)

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from walshkv.codecs.base import Codec, Field, Packed
+from walshkv.codecs.base import Codec, Packed, Wrapper, wrappers
 from walshkv.ops.hadamard import _check_size, hadamard_transform, signs_for
 
 __all__ = ["Rotated"]
 
 
-class Rotated(Codec):
+class Rotated(Wrapper):
     """Wrap ``inner`` in a (randomized) Walsh-Hadamard rotation over head_dim.
 
     Args:
@@ -27,28 +27,24 @@ class Rotated(Codec):
             flips (``rrot:SEED+``).
     """
 
+    name = "rot"
+
     def __init__(self, inner: Codec, seed: int | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.seed = seed
         prefix = "rot" if seed is None else ("rrot" if seed == 0 else f"rrot:{seed}")
-        if getattr(inner, "is_centering", False):
+        first = next((w.name for w in wrappers(inner)), None)
+        if first == "center":
             fixed = f"center+{prefix}+{inner.spec.removeprefix('center+')}"
             raise ValueError(f"write center+ first: {fixed}, not {prefix}+{inner.spec}")
-        if getattr(inner, "is_equalizing", False):
+        if first == "eq":
             fixed = f"eq+{prefix}+{inner.spec.removeprefix('eq+')}"
             raise ValueError(f"eq+ works in the plain basis: write {fixed}, not {prefix}+{inner.spec}")
         self.spec = f"{prefix}+{inner.spec}"
 
-    @property
-    def needs_calibration(self) -> bool:  # type: ignore[override]
-        return self.inner.needs_calibration
-
     def bind(self, layer_idx: int, kind: str, calibration: Any = None) -> Codec:
         inner = self.inner.bind(layer_idx, kind, calibration)
         return self if inner is self.inner else Rotated(inner, self.seed)
-
-    def layout(self, head_dim: int) -> dict[str, Field]:
-        return self.inner.layout(head_dim)
 
     def check_head_dim(self, head_dim: int) -> None:
         _check_size(head_dim, f"head_dim of '{self.spec}'")

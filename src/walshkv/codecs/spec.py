@@ -25,7 +25,7 @@ from walshkv.codecs.equalize import Equalized
 from walshkv.codecs.floats import FLOAT_CODECS, FloatCodec
 from walshkv.codecs.ggml import GGML_BLOCK_BYTES, GGML_TYPES, GGMLCodec
 from walshkv.codecs.intq import IntCodec
-from walshkv.codecs.kivi import parse_kivi_args
+from walshkv.codecs.kivi import KiviCodec, parse_kivi_args
 from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.turbo import parse_tq_args, parse_tqprod_args
@@ -279,7 +279,7 @@ class CacheSpec:
                 "(CLI: --kv-mean-center FILE for center+, or --calib-text TEXT; API: "
                 "calibration=collect_kv_stats(...) or read_kv_mean_center(...))"
             )
-        if getattr(calibration, "k_basis", "post-rope") == "pre-rope" and not getattr(self.k, "is_pre_rope", False):
+        if getattr(calibration, "k_basis", "post-rope") == "pre-rope" and not isinstance(self.k, PreRope):
             raise ValueError(
                 f"this calibration holds K statistics before RoPE (made for a prerope+ spec); {self.spec!r} "
                 "quantizes K after RoPE: calibrate for this spec (walshkv calibrate --preset / --calib-text)"
@@ -451,7 +451,7 @@ def parse_sink_spec(spec: str) -> CacheSpec:
         raise ValueError(f"{spec!r}: sink:N: wraps a walshkv spec, not Hugging Face's {inner.spec!r}")
     if inner.sink:
         raise ValueError(f"{spec!r}: sink:N: appears twice")
-    if getattr(inner.k, "token_grouped", False):
+    if isinstance(inner.k, KiviCodec):
         raise ValueError(f"{spec!r}: KIVI specs keep their own full-precision window; sink:N: does not apply")
     return replace(inner, sink=n)
 

@@ -92,6 +92,8 @@ from typing import Any
 import torch
 
 from walshkv.codecs.base import Codec, Packed
+from walshkv.codecs.center import Centered
+from walshkv.codecs.equalize import Equalized
 from walshkv.codecs.ggml import QK, GGMLCodec
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.rotation import Rotated
@@ -866,8 +868,8 @@ def peel(codec: Codec) -> tuple[list[Rotated], Codec]:
     """
     rots: list[Rotated] = []
     while True:
-        if getattr(codec, "is_centering", False):
-            codec = codec.inner  # type: ignore[attr-defined]
+        if isinstance(codec, Centered):
+            codec = codec.inner
         elif isinstance(codec, Rotated):
             rots.append(codec)
             codec = codec.inner
@@ -886,20 +888,20 @@ def peel_equalizer(codec: Codec) -> tuple[torch.Tensor | None, Codec]:
         ValueError: an ``eq+`` codec that is not bound to a layer's transform.
     """
     inner = codec
-    while getattr(inner, "is_centering", False):
-        inner = inner.inner  # type: ignore[attr-defined]
-    if not getattr(inner, "is_equalizing", False):
+    while isinstance(inner, Centered):
+        inner = inner.inner
+    if not isinstance(inner, Equalized):
         return None, codec
-    inverse = inner.inverse  # type: ignore[attr-defined]
+    inverse = inner.inverse
     if inverse is None:
         raise ValueError(f"{codec.spec} is not bound to a layer's transform; build it through CompressedCache")
-    return inverse, inner.inner  # type: ignore[attr-defined]
+    return inverse, inner.inner
 
 
 def core_codec(codec: Codec) -> Codec:
     """The codec that stores the codes: ``codec`` without its ``center+``, ``eq+`` and rotation wrappers."""
-    while getattr(codec, "is_centering", False) or getattr(codec, "is_equalizing", False):
-        codec = codec.inner  # type: ignore[attr-defined]
+    while isinstance(codec, (Centered, Equalized)):
+        codec = codec.inner
     return peel(codec)[1]
 
 
