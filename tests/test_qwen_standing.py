@@ -55,8 +55,8 @@ def test_qwen_keys_before_rope_include_the_k_bias(qwen):
     makes its K channels offset: the reason llama.cpp's K types collapse here)."""
     import torch
 
-    from walshkv.lab.capture import unrotate_keys
-    from walshkv.lab.rd import capture_window
+    from walshkv.eval.capture import unrotate_keys
+    from walshkv.eval.rd import capture_window
 
     attn = qwen.model.model.layers[3].self_attn
     assert attn.k_proj.bias is not None

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-import walshkv.lab.rd as rd
+import walshkv.eval.rd as rd
 import walshkv.models
 from walshkv.cli import main
 from walshkv.data import Text
-from walshkv.lab.rd import capture_window, lloyd_max_points, measure_rd, resolve_specs, shannon_bound
+from walshkv.eval.rd import capture_window, lloyd_max_points, measure_rd, resolve_specs, shannon_bound
 from walshkv.models import LoadedModel, _describe
 
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(2000)))

@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 
 import walshkv.eval
+import walshkv.eval.sweep
 import walshkv.models
-import walshkv.sweep
 from walshkv.cli import main
 from walshkv.codecs import available_codecs
 from walshkv.data import Text
 from walshkv.eval.harness import DEFAULT_CODECS
-from walshkv.models import LoadedModel, _describe
-from walshkv.sweep import (
+from walshkv.eval.sweep import (
     PRESETS,
     canonical_specs,
     load_grid,
@@ -26,6 +25,7 @@ from walshkv.sweep import (
     run_sweep,
     substitute_head_dim,
 )
+from walshkv.models import LoadedModel, _describe
 
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(2000)))
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "sweep.md"
@@ -55,7 +55,7 @@ def count_evaluate(monkeypatch):
 def stub_plot(monkeypatch):
     """Skip matplotlib's rendering (about half a second a plot) where the PNG is not under test."""
     plots: list[str] = []
-    monkeypatch.setattr(walshkv.sweep, "plot_pareto", lambda rows, path, title: plots.append(title))
+    monkeypatch.setattr(walshkv.eval.sweep, "plot_pareto", lambda rows, path, title: plots.append(title))
     return plots
 
 
@@ -225,7 +225,7 @@ def test_run_sweep_writes_rows_and_outputs_then_resumes(tmp_path, tiny_lm, count
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # second run: everything finished, nothing evaluated, same rows
-    monkeypatch.setattr(walshkv.sweep, "plot_pareto", lambda rows, path, title: None)
+    monkeypatch.setattr(walshkv.eval.sweep, "plot_pareto", lambda rows, path, title: None)
     count_evaluate.clear()
     again = run_sweep(tiny_lm, TEXT, specs, out, chunk=2, **FAST)
     assert count_evaluate == []

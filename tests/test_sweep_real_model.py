@@ -7,7 +7,7 @@ import csv
 import pytest
 
 from walshkv.cli import main
-from walshkv.sweep import PRESETS, resolve_grid
+from walshkv.eval.sweep import PRESETS, resolve_grid
 
 pytestmark = pytest.mark.model
 

@@ -80,7 +80,7 @@ def rope_tables(model: Any) -> list[RopeTable] | None:
     """Every layer's RoPE table, read off the model's rotary module, or ``None`` if it has none.
 
     gemma3 keeps one table per layer type (``sliding_attention``: local base, ``full_attention``: global);
-    a PrimePE-modified table (:mod:`walshkv.lab.primepe`) is read as modified.
+    a PrimePE-modified table (:mod:`walshkv_research.primepe`) is read as modified.
 
     Raises:
         ValueError: partial rotary embeddings (rotary dim smaller than head_dim), not supported.

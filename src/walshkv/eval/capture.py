@@ -1,6 +1,6 @@
 """Capture a model's K (after and before RoPE) and V on real text, for the spectral lab.
 
-K after RoPE is what ``Cache.update`` receives (captured as :func:`walshkv.lab.rd.capture_window` does).
+K after RoPE is what ``Cache.update`` receives (captured as :func:`walshkv.eval.rd.capture_window` does).
 K before RoPE is recovered exactly by rotating every key back by its own angle: RoPE at position ``p``
 is the orthogonal map ``k' = k cos(p theta) + rotate_half(k) sin(p theta)``, so
 ``k = k' cos(p theta) - rotate_half(k') sin(p theta)`` (divided by the square of the table's attention
@@ -82,9 +82,9 @@ def capture_kv(
     """
     from tqdm.auto import tqdm
 
+    from walshkv.eval.rd import capture_window
     from walshkv.eval.windows import make_windows
     from walshkv.export.kv_mean_center import to_llamacpp_channel_order
-    from walshkv.lab.rd import capture_window
 
     if channel_order not in CHANNEL_ORDERS:
         raise ValueError(f"channel order must be one of {', '.join(CHANNEL_ORDERS)}, got {channel_order!r}")

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from walshkv.eval.harness import library_versions
-from walshkv.lab.report import command_line, write_result_files
+from walshkv.eval.outputs import command_line, write_result_files
 
 __all__ = [
     "DEFAULT_RD_CODECS",

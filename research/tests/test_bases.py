@@ -1,4 +1,4 @@
-"""Tests for walshkv.lab.bases: orthonormal real bases (Walsh, DCT, real DFT, Vilenkin, identity)."""
+"""Tests for walshkv_research.bases: orthonormal real bases (Walsh, DCT, real DFT, Vilenkin, identity)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,15 @@ import math
 
 import pytest
 import torch
+from walshkv_research.bases import (
+    BASIS_NAMES,
+    Basis,
+    default_bases,
+    default_vilenkin_radices,
+    make_basis,
+    real_dft_matrix,
+)
 
-from walshkv.lab.bases import BASIS_NAMES, Basis, default_bases, default_vilenkin_radices, make_basis, real_dft_matrix
 from walshkv.ops.hadamard import hadamard_matrix
 
 CASES = [

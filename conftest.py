@@ -13,7 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SHARED = Path(__file__).resolve().parent.parent / "shared"
 
 # Tests run small tensor ops; on a loaded 2-core machine torch's thread pool makes them far slower.
 torch.set_num_threads(1)

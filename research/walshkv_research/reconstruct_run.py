@@ -1,12 +1,12 @@
 """``walshkv reconstruct``: how well each basis reconstructs real K/V (and synthetic signals) from part
 of its coefficients, and the LLL experiment on quantized index vectors.
 
-Signals: K after RoPE, K before RoPE and V captured on real text (:mod:`walshkv.lab.capture`), at most
+Signals: K after RoPE, K before RoPE and V captured on real text (:mod:`walshkv.eval.capture`), at most
 ``vectors`` tokens per (layer, kv-head), and synthetic ``prime-harmonic``, ``chirp`` and ``noise``
-vectors of length head_dim (:func:`walshkv.lab.reconstruct.synthetic_signals`). Bases:
-:func:`walshkv.lab.bases.default_bases` (Walsh-Hadamard, DCT-II, real Fourier, a Vilenkin-Chrestenson
+vectors of length head_dim (:func:`walshkv_research.reconstruct.synthetic_signals`). Bases:
+:func:`walshkv_research.bases.default_bases` (Walsh-Hadamard, DCT-II, real Fourier, a Vilenkin-Chrestenson
 basis with head_dim zero-padded to a product of 3s and 5s, the exact-length radix-4 Vilenkin basis,
-identity). Modes as in :mod:`walshkv.lab.reconstruct`; ``fixed`` positions and the ``signs+amp``
+identity). Modes as in :mod:`walshkv_research.reconstruct`; ``fixed`` positions and the ``signs+amp``
 amplitude profile are computed per (layer, kv-head) of the real vectors (on the same vectors: an upper
 bound on what a calibrated table would give). Every row: mean Pearson correlation over vectors and
 relative MSE (sum of squared errors over sum of squares).
@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from walshkv.lab.bases import default_bases, make_basis
-from walshkv.lab.reconstruct import (
+from walshkv.eval.outputs import command_line, write_result_files
+from walshkv_research.bases import default_bases, make_basis
+from walshkv_research.reconstruct import (
     MODES,
     SIGN_MODES,
     SYNTHETIC_KINDS,
@@ -40,7 +41,6 @@ from walshkv.lab.reconstruct import (
     relative_mse,
     synthetic_signals,
 )
-from walshkv.lab.report import command_line, write_result_files
 
 __all__ = [
     "DEFAULT_FRACTIONS",
@@ -84,9 +84,9 @@ def measure_reconstruction(
     Args:
         signals: ``{name: [groups, vectors, d]}``; ``fixed`` positions and ``signs+amp`` amplitudes are
             computed per group.
-        bases: basis names (default :func:`~walshkv.lab.bases.default_bases` of ``d``).
+        bases: basis names (default :func:`~walshkv_research.bases.default_bases` of ``d``).
         fractions: kept fractions in ``(0, 1]``.
-        modes: modes from :data:`~walshkv.lab.reconstruct.MODES`.
+        modes: modes from :data:`~walshkv_research.reconstruct.MODES`.
         progress: show a progress bar.
 
     Returns:
@@ -345,9 +345,9 @@ def _floats(text: str) -> list[float]:
 
 def _cmd_reconstruct(args: argparse.Namespace) -> int:
     from walshkv.data import load_text
-    from walshkv.lab.capture import capture_kv
-    from walshkv.lab.spectrum import run_meta
+    from walshkv.eval.capture import capture_kv
     from walshkv.models import load_model
+    from walshkv_research.spectrum import run_meta
 
     bases = [b.strip() for b in args.basis.split(",")] if args.basis else None
     text = load_text(args.text)
@@ -385,7 +385,7 @@ def _cmd_reconstruct(args: argparse.Namespace) -> int:
 
 def add_reconstruct_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``walshkv reconstruct``."""
-    from walshkv.lab.spectrum import add_lab_model_args
+    from walshkv_research.spectrum import add_lab_model_args
 
     rp = sub.add_parser(
         "reconstruct",

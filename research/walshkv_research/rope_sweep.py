@@ -2,7 +2,7 @@
 
 The sweep cuts the text into windows (as ``walshkv eval`` does), runs every window once through the
 unmodified model with an uncompressed cache (the reference), then once per configuration: a generator
-(:data:`~walshkv.lab.primepe.GENERATORS`), a convention (``multiply``/``divide``), an alpha, and a cache
+(:data:`~walshkv_research.primepe.GENERATORS`), a convention (``multiply``/``divide``), an alpha, and a cache
 (uncompressed, or each ``--codec``, compressed on write). Each row has mean/p99 KLD against the
 reference, top-1 agreement and the perplexity ratio on the scored positions. The row with alpha 0 and
 no codec is the unmodified model itself (KLD 0, PPL ratio 1: a check of the harness); alpha 0 with a
@@ -27,8 +27,9 @@ import torch
 
 from walshkv.eval.harness import _forward, library_versions
 from walshkv.eval.metrics import TokenMetrics, compare_logits
+from walshkv.eval.outputs import command_line, write_result_files
 from walshkv.eval.windows import describe_scored, make_windows, scored_positions
-from walshkv.lab.primepe import (
+from walshkv_research.primepe import (
     CONVENTIONS,
     GENERATORS,
     PAIRINGS,
@@ -37,7 +38,6 @@ from walshkv.lab.primepe import (
     rotary_tables,
     write_rope_freqs,
 )
-from walshkv.lab.report import command_line, write_result_files
 
 __all__ = [
     "DEFAULT_ALPHAS",
@@ -97,9 +97,9 @@ def measure_rope_sweep(
         lm: a :class:`walshkv.models.LoadedModel`.
         text: a :class:`walshkv.data.Text` to evaluate on.
         alphas: blend weights in ``[0, 1]``; 0 is the unmodified rotary embedding.
-        generators: from :data:`~walshkv.lab.primepe.GENERATORS`.
+        generators: from :data:`~walshkv_research.primepe.GENERATORS`.
         conventions: ``multiply`` and/or ``divide``.
-        pairing: ``published`` or ``matched`` (see :mod:`walshkv.lab.primepe`).
+        pairing: ``published`` or ``matched`` (see :mod:`walshkv_research.primepe`).
         codecs: cache specs to compose with (every configuration also runs uncompressed).
         ctx, windows, score: as for ``walshkv eval``.
         calibration: for calibrated codecs (computed on the unmodified model).

@@ -1,6 +1,6 @@
 """``walshkv spectrum``: where K's and V's energy sits in the Walsh-Hadamard basis, per layer and band.
 
-For each captured kind (K after RoPE, K before RoPE, V; see :mod:`walshkv.lab.capture`) and every
+For each captured kind (K after RoPE, K before RoPE, V; see :mod:`walshkv.eval.capture`) and every
 (layer, kv-head), the orthonormal WHT of each token's vector gives coefficients ``c``; the energy of
 coefficient ``i`` is ``mean over tokens of c_i^2`` and its share is that over the sum of all shares.
 Coefficients are read in ``natural`` (Hadamard) and ``sequency`` (number of sign changes) order, and
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from walshkv.eval.harness import library_versions
-from walshkv.lab.report import command_line, write_result_files
+from walshkv.eval.outputs import command_line, write_result_files
 from walshkv.ops.hadamard import hadamard_transform
 from walshkv.ops.orders import coefficient_order
 
@@ -105,7 +105,7 @@ class SpectrumResult:
 
 
 def measure_spectrum(capture: Any, bands: int = 4, meta: dict[str, Any] | None = None) -> SpectrumResult:
-    """Band energies of a :class:`~walshkv.lab.capture.KVCapture` (see the module docstring).
+    """Band energies of a :class:`~walshkv.eval.capture.KVCapture` (see the module docstring).
 
     Args:
         capture: the captured K/V.
@@ -261,7 +261,7 @@ def run_meta(lm: Any, text: Any, capture: Any, command: str) -> dict[str, Any]:
         "ctx": capture.ctx,
         "window_starts": [w * capture.ctx for w in range(capture.windows)],
         "tokens": capture.windows * capture.ctx,
-        "k_pre_rope": "post-RoPE keys rotated back by their own angle (exact; see walshkv.lab.capture)",
+        "k_pre_rope": "post-RoPE keys rotated back by their own angle (exact; see walshkv.eval.capture)",
         "channel_order": capture.channel_order,
         "command": command,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -271,7 +271,7 @@ def run_meta(lm: Any, text: Any, capture: Any, command: str) -> dict[str, Any]:
 
 def _cmd_spectrum(args: argparse.Namespace) -> int:
     from walshkv.data import load_text
-    from walshkv.lab.capture import capture_kv
+    from walshkv.eval.capture import capture_kv
     from walshkv.models import load_model
 
     text = load_text(args.text)

@@ -8,10 +8,7 @@ import json
 
 import pytest
 import torch
-
-from walshkv.cli import main
-from walshkv.data import Text
-from walshkv.lab.primepe import (
+from walshkv_research.primepe import (
     frequency_factors,
     lattice,
     read_rope_freqs,
@@ -20,7 +17,10 @@ from walshkv.lab.primepe import (
     tier_counts,
     write_rope_freqs,
 )
-from walshkv.lab.rope_sweep import measure_rope_sweep, write_rope_outputs
+from walshkv_research.rope_sweep import measure_rope_sweep, write_rope_outputs
+
+from walshkv.cli import main
+from walshkv.data import Text
 from walshkv.models import LoadedModel, _describe
 
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(1200)))

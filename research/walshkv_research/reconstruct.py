@@ -1,7 +1,7 @@
 """Reconstruction of signals from a kept fraction of their coefficients in an orthonormal basis.
 
 Pure math on ``[vectors, d]`` tensors (float64 throughout); the bases come from
-:mod:`walshkv.lab.bases`. Modes:
+:mod:`walshkv_research.bases`. Modes:
 
 * ``"topk"``: per vector, keep the ``k`` largest-magnitude coefficients;
 * ``"fixed"``: keep the same ``k`` positions for every vector, those of largest mean energy;
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from walshkv.lab.bases import Basis, make_basis
+from walshkv_research.bases import Basis, make_basis
 
 __all__ = [
     "MODES",
@@ -261,7 +261,7 @@ def reconstruction_table(
 
     Args:
         x: ``[vectors, d]`` signals.
-        bases: basis names for :func:`walshkv.lab.bases.make_basis` at ``d = x.shape[-1]``.
+        bases: basis names for :func:`walshkv_research.bases.make_basis` at ``d = x.shape[-1]``.
         fractions: kept fractions in ``(0, 1]`` for ``"topk"`` / ``"fixed"``.
         modes: modes from :data:`MODES`.
 

@@ -6,14 +6,19 @@ import json
 
 import pytest
 import torch
+from walshkv_research.reconstruct_run import (
+    format_lll_table,
+    lll_measure,
+    measure_reconstruction,
+    write_reconstruct_outputs,
+)
+from walshkv_research.spectrum import coefficient_energy, fraction_for_energy, measure_spectrum, write_spectrum_outputs
 
 from walshkv.cli import main
 from walshkv.data import Text
+from walshkv.eval.capture import KVCapture, capture_kv, unrotate_keys
+from walshkv.eval.rd import capture_window
 from walshkv.export.kv_mean_center import to_llamacpp_channel_order
-from walshkv.lab.capture import KVCapture, capture_kv, unrotate_keys
-from walshkv.lab.rd import capture_window
-from walshkv.lab.reconstruct_run import format_lll_table, lll_measure, measure_reconstruction, write_reconstruct_outputs
-from walshkv.lab.spectrum import coefficient_energy, fraction_for_energy, measure_spectrum, write_spectrum_outputs
 from walshkv.models import LoadedModel, _describe
 
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(1200)))

@@ -1,4 +1,4 @@
-"""Tests for walshkv.lab.reconstruct: kept-fraction reconstruction in orthonormal bases."""
+"""Tests for walshkv_research.reconstruct: kept-fraction reconstruction in orthonormal bases."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import math
 
 import pytest
 import torch
-
-from walshkv.lab.bases import make_basis
-from walshkv.lab.reconstruct import (
+from walshkv_research.bases import make_basis
+from walshkv_research.reconstruct import (
     MODES,
     SYNTHETIC_KINDS,
     correlation,

@@ -618,7 +618,7 @@ def bench_markdown(result: dict[str, Any]) -> list[str]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from walshkv.lab.report import command_line, write_result_files
+    from walshkv.eval.outputs import command_line, write_result_files
 
     meta: dict[str, Any] = {
         "machine": machine_description(),

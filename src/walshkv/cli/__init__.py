@@ -497,19 +497,19 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--head-dim", type=int, default=64, help="head size for the bits column")
     co.set_defaults(func=_cmd_codecs)
 
-    from walshkv.sweep import add_sweep_parser
+    from walshkv.eval.sweep import add_sweep_parser
 
     add_sweep_parser(sub)
-    from walshkv.lab.rd import add_rd_parser
+    from walshkv.eval.rd import add_rd_parser
 
     add_rd_parser(sub)
-    from walshkv.lab.rope_sweep import add_rope_parser
+    from walshkv_research.rope_sweep import add_rope_parser
 
     add_rope_parser(sub)
-    from walshkv.lab.spectrum import add_spectrum_parser
+    from walshkv_research.spectrum import add_spectrum_parser
 
     add_spectrum_parser(sub)
-    from walshkv.lab.reconstruct_run import add_reconstruct_parser
+    from walshkv_research.reconstruct_run import add_reconstruct_parser
 
     add_reconstruct_parser(sub)
     from walshkv.bench import add_bench_parser

@@ -1,1 +1,0 @@
-"""Research code: measurements that are not part of the cache/eval core (``walshkv rd``, ...)."""
