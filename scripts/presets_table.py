@@ -4,7 +4,7 @@ Usage: python scripts/presets_table.py docs/results > docs/results/presets/table
 
 Reads, per model, docs/results/presets/MODEL/{eval,builtin}-B.json (``walshkv eval`` of the
 preset chosen by ``walshkv recommend`` for that model, and of the built-in spec) and the peers'
-rows docs/results/peers/MODEL/rows/*.json (docs/baselines-reproduce.sh). Both use Austen's Emma,
+rows docs/results/peers/MODEL/rows/*.json (scripts/baselines-reproduce.sh). Both use Austen's Emma,
 8 windows of 512 tokens, second half scored; calibration and choice used Python's docs only.
 """
 
@@ -14,7 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-BUDGETS = ("3", "3.5", "4.5")
+from walshkv.presets import PRESET_BUDGETS
+
+BUDGETS = tuple(name.split(":", 1)[1] for name in PRESET_BUDGETS)  # "3", "3.5", "4.5"
 MODELS = ("smollm2-135m", "qwen2.5-1.5b", "gemma3-270m")
 # (model, preset) -> mean KLD target, from the issue; every preset also needs top-1 >= 85%.
 TARGETS = {
@@ -139,11 +141,14 @@ def _targets(model: str, presets: dict[str, dict], peers: list[dict]) -> list[st
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     root = Path(argv[0] if argv else "docs/results")
     print("### Presets against every peer, on text not used for calibration\n")
     print(
-        "Written by `python scripts/presets_table.py docs/results` from `docs/presets-reproduce.sh` and "
-        "`docs/baselines-reproduce.sh`. Peer rows: every llama.cpp type, KIVI, TurboQuant-class and Hugging "
+        "Written by `python scripts/presets_table.py docs/results` from `scripts/presets-reproduce.sh` and "
+        "`scripts/baselines-reproduce.sh`. Peer rows: every llama.cpp type, KIVI, TurboQuant-class and Hugging "
         "Face QuantizedCache row at <= 4.5 bits per element, plus q8_0 K / q4_0 V (6.5).\n"
     )
     for model in MODELS:

@@ -2,7 +2,7 @@
 
 Usage: python scripts/vht2_claims.py docs/results/vht2 > docs/results/vht2/claims.md
 
-Reads the sweep results written by docs/vht2-reproduce.sh
+Reads the sweep results written by scripts/vht2-reproduce.sh
 (``<root>/<model>/<grid>/results.csv``) and prints, per model, each claim with the numbers that
 test it and a verdict computed by the rules stated in the table. Nothing is typed by hand.
 """
@@ -213,7 +213,7 @@ def claims(rows: dict[str, dict[str, float]], head_dim: int) -> list[tuple[str, 
 def main(root: str) -> None:
     base = Path(root)
     print("### VHT2 claims, measured\n")
-    print(f"Written by `python scripts/vht2_claims.py {root}` from the sweep results of `docs/vht2-reproduce.sh`.")
+    print(f"Written by `python scripts/vht2_claims.py {root}` from the sweep results of `scripts/vht2-reproduce.sh`.")
     print("KLD = mean KL divergence per scored token against the uncompressed cache (nats).\n")
     head_dims = {"smollm2-135m": 64, "qwen2.5-1.5b": 128}
     for model in sorted(p.name for p in base.iterdir() if p.is_dir()):

@@ -19,7 +19,11 @@ SRC = ROOT / "src" / "walshkv"
 # Bottom to top. A module may import modules of its own layer or of any layer below it, never above.
 # Keep this table and the diagram in docs/architecture.md the same.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("walshkv.constants", "walshkv.defaults"),  # names and protocol defaults: imports nothing of walshkv
+    (
+        "walshkv._version",
+        "walshkv.constants",
+        "walshkv.defaults",
+    ),  # names and protocol defaults: imports nothing of walshkv
     ("walshkv.ops",),  # pure math on tensors
     ("walshkv.codecs",),  # codecs, wrappers, registry, spec grammar, the calibration protocol
     ("walshkv.export",),  # GGUF files other tools read (K mean, eq+ transforms)

@@ -25,6 +25,22 @@ def test_attention_rows():
     assert next(r for r in rows if r["method"] == "vzc")["backend"] == "reference"
 
 
+def test_attention_reference_backend_and_check():
+    """What benchmarks/decode_attention.py did besides ``walshkv bench``: the reference backend timed too, and
+    every packed result checked against SDPA over the decoded cache."""
+    rows = bench_attention([64], ["int4", "vzc"], repeats=1, reference=True, check=True, progress=False)
+    methods = [r["method"] for r in rows]
+    assert methods == ["sdpa-fp16", "sdpa-bf16", "sdpa-fp32", "int4", "int4 (reference)", "vzc", "vzc (reference)"]
+    by = {r["method"]: r for r in rows}
+    assert by["int4"]["backend"] == "cpu" and by["int4 (reference)"]["backend"] == "reference"
+    assert by["int4 (reference)"]["cache_bytes"] == by["int4"]["cache_bytes"]
+    for m in methods[3:]:
+        assert by[m]["max_abs_err_vs_sdpa_on_decoded"] < 1e-4
+    assert "encode_ms" in by["int4"] and "encode_ms" not in by["int4 (reference)"]
+    plain = bench_attention([64], ["int4"], repeats=1, progress=False)
+    assert "max_abs_err_vs_sdpa_on_decoded" not in plain[-1] and len(plain) == 4  # off by default
+
+
 def test_crossover():
     def row(ctx, kind, x):
         return {"ctx": ctx, "cache": kind, "speedup_vs_dynamic": x}

@@ -47,9 +47,9 @@ class SpyCodec:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def encode(self, x):
+    def encode(self, x, start=0):
         self.tokens += x.shape[2]
-        return self.inner.encode(x)
+        return self.inner.encode(x, start)
 
 
 def test_model_prefill_sees_compressed_kv(tiny_llama):
@@ -302,7 +302,7 @@ def test_compressed_smaller_than_dynamic_fp16(tiny_llama):
 
 def test_packed_store_grows_in_place_and_bounded():
     """Writes land in a preallocated store (no torch.cat of the cache per step); growth is by 1/8."""
-    from walshkv.cache import _GRANULE, _GROWTH
+    from walshkv.cache.store import GRANULE, GROWTH
 
     cache = CompressedCache("int4")
     k, v = _kv(batch=1, seq=100)
@@ -310,7 +310,7 @@ def test_packed_store_grows_in_place_and_bounded():
     layer = cache.layers[0]
     ptr = layer.packed_k.tensors["codes"].data_ptr()
     capacity = layer._store_k.seq_len
-    assert capacity % _GRANULE == 0 and capacity >= 100
+    assert capacity % GRANULE == 0 and capacity >= 100
     grown = 0
     for _ in range(400):
         k1, v1 = _kv(batch=1, seq=1)
@@ -318,14 +318,14 @@ def test_packed_store_grows_in_place_and_bounded():
         held = layer.packed_k.seq_len
         if layer._store_k.seq_len != capacity:  # a write that did not fit: one copy into a larger store
             grown += 1
-            assert layer._store_k.seq_len <= _GROWTH * capacity + _GRANULE
+            assert layer._store_k.seq_len <= GROWTH * capacity + GRANULE
             capacity = layer._store_k.seq_len
             ptr = layer.packed_k.tensors["codes"].data_ptr()
         assert layer.packed_k.tensors["codes"].data_ptr() == ptr  # otherwise written in place
-        assert held <= capacity <= max(_GROWTH * held, held) + _GRANULE
+        assert held <= capacity <= max(GROWTH * held, held) + GRANULE
     assert 0 < grown < 40
     assert cache.nbytes() == cache.layout_nbytes()  # nbytes counts the tokens held, not the capacity
-    assert cache.nbytes() < cache.reserved_nbytes() <= _GROWTH * cache.nbytes() + 2 * _GRANULE * 34
+    assert cache.nbytes() < cache.reserved_nbytes() <= GROWTH * cache.nbytes() + 2 * GRANULE * 34
     ref = torch.cat([parse_codec("int4").decode(parse_codec("int4").encode(t)) for t in (k,)], dim=2)
     assert torch.equal(cache.layers[0].spec.k.decode(layer.packed_k.slice_seq(0, 100)), ref)
 

@@ -8,11 +8,12 @@ from transformers import DynamicCache
 
 from conftest import ToyTokenizer
 from walshkv import CompressedCache
-from walshkv.calibration import KVStats, collect_kv_stats
+from walshkv.calibration import KVStats, MergedCalibration, collect_kv_stats
+from walshkv.codecs.calibration import Calibration, Statistics
 from walshkv.codecs.spec import parse_cache_spec
 from walshkv.codecs.vht2 import VHT2Codec, allocate_bits
-from walshkv.data import Text
-from walshkv.eval.windows import make_windows
+from walshkv.data import Text, make_windows
+from walshkv.export import KMeanBias
 from walshkv.models import LoadedModel, _describe
 from walshkv.ops.hadamard import hadamard_transform
 from walshkv.ops.orders import variance_order
@@ -221,3 +222,16 @@ def test_uncalibrated_spec_ignores_calibration(tiny_llama, tiny_lm, stats: KVSta
     cache = CompressedCache("vht2:5,5,4,3/vht2:3", config=tiny_llama.config, calibration=stats)
     _forward(tiny_llama, cache, _ids(tiny_lm))
     assert all(layer.spec is cache.cache_spec for layer in cache.layers)
+
+
+# ---- the Calibration protocol ------------------------------------------------------------------------
+
+
+def test_statistics_files_and_merged_calibration_satisfy_the_protocol(stats: KVStats) -> None:
+    """What ``bind`` reads (walshkv.codecs.calibration): statistics provide every part, a file the file parts."""
+    bias = KMeanBias(torch.zeros(LAYERS, KV_HEADS, HEAD_DIM, dtype=torch.float64), "plain", "llama", "f.gguf")
+    merged = MergedCalibration(stats, bias)
+    for obj in (stats, merged):
+        assert isinstance(obj, Statistics) and isinstance(obj, Calibration)
+    assert isinstance(bias, Calibration) and not isinstance(bias, Statistics)  # a file holds no per-channel moments
+    assert merged.k_basis == bias.k_basis == stats.k_basis == "post-rope"

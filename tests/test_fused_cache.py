@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from walshkv.attention.chunked import chunked_attention
 from walshkv.cache import CompressedCache, enable_fused_attention
 from walshkv.codecs import parse_cache_spec
-from walshkv.ops.attention_chunked import chunked_attention
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_fused_attention_with_other_caches_and_padding(gqa_llama):
 def test_fused_mask_skips_only_the_plain_causal_mask():
     from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
-    from walshkv.cache import _fused_mask
+    from walshkv.cache.fused import _fused_mask
 
     common = {"batch_size": 1, "q_length": 4, "kv_length": 10, "q_offset": 6, "device": "cpu"}
     no_padding = torch.ones(1, 10, dtype=torch.bool)

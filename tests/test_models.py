@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import FrozenInstanceError
+
 import pytest
 
-from walshkv.models import MODELS, is_cached, load_model
+from walshkv.models import MODELS, LoadedModel, ModelShape, _describe, is_cached, load_model
 
 
 def test_registry_matches_shared_readme():
@@ -43,3 +45,15 @@ def test_hub_id_offline_fails_fast_with_offline_models(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match=r"hub is not reachable.*smollm2-135m"):
         load_model("SomeOrg/some-model")
+
+
+def test_loaded_model_shape_is_its_info_typed(tiny_llama, toy_tokenizer):
+    lm = LoadedModel(tiny_llama, toy_tokenizer, "tiny-llama", "test", _describe(tiny_llama))
+    assert lm.shape == ModelShape.of(tiny_llama) and lm.shape.as_info() == lm.info
+    assert list(lm.info) == ["arch", "layers", "q_heads", "kv_heads", "head_dim", "params"]
+    assert (lm.shape.arch, lm.shape.layers, lm.shape.kv_heads, lm.shape.head_dim) == ("llama", 2, 2, 16)
+    with pytest.raises(FrozenInstanceError):
+        lm.shape.head_dim = 32  # type: ignore[misc]
+    assert LoadedModel(tiny_llama, toy_tokenizer, "tiny-llama", "test").info == lm.info  # read off the model
+    with pytest.raises(ValueError, match="model info lacks head_dim"):
+        ModelShape.from_info({k: v for k, v in lm.info.items() if k != "head_dim"})

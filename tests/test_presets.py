@@ -10,6 +10,7 @@ import torch
 import walshkv.data
 import walshkv.models
 from walshkv.cache import CompressedCache
+from walshkv.calibration import collect_kv_stats
 from walshkv.cli import main
 from walshkv.codecs import parse_cache_spec
 from walshkv.data import Text
@@ -21,12 +22,11 @@ from walshkv.presets import (
     PRESET_BUDGETS,
     candidates_for,
     k_mean_basis,
-    recommend,
     resolve_preset,
     resolve_specs,
-    split_text,
     write_preset_file,
 )
+from walshkv.recommend import allocate_layers, recommend, shift_width, split_text
 
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(3000)))
 
@@ -76,8 +76,6 @@ def test_k_mean_basis_and_split_text():
 
 
 def test_preset_file_round_trip_and_model_check(hd64_lm, tmp_path):
-    from walshkv.calibration import collect_kv_stats
-
     stats = collect_kv_stats(hd64_lm, TEXT, tokens=128, ctx=64, progress=False)
     preset = resolve_preset("walshkv:4.5")
     path = tmp_path / "p.gguf"
@@ -133,7 +131,7 @@ def test_cli_recommend_never_reads_the_evaluation_text(hd64_lm, tmp_path, monkey
     stdout = capsys.readouterr().out
     assert "winner for walshkv:3.5" in stdout and "mean KLD" in stdout and "per-layer widths from" in stdout
     saved = json.loads((tmp_path / "r.json").read_text())
-    assert len(saved["per_layer"]["moves"]) == 4 * hd64_lm.info["layers"]
+    assert len(saved["per_layer"]["moves"]) == 4 * hd64_lm.shape.layers
     assert saved["winner"] in {saved["per_layer"]["spec"], saved["per_layer"]["base"], saved["results"][0]["codec"]}
     bias = read_kv_mean_center(out)
     assert bias.meta["walshkv.preset.spec"] == saved["winner"] and bias.meta["walshkv.preset.budget"] == "3.5"
@@ -161,8 +159,6 @@ def test_cli_calibrate_preset_then_eval(hd64_lm, tmp_path, monkeypatch, capsys):
 
 
 def test_shift_width():
-    from walshkv.presets import shift_width
-
     assert shift_width("center+tq:4", 0.5) == "center+tq:4.5"
     assert shift_width("tq:2.5", -0.5) == "tq:2"
     assert shift_width("tq:8", 0.5) is None and shift_width("tq:1", -0.5) is None
@@ -170,7 +166,7 @@ def test_shift_width():
 
 
 def test_layered_spec_runs_in_a_cache_and_counts_bits(hd64_lm):
-    layers = hd64_lm.info["layers"]
+    layers = hd64_lm.shape.layers
     spec = f"layers:tq:5/tq:4@0;tq:3/tq:2@{layers - 1};tq:4/tq:3"
     cache = CompressedCache(spec, config=hd64_lm.model.config)
     with torch.inference_mode():
@@ -185,14 +181,11 @@ def test_layered_spec_runs_in_a_cache_and_counts_bits(hd64_lm):
 
 
 def test_allocate_layers_pairs_moves_within_the_budget(hd64_lm):
-    from walshkv.calibration import collect_kv_stats
-    from walshkv.presets import allocate_layers
-
     calib, select = split_text(TEXT)
     stats = collect_kv_stats(hd64_lm, calib, tokens=128, ctx=64, progress=False)
     base = "center+tq:4/tq:2.5"
     plan = allocate_layers(hd64_lm, select, stats, base, windows=2, ctx=64, progress=False)
-    layers = hd64_lm.info["layers"]
+    layers = hd64_lm.shape.layers
     assert plan is not None and plan.base == base and len(plan.moves) == 4 * layers
     assert {m["delta"] for m in plan.moves} == {0.5, -0.5}
     ups = [m for m in plan.chosen if m["delta"] > 0]
@@ -208,13 +201,10 @@ def test_allocate_layers_pairs_moves_within_the_budget(hd64_lm):
 
 
 def test_allocate_layers_keeps_the_sink_and_spends_unused_bits(hd64_lm):
-    from walshkv.calibration import collect_kv_stats
-    from walshkv.presets import allocate_layers
-
     calib, select = split_text(TEXT)
     stats = collect_kv_stats(hd64_lm, calib, tokens=128, ctx=64, progress=False)
     base = "sink:1:center+tq:4/tq:2.5"
-    layers = hd64_lm.info["layers"]
+    layers = hd64_lm.shape.layers
     one_raise = 0.5 / 2 / layers  # one layer's K or V half a bit wider
     budget = parse_cache_spec(base).bits_at(64, 64, layers) + 1.5 * one_raise
     plan = allocate_layers(hd64_lm, select, stats, base, windows=2, ctx=64, budget=budget, progress=False)

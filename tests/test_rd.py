@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import walshkv.eval.rd as rd
+import walshkv.eval.rd_report as rd_report
 import walshkv.models
 from walshkv.cli import main
 from walshkv.data import Text
@@ -168,7 +169,7 @@ def test_plot_skipped_without_matplotlib(tmp_path, tiny_lm, monkeypatch, capsys)
     def no_mpl(*a, **k):
         raise ImportError("no matplotlib")
 
-    monkeypatch.setattr(rd, "plot_rd", no_mpl)
+    monkeypatch.setattr(rd_report, "plot_rd", no_mpl)
     res = measure_rd(tiny_lm, TEXT, ["int4"], tokens=64, ctx=64, progress=False)
     written = rd.write_rd_outputs(res, tmp_path)
     assert [p.name for p in written] == ["rd.json", "rd.csv", "rd.md"]

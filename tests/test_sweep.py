@@ -47,7 +47,7 @@ def count_evaluate(monkeypatch):
         calls.append(list(codecs))
         return real(lm, text, codecs, **kw)
 
-    monkeypatch.setattr(walshkv.eval, "evaluate", counting)
+    monkeypatch.setattr(walshkv.eval.sweep, "evaluate", counting)
     return calls
 
 

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+
+from walshkv.ops.hadamard import hadamard_matrix
 from walshkv_research.bases import (
     BASIS_NAMES,
     Basis,
@@ -14,8 +16,6 @@ from walshkv_research.bases import (
     make_basis,
     real_dft_matrix,
 )
-
-from walshkv.ops.hadamard import hadamard_matrix
 
 CASES = [
     ("walsh", 8),

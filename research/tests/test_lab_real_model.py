@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from walshkv_research.rope_sweep import measure_rope_sweep
 
+from walshkv.cli import main
 from walshkv.data import load_text
 from walshkv.eval.capture import unrotate_keys
 from walshkv.eval.rd import capture_window
+from walshkv_research.primepe import read_rope_freqs
+from walshkv_research.rope_sweep import measure_rope_sweep
 
 pytestmark = pytest.mark.model
 
@@ -45,10 +47,6 @@ def test_rope_sweep_identity_and_a_real_change(smollm2):
 
 
 def test_rope_factors_cli_writes_rope_freqs(smollm2, tmp_path, capsys):
-    from walshkv_research.primepe import read_rope_freqs
-
-    from walshkv.cli import main
-
     out = tmp_path / "primepe.gguf"
     assert main(["rope", "factors", "--alpha", "0.2", "--convention", "multiply", "-o", str(out), "--quiet"]) == 0
     assert "rope_freqs.weight (32 values" in capsys.readouterr().out

@@ -6,8 +6,13 @@ from __future__ import annotations
 import csv
 import json
 
+import gguf
 import pytest
 import torch
+
+from walshkv.cli import main
+from walshkv.data import Text
+from walshkv.models import LoadedModel, _describe
 from walshkv_research.primepe import (
     frequency_factors,
     lattice,
@@ -17,11 +22,8 @@ from walshkv_research.primepe import (
     tier_counts,
     write_rope_freqs,
 )
-from walshkv_research.rope_sweep import measure_rope_sweep, write_rope_outputs
-
-from walshkv.cli import main
-from walshkv.data import Text
-from walshkv.models import LoadedModel, _describe
+from walshkv_research.rope_report import write_rope_outputs
+from walshkv_research.rope_sweep import measure_rope_sweep
 
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(1200)))
 THETA = torch.tensor([1.0, 0.1, 0.01, 0.001], dtype=torch.float64)
@@ -120,8 +122,6 @@ def test_restored_after_an_exception(tiny_llama):
 
 @pytest.mark.parametrize("convention", ["multiply", "divide"])
 def test_rope_freqs_gguf_round_trip(tmp_path, convention):
-    import gguf
-
     f = frequency_factors(THETA, "composite", 0.2)
     path = write_rope_freqs(tmp_path / "r.gguf", f, convention, {"alpha": 0.2, "generator": "composite"})
     back = read_rope_freqs(path)

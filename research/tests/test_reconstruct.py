@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from walshkv_research.bases import make_basis
 from walshkv_research.reconstruct import (
     MODES,

@@ -6,13 +6,6 @@ import json
 
 import pytest
 import torch
-from walshkv_research.reconstruct_run import (
-    format_lll_table,
-    lll_measure,
-    measure_reconstruction,
-    write_reconstruct_outputs,
-)
-from walshkv_research.spectrum import coefficient_energy, fraction_for_energy, measure_spectrum, write_spectrum_outputs
 
 from walshkv.cli import main
 from walshkv.data import Text
@@ -20,6 +13,10 @@ from walshkv.eval.capture import KVCapture, capture_kv, unrotate_keys
 from walshkv.eval.rd import capture_window
 from walshkv.export.kv_mean_center import to_llamacpp_channel_order
 from walshkv.models import LoadedModel, _describe
+from walshkv_research.reconstruct_report import format_lll_table, write_reconstruct_outputs
+from walshkv_research.reconstruct_run import lll_measure, measure_reconstruction
+from walshkv_research.spectrum import coefficient_energy, fraction_for_energy, measure_spectrum
+from walshkv_research.spectrum_report import write_spectrum_outputs
 
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(1200)))
 

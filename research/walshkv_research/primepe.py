@@ -45,8 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
+
+from walshkv.constants import Keys
 
 __all__ = [
     "CONVENTIONS",
@@ -69,7 +72,7 @@ TIERS: tuple[tuple[int, int, float], ...] = ((4, 101, 0.25), (102, 1009, 0.33), 
 GENERATORS = ("geometric", "composite", "prime")
 CONVENTIONS = ("multiply", "divide")
 PAIRINGS = ("published", "matched")
-_TENSOR = "rope_freqs.weight"
+_TENSOR = Keys.Rope.FREQS_TENSOR
 
 
 def _check(name: str, value: str, allowed: Sequence[str]) -> None:
@@ -218,8 +221,6 @@ def write_rope_freqs(
     reproduces the convention the factors were measured under. ``meta`` (strings and numbers) is stored
     under ``walshkv.rope.``, with the convention.
     """
-    import gguf
-
     _check("convention", convention, CONVENTIONS)
     f = factors.detach().to(torch.float64).flatten().cpu()
     if f.numel() < 1 or not bool(torch.isfinite(f).all()) or bool((f <= 0).any()):
@@ -227,11 +228,11 @@ def write_rope_freqs(
     divisor = f if convention == "divide" else 1.0 / f
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), arch="rope_freqs")
-    writer.add_string("walshkv.rope.convention", convention)
-    writer.add_string("walshkv.rope.tensor_meaning", "llama.cpp divides the angle of pair i by rope_freqs[i]")
+    writer = gguf.GGUFWriter(str(path), arch=Keys.Rope.FREQS_ARCH)
+    writer.add_string(Keys.Rope.CONVENTION, convention)
+    writer.add_string(Keys.Rope.TENSOR_MEANING, "llama.cpp divides the angle of pair i by rope_freqs[i]")
     for key, value in (meta or {}).items():
-        name = f"walshkv.rope.{key}"
+        name = Keys.Rope.PREFIX + key
         if isinstance(value, bool) or value is None:
             writer.add_string(name, str(value))
         elif isinstance(value, int):
@@ -250,8 +251,6 @@ def write_rope_freqs(
 
 def read_rope_freqs(path: str | Path) -> RopeFreqs:
     """Read a ``rope_freqs`` GGUF back; errors name the problem (missing, not GGUF, truncated, no tensor)."""
-    import gguf
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no rope_freqs file at {path}: write one with `walshkv rope factors -o FILE`")
@@ -277,9 +276,9 @@ def read_rope_freqs(path: str | Path) -> RopeFreqs:
         raise ValueError(f"{path}: {_TENSOR} holds non-positive or non-finite values")
     meta: dict[str, Any] = {}
     for key, fld in reader.fields.items():
-        if key.startswith("walshkv.rope."):
+        if key.startswith(Keys.Rope.PREFIX):
             part = fld.parts[fld.data[0]]
-            meta[key.removeprefix("walshkv.rope.")] = (
+            meta[key.removeprefix(Keys.Rope.PREFIX)] = (
                 bytes(part).decode("utf-8") if fld.types[0] == gguf.GGUFValueType.STRING else part.tolist()[0]
             )
     return RopeFreqs(data, meta)

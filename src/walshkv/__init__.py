@@ -1,11 +1,12 @@
 """walshkv: compress transformer KV caches and measure honestly what it costs.
 
-Tensor layout everywhere: ``[batch, num_kv_heads, seq_len, head_dim]``.
+Tensor layout everywhere: ``[batch, num_kv_heads, seq_len, head_dim]``. The package's map (which module
+may import which) is docs/architecture.md.
 """
 
+from walshkv._version import __version__
+from walshkv.cache import CompressedCache
 from walshkv.codecs import CacheSpec, Codec, Packed, parse_cache_spec, parse_codec
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CacheSpec",
@@ -16,11 +17,3 @@ __all__ = [
     "parse_cache_spec",
     "parse_codec",
 ]
-
-
-def __getattr__(name: str):
-    if name == "CompressedCache":
-        from walshkv.cache import CompressedCache
-
-        return CompressedCache
-    raise AttributeError(f"module 'walshkv' has no attribute {name!r}")

@@ -17,13 +17,25 @@ by its own position) and the model's RoPE tables; :meth:`KVStats.pre_rope` is th
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm.auto import tqdm
 
+from walshkv.cache.recording import RecordingCache
+from walshkv.data import make_windows
+from walshkv.defaults import CALIB_TOKENS, CTX
+from walshkv.export import KMeanBias
+from walshkv.models import LoadedModel, recording_queries
+from walshkv.ops.equalize import k_equalizer as fit_equalizer
 from walshkv.ops.hadamard import hadamard_transform
 from walshkv.ops.rope import RopeTable, rope_tables, undo_rope
+
+if TYPE_CHECKING:
+    from walshkv.constants import Basis, KBasis, Kind
+    from walshkv.data import Text
 
 __all__ = ["KVStats", "MergedCalibration", "collect_kv_stats"]
 
@@ -34,6 +46,8 @@ KINDS = ("k", "v")
 @dataclass
 class KVStats:
     """Per-layer K/V moments: ``sums[(kind, basis)]`` is ``[layers, kv_heads, head_dim]``.
+
+    Satisfies :class:`walshkv.codecs.calibration.Statistics` (every part a codec's ``bind`` may read).
 
     Attributes:
         model: model name the statistics belong to.
@@ -59,12 +73,12 @@ class KVStats:
     v_sum1: torch.Tensor | None = None  # [layers, kv_heads, head_dim], positions >= 1
     o_metric: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim]: sum of W_oᵀW_o over a group
     q_count: torch.Tensor | None = None  # [layers]
-    k_basis: str = "post-rope"  # "pre-rope": the K and query statistics are before RoPE (pre_rope())
+    k_basis: KBasis = "post-rope"  # "pre-rope": the K and query statistics are before RoPE (pre_rope())
     pre: dict[Any, Any] = field(default_factory=dict)  # K/query statistics before RoPE (see pre_rope)
     rope_inv_freq: torch.Tensor | None = None  # [layers, head_dim / 2]: each layer's RoPE table
     rope_scaling: torch.Tensor | None = None  # [layers]
 
-    def _check(self, kind: str, basis: str, layer: int) -> None:
+    def _check(self, kind: Kind, basis: str, layer: int) -> None:
         if kind not in KINDS or basis not in BASES:
             raise ValueError(f"kind must be one of {KINDS} and basis one of {BASES}, got {kind!r}, {basis!r}")
         if not 0 <= layer < self.num_layers:
@@ -73,19 +87,19 @@ class KVStats:
                 "(a calibration made for another model?)"
             )
 
-    def mean(self, kind: str, layer: int, basis: str = "plain") -> torch.Tensor:
+    def mean(self, kind: Kind, layer: int, basis: str = "plain") -> torch.Tensor:
         """Mean ``[kv_heads, head_dim]`` of K or V in ``basis`` for ``layer``."""
         self._check(kind, basis, layer)
         assert self.counts is not None
         return self.sums[(kind, basis)][layer] / self.counts[layer].clamp_min(1)
 
-    def k_bias(self, layer: int, basis: str) -> torch.Tensor:
+    def k_bias(self, layer: int, basis: Basis) -> torch.Tensor:
         """Mean K ``[kv_heads, head_dim]`` for ``center+``: ``plain`` or ``rot`` (WHT) basis."""
         if basis not in ("plain", "rot"):
             raise ValueError(f"basis must be 'plain' or 'rot', got {basis!r}")
         return self.mean("k", layer, "wht" if basis == "rot" else "plain")
 
-    def variance(self, kind: str, layer: int, basis: str = "wht") -> torch.Tensor:
+    def variance(self, kind: Kind, layer: int, basis: str = "wht") -> torch.Tensor:
         """Variance ``[kv_heads, head_dim]`` of K or V in ``basis`` for ``layer``."""
         self._check(kind, basis, layer)
         assert self.counts is not None
@@ -93,7 +107,7 @@ class KVStats:
         mean = self.sums[(kind, basis)][layer] / n
         return (self.sq_sums[(kind, basis)][layer] / n - mean**2).clamp_min(0.0)
 
-    def covariance(self, kind: str, layer: int) -> torch.Tensor:
+    def covariance(self, kind: Kind, layer: int) -> torch.Tensor:
         """K or V covariance ``[kv_heads, head_dim, head_dim]`` (float64) of ``layer``, first tokens left out."""
         self._check(kind, "plain", layer)
         outer, sums = (self.k_outer, self.k_sum1) if kind == "k" else (self.v_outer, self.v_sum1)
@@ -119,9 +133,7 @@ class KVStats:
 
     def k_equalizer(self, layer: int) -> torch.Tensor:
         """The ``eq+`` K transform ``[kv_heads, head_dim, head_dim]`` of ``layer`` (float32)."""
-        from walshkv.ops.equalize import k_equalizer
-
-        return k_equalizer(self.k_covariance(layer), self.query_moment(layer)).to(torch.float32)
+        return fit_equalizer(self.k_covariance(layer), self.query_moment(layer)).to(torch.float32)
 
     def v_covariance(self, layer: int) -> torch.Tensor:
         """V covariance of ``layer`` (:meth:`covariance`)."""
@@ -140,16 +152,14 @@ class KVStats:
     def v_equalizer(self, layer: int) -> torch.Tensor:
         """The ``eq+`` V transform ``[kv_heads, head_dim, head_dim]`` of ``layer`` (float32): V's error as
         the output projection sees it, in place of the queries' view of K's."""
-        from walshkv.ops.equalize import k_equalizer
+        return fit_equalizer(self.v_covariance(layer), self.output_metric(layer)).to(torch.float32)
 
-        return k_equalizer(self.v_covariance(layer), self.output_metric(layer)).to(torch.float32)
-
-    def equalizers(self, kind: str) -> torch.Tensor:
+    def equalizers(self, kind: Kind) -> torch.Tensor:
         """Every layer's ``eq+`` transform, K (``"k"``) or V (``"v"``): ``[layers, kv_heads, d, d]``."""
         one = self.k_equalizer if kind == "k" else self.v_equalizer
         return torch.stack([one(i) for i in range(self.num_layers)])
 
-    def rope_table(self, layer: int) -> Any:
+    def rope_table(self, layer: int) -> RopeTable:
         """``layer``'s RoPE table (:class:`walshkv.ops.rope.RopeTable`), as read off the model."""
         self._check("k", "plain", layer)
         if self.rope_inv_freq is None or self.rope_scaling is None:
@@ -200,65 +210,66 @@ class KVStats:
 
 
 class MergedCalibration:
-    """Statistics from text (``stats``) with the K bias taken from a file (``bias``)."""
+    """Statistics from text (``stats``) with the K bias taken from a file (``bias``).
 
-    def __init__(self, stats: KVStats, bias: Any) -> None:
+    Satisfies :class:`walshkv.codecs.calibration.Statistics`: the K mean (and the ``eq+`` transforms the file
+    holds) come from the file, everything else from the statistics.
+    """
+
+    def __init__(self, stats: KVStats, bias: KMeanBias) -> None:
         self.stats = stats
         self.bias = bias
         self.text = stats.text
 
-    def k_bias(self, layer: int, basis: str) -> torch.Tensor:
+    def k_bias(self, layer: int, basis: Basis) -> torch.Tensor:
+        """The file's K mean ``[kv_heads, head_dim]`` of ``layer`` in ``basis``."""
         return self.bias.k_bias(layer, basis)
 
-    def mean(self, kind: str, layer: int, basis: str = "plain") -> torch.Tensor:
+    def mean(self, kind: Kind, layer: int, basis: str = "plain") -> torch.Tensor:
+        """The statistics' mean ``[kv_heads, head_dim]`` (:meth:`KVStats.mean`)."""
         return self.stats.mean(kind, layer, basis)
 
-    def variance(self, kind: str, layer: int, basis: str = "wht") -> torch.Tensor:
+    def variance(self, kind: Kind, layer: int, basis: str = "wht") -> torch.Tensor:
+        """The statistics' variance ``[kv_heads, head_dim]`` (:meth:`KVStats.variance`)."""
         return self.stats.variance(kind, layer, basis)
 
     def k_equalizer(self, layer: int) -> torch.Tensor:
         """The file's ``eq+`` K transform where it holds one, else the one of the statistics."""
-        if getattr(self.bias, "has_k_equalizer", False):
+        if self.bias.has_k_equalizer:
             return self.bias.k_equalizer(layer)
         return self.stats.k_equalizer(layer)
 
     def v_equalizer(self, layer: int) -> torch.Tensor:
         """The file's ``eq+`` V transform where it holds one, else the one of the statistics."""
-        if getattr(self.bias, "has_v_equalizer", False):
+        if self.bias.has_v_equalizer:
             return self.bias.v_equalizer(layer)
         return self.stats.v_equalizer(layer)
 
     @property
-    def k_basis(self) -> str:
-        return getattr(self.bias, "k_basis", "post-rope")
+    def k_basis(self) -> KBasis:
+        """The file's: ``pre-rope`` if it was written for a ``prerope+`` spec."""
+        return self.bias.k_basis
 
     def pre_rope(self) -> MergedCalibration:
         """Both halves before RoPE (the file must have been written for a ``prerope+`` spec)."""
-        if not hasattr(self.bias, "pre_rope"):
-            raise ValueError("this K bias holds K after RoPE; calibrate for the prerope+ spec")
         return MergedCalibration(self.stats.pre_rope(), self.bias.pre_rope())
 
-    def rope_table(self, layer: int) -> Any:
+    def rope_table(self, layer: int) -> RopeTable:
+        """The statistics' RoPE table of ``layer``."""
         return self.stats.rope_table(layer)
 
-    def check_matches(self, *args: Any, **kwargs: Any) -> None:
-        self.stats.check_matches(*args, **kwargs)
-        self.bias.check_matches(*args, **kwargs)
+    def check_matches(self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None) -> None:
+        """Refuse a model the statistics or the file were not made for."""
+        self.stats.check_matches(num_layers, num_kv_heads, head_dim, model)
+        self.bias.check_matches(num_layers, num_kv_heads, head_dim, model)
 
     def describe(self) -> dict[str, Any]:
+        """Provenance for result files: both halves."""
         return {"kind": "merged", "stats": self.stats.describe(), "k_bias": self.bias.describe()}
-
-
-def _shape(config: Any) -> tuple[int, int, int]:
-    cfg = config.get_text_config(decoder=True)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim
 
 
 def _output_metric(model: Any, layers: int, heads: int, head_dim: int) -> torch.Tensor | None:
     """``Σ W_oᵀ W_o`` per (layer, kv-head) from each layer's ``self_attn.o_proj``, or ``None`` if absent."""
-    import re
-
     found: dict[int, torch.Tensor] = {}
     for name, module in model.named_modules():
         m = re.search(r"layers\.(\d+)\.self_attn\.o_proj$", name)
@@ -277,7 +288,9 @@ def _output_metric(model: Any, layers: int, heads: int, head_dim: int) -> torch.
 
 
 @torch.inference_mode()
-def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, progress: bool = True) -> KVStats:
+def collect_kv_stats(
+    lm: LoadedModel, text: Text, *, tokens: int = CALIB_TOKENS, ctx: int = CTX, progress: bool = True
+) -> KVStats:
     """Run ``lm`` over the first ``tokens`` tokens of ``text`` and accumulate K/V moments.
 
     Args:
@@ -287,13 +300,7 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
         ctx: tokens per forward pass.
         progress: show a progress bar.
     """
-    from tqdm.auto import tqdm
-    from transformers import DynamicCache
-
-    from walshkv.eval.windows import make_windows
-    from walshkv.models import recording_queries
-
-    layers, heads, head_dim = _shape(lm.model.config)
+    layers, heads, head_dim = lm.shape.layers, lm.shape.kv_heads, lm.shape.head_dim
     n_win = max(1, tokens // ctx)
     win = make_windows(lm.tokenizer, text.content, ctx, n_win)
     stats = KVStats(lm.name, text.name, n_win * ctx, head_dim, heads, layers, counts=torch.zeros(layers))
@@ -331,25 +338,23 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
         pre["k_outer"][layer_idx] += torch.einsum("bhnd,bhne->hde", k1, k1).cpu().to(torch.float64)
         pre["k_sum1"][layer_idx] += k1.sum(dim=(0, 2)).cpu().to(torch.float64)
 
-    class _Recorder(DynamicCache):
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            for kind, x in (("k", key_states), ("v", value_states)):
-                x64 = x.detach().to(torch.float64)
-                for basis, y in (("plain", x64), ("wht", hadamard_transform(x64))):
-                    stats.sums[(kind, basis)][layer_idx] += y.sum(dim=(0, 2)).cpu()
-                    stats.sq_sums[(kind, basis)][layer_idx] += (y * y).sum(dim=(0, 2)).cpu()
-            assert stats.counts is not None and stats.k_outer is not None
-            stats.counts[layer_idx] += key_states.shape[0] * key_states.shape[2]
-            k1 = key_states[:, :, 1:].detach().to(torch.float32)  # the first token (attention sink) left out
-            stats.k_outer[layer_idx] += torch.einsum("bhnd,bhne->hde", k1, k1).cpu().to(torch.float64)
-            stats.k_sum1[layer_idx] += k1.sum(dim=(0, 2)).cpu()
-            stats.count1[layer_idx] += k1.shape[0] * k1.shape[2]
-            v1 = value_states[:, :, 1:].detach().to(torch.float32)
-            stats.v_outer[layer_idx] += torch.einsum("bhnd,bhne->hde", v1, v1).cpu().to(torch.float64)
-            stats.v_sum1[layer_idx] += v1.sum(dim=(0, 2)).cpu().to(torch.float64)
-            if pre:
-                _add_pre_k(layer_idx, key_states)
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+    def _record(layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        for kind, x in (("k", key_states), ("v", value_states)):
+            x64 = x.detach().to(torch.float64)
+            for basis, y in (("plain", x64), ("wht", hadamard_transform(x64))):
+                stats.sums[(kind, basis)][layer_idx] += y.sum(dim=(0, 2)).cpu()
+                stats.sq_sums[(kind, basis)][layer_idx] += (y * y).sum(dim=(0, 2)).cpu()
+        assert stats.counts is not None and stats.k_outer is not None
+        stats.counts[layer_idx] += key_states.shape[0] * key_states.shape[2]
+        k1 = key_states[:, :, 1:].detach().to(torch.float32)  # the first token (attention sink) left out
+        stats.k_outer[layer_idx] += torch.einsum("bhnd,bhne->hde", k1, k1).cpu().to(torch.float64)
+        stats.k_sum1[layer_idx] += k1.sum(dim=(0, 2)).cpu()
+        stats.count1[layer_idx] += k1.shape[0] * k1.shape[2]
+        v1 = value_states[:, :, 1:].detach().to(torch.float32)
+        stats.v_outer[layer_idx] += torch.einsum("bhnd,bhne->hde", v1, v1).cpu().to(torch.float64)
+        stats.v_sum1[layer_idx] += v1.sum(dim=(0, 2)).cpu().to(torch.float64)
+        if pre:
+            _add_pre_k(layer_idx, key_states)
 
     device = next(lm.model.parameters()).device
 
@@ -374,7 +379,7 @@ def collect_kv_stats(lm: Any, text: Any, *, tokens: int = 8192, ctx: int = 512, 
             queries.clear()
             lm.model(
                 input_ids=win.ids[w : w + 1].to(device),
-                cache=_Recorder(config=lm.model.config),
+                cache=RecordingCache(_record, config=lm.model.config),
                 use_cache=True,
                 logits_to_keep=1,
             )

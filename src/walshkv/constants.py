@@ -36,6 +36,8 @@ class Keys:
         HEAD_DIM = "walshkv.head_dim"
         N_HEAD_KV = "walshkv.n_head_kv"
         TOKENS = "walshkv.tokens"
+        #: Every key walshkv writes lives under this prefix (extra metadata included).
+        PREFIX = "walshkv."
 
     class Preset:
         NAME = "walshkv.preset.name"
@@ -49,8 +51,23 @@ class Keys:
         SCALING = "walshkv.rope.scaling"
         CONVENTION = "walshkv.rope.convention"
         TENSOR_MEANING = "walshkv.rope.tensor_meaning"
+        #: A PrimePE ``rope_freqs`` file (``walshkv rope factors -o``): its GGUF ``general.architecture``
+        #: and its one F32 tensor, the per-pair divisor llama.cpp applies to the rotation angle.
+        FREQS_ARCH = "rope_freqs"
+        FREQS_TENSOR = "rope_freqs.weight"
 
     class Tensor:
         #: llama.cpp forks' K mean per layer (``.format(il)``).
         K_MEAN = "kv_bar.blk.{}.k"
         K_MEAN_PREFIX = "kv_bar.blk."
+        #: ``eq+`` K / V transforms per layer (``.format(il)``; walshkv only, llama.cpp forks ignore them).
+        K_EQ = "walshkv.k_eq.blk.{}"
+        V_EQ = "walshkv.v_eq.blk.{}"
+
+    class KvMeanCenter:
+        """The llama.cpp forks' own keys of a ``--kv-mean-center`` file."""
+
+        #: The file's GGUF ``general.architecture``.
+        ARCH = "kv_mean_center"
+        #: bool: the K mean is in the Hadamard-rotated basis.
+        K_ROT = "kv_mean_center.k_rot"

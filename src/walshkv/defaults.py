@@ -1,7 +1,7 @@
 """Protocol defaults, in one place: every function signature and every CLI parser reads them from here.
 
 Changing one changes what ``walshkv eval`` measures by default, so the README table and docs/results
-figures must be regenerated with it (docs/reproduce.sh).
+figures must be regenerated with it (scripts/reproduce.sh).
 """
 
 from __future__ import annotations

@@ -21,24 +21,25 @@ import sys
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from walshkv.defaults import DEFAULT_MODEL
 
 __all__ = [
     "DEFAULT_MODEL",
     "MODELS",
     "LoadedModel",
     "ModelInfo",
+    "ModelShape",
     "ensure_gguf",
     "load_model",
     "recording_queries",
     "walshkv_home",
 ]
-
-DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass(frozen=True)
@@ -244,15 +245,78 @@ def ensure_gguf(info: ModelInfo, progress: bool = True) -> Path:
     return target
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """What walshkv reads of a loaded model's decoder: the keys of :attr:`LoadedModel.info`, typed.
+
+    Attributes:
+        arch: the decoder's ``model_type`` (``llama``, ``qwen2``, ``gemma3``, ...).
+        layers: decoder layers.
+        q_heads: query heads per layer.
+        kv_heads: K/V heads per layer (``num_kv_heads`` of the cache layout).
+        head_dim: K/V head size (``head_dim`` of the cache layout).
+        params: parameter count.
+    """
+
+    arch: str
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    params: int
+
+    @classmethod
+    def of(cls, model: Any) -> ModelShape:
+        """Read the shape off a transformers model's (text) config and parameters."""
+        cfg = model.config.get_text_config(decoder=True)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(
+            arch=cfg.model_type,
+            layers=cfg.num_hidden_layers,
+            q_heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            params=sum(p.numel() for p in model.parameters()),
+        )
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> ModelShape:
+        """The shape of an ``info`` dict (as :func:`_describe` writes it; extra keys are ignored)."""
+        missing = [f.name for f in fields(cls) if f.name not in info]
+        if missing:
+            raise ValueError(
+                f"model info lacks {', '.join(missing)}; build it with walshkv.models._describe(model) "
+                f"(keys: {', '.join(f.name for f in fields(cls))})"
+            )
+        return cls(**{f.name: info[f.name] for f in fields(cls)})
+
+    def as_info(self) -> dict[str, Any]:
+        """The ``info`` dict written into result files (same keys, same order)."""
+        return asdict(self)
+
+
 @dataclass
 class LoadedModel:
-    """A loaded causal LM with its tokenizer and a description for result files."""
+    """A loaded causal LM with its tokenizer and a description for result files.
+
+    Attributes:
+        model, tokenizer: the transformers model (eval mode) and its tokenizer.
+        name, source: the name it was loaded by and where it came from.
+        info: the description written into result files (``meta["model"]``); read off ``model`` if empty.
+        shape: the same description, typed (:class:`ModelShape`): read ``lm.shape.head_dim``, not ``lm.info``.
+    """
 
     model: Any
     tokenizer: Any
     name: str
     source: str
     info: dict[str, Any] = field(default_factory=dict)
+    shape: ModelShape = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.info:
+            self.info = _describe(self.model)
+        self.shape = ModelShape.from_info(self.info)
 
     @property
     def config(self) -> Any:
@@ -260,16 +324,8 @@ class LoadedModel:
 
 
 def _describe(model: Any) -> dict[str, Any]:
-    cfg = model.config.get_text_config(decoder=True)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return {
-        "arch": cfg.model_type,
-        "layers": cfg.num_hidden_layers,
-        "q_heads": cfg.num_attention_heads,
-        "kv_heads": cfg.num_key_value_heads,
-        "head_dim": head_dim,
-        "params": sum(p.numel() for p in model.parameters()),
-    }
+    """``info`` of a model: ``arch``, ``layers``, ``q_heads``, ``kv_heads``, ``head_dim``, ``params``."""
+    return ModelShape.of(model).as_info()
 
 
 def _from_pretrained(path: str, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:

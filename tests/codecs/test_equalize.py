@@ -276,7 +276,7 @@ def test_a_lossless_eq_cache_is_the_reference(tiny_llama):
 
 def test_fused_attention_reads_an_eq_cache(tiny_llama, monkeypatch):
     """Decode steps of a fused eq+ tq cache run in the CPU kernel (eq+ mapped outside it), same logits."""
-    from walshkv.ops import attention
+    from walshkv.attention import decode as attention
 
     calls: list[int] = []
     kernel = attention.fused_decode_cpu

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import walshkv.codecs.spec as spec_module
+import walshkv.codecs.registry as registry_module
 from walshkv.codecs.base import Codec, Field, Packed
 from walshkv.codecs.floats import FloatCodec
 from walshkv.codecs.intq import IntCodec
@@ -217,23 +217,23 @@ class _StubCodec(Codec):
 @pytest.fixture
 def stub_codec() -> Iterator[str]:
     name = "stubtest"
-    assert name not in spec_module._CODECS
+    assert name not in registry_module._CODECS
     register_codec(name, lambda args: _StubCodec(name, args), "stub codec for tests")
     try:
         yield name
     finally:
-        del spec_module._CODECS[name]
+        del registry_module._CODECS[name]
 
 
 @pytest.fixture
 def stub_wrapper() -> Iterator[str]:
     name = "wraptest"
-    assert name not in spec_module._WRAPPERS
+    assert name not in registry_module._WRAPPERS
     register_wrapper(name, lambda args, inner: Rotated(inner), "stub wrapper for tests")
     try:
         yield name
     finally:
-        del spec_module._WRAPPERS[name]
+        del registry_module._WRAPPERS[name]
 
 
 def test_register_codec_makes_it_parseable(stub_codec: str) -> None:
@@ -254,7 +254,7 @@ def test_register_codec_makes_it_parseable(stub_codec: str) -> None:
 
 
 def test_registry_is_clean_without_fixture() -> None:
-    assert "stubtest" not in spec_module._CODECS
+    assert "stubtest" not in registry_module._CODECS
     with pytest.raises(ValueError):
         parse_codec("stubtest")
 
@@ -272,8 +272,8 @@ def test_register_codec_with_mixed_case_name() -> None:
         assert isinstance(parse_codec(name), _StubCodec)
     finally:
         # The key may be stored verbatim (today) or normalised (after a fix); remove either.
-        spec_module._CODECS.pop(name, None)
-        spec_module._CODECS.pop(name.lower(), None)
+        registry_module._CODECS.pop(name, None)
+        registry_module._CODECS.pop(name.lower(), None)
 
 
 def test_layered_spec_parses_and_binds_per_layer() -> None:

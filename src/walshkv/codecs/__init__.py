@@ -1,6 +1,13 @@
-"""K/V codecs: one file per method, composed by spec strings (see :mod:`.spec`)."""
+"""K/V codecs: one file per method, registered in :mod:`.registry`, composed by spec strings (:mod:`.spec`).
 
-from walshkv.codecs.base import Codec, Field, Packed, check_kv
+The contract (docs/codecs.md): :class:`Codec` (``layout``, ``encode(x, start)``, ``decode(packed, start)``,
+``bind(layer, kind, calibration)``), :class:`Wrapper` (``inner``, ``unwrap()``, its slot in
+:data:`WRAPPER_ORDER`), :class:`Packed` and :class:`Field`; what ``bind`` reads is typed by the protocols of
+:mod:`.calibration`.
+"""
+
+from walshkv.codecs.base import WRAPPER_ORDER, Codec, Field, Packed, Wrapper, check_kv, find_wrapper, unwrap, wrappers
+from walshkv.codecs.calibration import Calibration, CalibrationLike, Statistics
 from walshkv.codecs.floats import FloatCodec
 from walshkv.codecs.ggml import GGMLCodec
 from walshkv.codecs.intq import IntCodec
@@ -16,7 +23,10 @@ from walshkv.codecs.spec import (
 )
 
 __all__ = [
+    "WRAPPER_ORDER",
     "CacheSpec",
+    "Calibration",
+    "CalibrationLike",
     "Codec",
     "Field",
     "FloatCodec",
@@ -25,10 +35,15 @@ __all__ = [
     "IntCodec",
     "Packed",
     "Rotated",
+    "Statistics",
+    "Wrapper",
     "available_codecs",
     "check_kv",
+    "find_wrapper",
     "parse_cache_spec",
     "parse_codec",
     "register_codec",
     "register_wrapper",
+    "unwrap",
+    "wrappers",
 ]

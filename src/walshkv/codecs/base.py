@@ -1,23 +1,44 @@
-"""The codec core: :class:`Packed` (what a cache stores) and :class:`Codec`.
+"""The codec core: :class:`Packed` (what a cache stores), :class:`Codec` and :class:`Wrapper`.
 
 Tensor layout everywhere: ``[batch, num_kv_heads, seq_len, head_dim]``. A codec
 compresses each (batch, kv-head, token) vector of ``head_dim`` values into a fixed
 set of fields (codes, scales, ...). Its :meth:`Codec.layout` lists those fields per
 vector, and :meth:`Codec.bits_per_element` is computed from that layout, never typed.
+``encode``/``decode`` take the block's first position (``start``); only positional codecs
+(``prerope+``) read it. The order wrappers nest in is :data:`WRAPPER_ORDER`, checked by
+:func:`check_wrapper_order` when a wrapper is built (docs/codecs.md has the whole contract).
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from itertools import pairwise
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 import torch
 
 from walshkv.ops.quant import check_finite
 
-__all__ = ["Codec", "Field", "Packed", "Wrapper", "check_kv", "find_wrapper", "unwrap", "wrappers"]
+if TYPE_CHECKING:
+    from walshkv.codecs.calibration import CalibrationLike
+    from walshkv.constants import Kind
+
+__all__ = [
+    "WRAPPER_ORDER",
+    "Codec",
+    "Field",
+    "Packed",
+    "Wrapper",
+    "check_kv",
+    "check_start",
+    "check_wrapper_order",
+    "find_wrapper",
+    "unwrap",
+    "wrappers",
+]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -110,11 +131,18 @@ def check_kv(x: torch.Tensor, what: str = "K/V") -> None:
     check_finite(x, what)
 
 
+def check_start(start: int) -> None:
+    """Validate a block's first position: a whole number >= 0."""
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"start is the position of the block's first token, an int >= 0; got {start!r}")
+
+
 class Codec(ABC):
     """A K/V vector codec. Subclasses override :meth:`layout`, :meth:`_encode`, :meth:`_decode`.
 
-    ``encode`` validates its input (shape, dtype, finiteness, head size) before any
-    work, so a failed call changes nothing.
+    ``encode`` validates its input (shape, dtype, finiteness, head size, start) before any
+    work, so a failed call changes nothing. A codec whose result depends on the tokens'
+    positions overrides :meth:`_encode_at` and :meth:`_decode_at` instead.
     """
 
     #: Canonical spec string, e.g. ``"rot+int4"``.
@@ -127,11 +155,12 @@ class Codec(ABC):
     #: True if :meth:`bind` needs calibration statistics (e.g. ``vht2`` with ``order=variance``).
     needs_calibration: bool = False
 
-    def bind(self, layer_idx: int, kind: str, calibration: Any = None) -> Codec:
+    def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
         """The codec to use for one layer's K (``kind="k"``) or V (``"v"``).
 
         Codecs with calibrated, per-layer parameters return a specialised copy; the default
-        returns ``self``. ``calibration`` is a :class:`walshkv.calibration.KVStats` or ``None``.
+        returns ``self``. ``calibration`` holds the parts the codec reads (see
+        :mod:`walshkv.codecs.calibration`: a file, collected statistics) or is ``None``.
         """
         return self
 
@@ -148,26 +177,55 @@ class Codec(ABC):
         """Stored bits per K/V element, every scale and padding byte included."""
         return 8.0 * self.bytes_per_vector(head_dim) / head_dim
 
-    def encode(self, x: torch.Tensor) -> Packed:
-        """Compress ``x`` of shape ``[batch, num_kv_heads, seq_len, head_dim]``."""
+    def encode(self, x: torch.Tensor, start: int = 0) -> Packed:
+        """Compress ``x`` of shape ``[batch, num_kv_heads, seq_len, head_dim]``.
+
+        Args:
+            x: the block, any float dtype; :meth:`decode` returns that dtype.
+            start: position of the block's first token (token ``i`` is at ``start + i``).
+        """
         check_kv(x)
         self.check_head_dim(x.shape[-1])
-        packed = self._encode(x)
+        check_start(start)
+        packed = self._encode_at(x, start)
         packed.dtype = x.dtype
         return packed
 
-    def decode(self, packed: Packed) -> torch.Tensor:
-        """Decompress to ``[batch, num_kv_heads, seq_len, head_dim]`` in the encoded dtype."""
-        return self._decode(packed).to(packed.dtype)
+    def decode(self, packed: Packed, start: int = 0) -> torch.Tensor:
+        """Decompress to ``[batch, num_kv_heads, seq_len, head_dim]`` in the encoded dtype.
+
+        Args:
+            packed: what :meth:`encode` returned (or a slice or concatenation of it).
+            start: position of the block's first token, as passed to :meth:`encode`.
+        """
+        check_start(start)
+        return self._decode_at(packed, start).to(packed.dtype)
+
+    def _encode_at(self, x: torch.Tensor, start: int) -> Packed:
+        """Encode a validated block at positions ``start, ...``; codecs blind to positions use :meth:`_encode`."""
+        return self._encode(x)
+
+    def _decode_at(self, packed: Packed, start: int) -> torch.Tensor:
+        """Decode a block at positions ``start, ...``; codecs blind to positions use :meth:`_decode`."""
+        return self._decode(packed)
 
     @abstractmethod
-    def _encode(self, x: torch.Tensor) -> Packed: ...
+    def _encode(self, x: torch.Tensor) -> Packed:
+        """Encode a validated block ``[batch, num_kv_heads, seq_len, head_dim]``."""
 
     @abstractmethod
-    def _decode(self, packed: Packed) -> torch.Tensor: ...
+    def _decode(self, packed: Packed) -> torch.Tensor:
+        """Decode to ``[batch, num_kv_heads, seq_len, head_dim]`` (any float dtype; ``decode`` casts it)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+
+#: The order wrappers nest in, outermost first (``prerope+center+eq+rot+SPEC``); ``rrot`` takes ``rot``'s slot.
+#: Each name is a :attr:`Wrapper.name`; a wrapper may only wrap codecs whose wrappers come later here.
+WRAPPER_ORDER: tuple[str, ...] = ("prerope", "center", "eq", "rot")
+#: Wrappers that may wrap themselves (``rot+rot+SPEC`` is a valid, if useless, double rotation).
+REPEATABLE_WRAPPERS: frozenset[str] = frozenset({"rot"})
 
 
 class Wrapper(Codec):
@@ -175,17 +233,32 @@ class Wrapper(Codec):
 
     A wrapper adds no stored bytes: :meth:`layout` and the head-size check are the inner codec's, and it
     needs calibration if its inner codec does. Walk a chain with :func:`wrappers` and :func:`unwrap`, never
-    by reading attributes by name.
+    by reading attributes by name. Building one checks its place in :data:`WRAPPER_ORDER`.
 
     Attributes:
-        name: the spec prefix (``"rot"``, ``"center"``, ...), written ``name+INNER``.
+        name: the slot in :data:`WRAPPER_ORDER` (``"rot"``, ``"center"``, ...); :attr:`prefix` is how a spec
+            writes it (``rrot:3`` for a ``rot`` slot with random signs).
+        kinds: the sides it transforms (``("k",)`` for K-only wrappers; see :attr:`other_kind`).
+        other_kind: what :meth:`bind` does on a side not in ``kinds``: ``"skip"`` (return the bound inner codec,
+            so one spec serves K and V) or ``"refuse"`` (raise: the spec must not name it on that side).
+        misplaced: the error when this wrapper sits inside one that :data:`WRAPPER_ORDER` puts after it, a
+            format string with ``{fixed}`` (the spec written in order) and ``{given}`` (the spec as written).
         inner: the wrapped codec.
     """
 
     name: ClassVar[str] = ""
+    kinds: ClassVar[tuple[Kind, ...]] = ("k", "v")
+    other_kind: ClassVar[Literal["skip", "refuse"]] = "skip"
+    misplaced: ClassVar[str] = "write {fixed}, not {given}"
 
     def __init__(self, inner: Codec) -> None:
+        check_wrapper_order([self, *wrappers(inner)], unwrap(inner).spec)
         self.inner = inner
+
+    @property
+    def prefix(self) -> str:
+        """How a spec writes this wrapper (before its ``+``)."""
+        return self.name
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
@@ -203,6 +276,33 @@ class Wrapper(Codec):
 
 
 W = TypeVar("W", bound=Wrapper)
+
+
+def check_wrapper_order(chain: Sequence[Wrapper], base: str) -> None:
+    """Refuse a chain of wrappers (outermost first, around a codec written ``base``) out of :data:`WRAPPER_ORDER`.
+
+    The one place the order is checked: every wrapper's constructor calls it with itself and its inner
+    codec's wrappers, and :func:`walshkv.codecs.registry.parse_codec` with the whole chain before building it
+    (so that the fix it names is the whole spec, written in order). Pairs are checked innermost first.
+
+    Raises:
+        ValueError: a wrapper repeated, or inside one that comes after it; the message is the misplaced
+            wrapper's :attr:`Wrapper.misplaced` with the spec written in order.
+    """
+    for w in chain:
+        if w.name not in WRAPPER_ORDER:
+            raise ValueError(f"wrapper {w.name!r} has no slot in WRAPPER_ORDER {WRAPPER_ORDER}; add it there")
+    given = "+".join([*(w.prefix for w in chain), base])
+    ordered: list[Wrapper] = []
+    for w in sorted(chain, key=lambda w: WRAPPER_ORDER.index(w.name)):  # stable: rot+rrot:3+ keeps its order
+        if not (ordered and ordered[-1].name == w.name and w.name not in REPEATABLE_WRAPPERS):
+            ordered.append(w)
+    fixed = "+".join([*(w.prefix for w in ordered), base])
+    for outer, inner in reversed(list(pairwise(chain))):
+        if outer.name == inner.name and outer.name not in REPEATABLE_WRAPPERS:
+            raise ValueError(f"{outer.name}+ appears twice in one codec spec: write {fixed}")
+        if WRAPPER_ORDER.index(outer.name) > WRAPPER_ORDER.index(inner.name):
+            raise ValueError(inner.misplaced.format(fixed=fixed, given=given))
 
 
 def wrappers(codec: Codec) -> list[Wrapper]:

@@ -12,12 +12,17 @@ without a rotation needs a ``plain`` file. Statistics collected in the same run
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from walshkv.codecs.base import Codec, Packed, Wrapper, find_wrapper
+from walshkv.codecs.base import Codec, Packed, Wrapper
+from walshkv.codecs.calibration import KMean, Means
 from walshkv.codecs.rotation import Rotated
+
+if TYPE_CHECKING:
+    from walshkv.codecs.calibration import CalibrationLike
+    from walshkv.constants import Basis, Kind
 
 __all__ = ["Centered"]
 
@@ -31,10 +36,11 @@ class Centered(Wrapper):
     """
 
     name = "center"
+    kinds = ("k",)
+    other_kind = "skip"
+    misplaced = "write center+ first: {fixed}, not {given}"
 
     def __init__(self, inner: Codec, bias: torch.Tensor | None = None, spec: str | None = None) -> None:
-        if find_wrapper(inner, Centered) is inner:
-            raise ValueError("center+ appears twice in one codec spec")
         super().__init__(inner)
         self.bias = bias
         self.spec = spec or f"center+{inner.spec}"
@@ -44,21 +50,21 @@ class Centered(Wrapper):
         return self.bias is None or self.inner.needs_calibration
 
     @property
-    def basis(self) -> str:
+    def basis(self) -> Basis:
         """``rot`` if the bias is subtracted after a Walsh-Hadamard rotation, else ``plain``."""
         return "rot" if isinstance(self.inner, Rotated) else "plain"
 
-    def bind(self, layer_idx: int, kind: str, calibration: Any = None) -> Codec:
+    def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
         inner = self.inner.bind(layer_idx, kind, calibration)
-        if kind == "v":
-            return inner  # centering is for K only
-        if calibration is None or not hasattr(calibration, "k_bias"):
+        if kind not in self.kinds:
+            return inner  # centering is for K only (other_kind = "skip")
+        if not isinstance(calibration, KMean):
             raise ValueError(
                 f"{self.spec} needs a K mean: pass --kv-mean-center FILE (from `walshkv calibrate`) "
                 "or --calib-text TEXT"
             )
         if isinstance(self.inner, Rotated) and self.inner.seed is not None:
-            if not hasattr(calibration, "mean"):
+            if not isinstance(calibration, Means):
                 raise ValueError(f"{self.spec}: a bias file cannot serve rrot+ (random signs); use --calib-text")
             bias = self.inner.rotate(calibration.mean("k", layer_idx, "plain"))
         else:

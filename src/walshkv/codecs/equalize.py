@@ -14,11 +14,16 @@ Write it after ``center+`` and before any rotation: ``center+eq+tq:3.5/eq+tq:3``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from walshkv.codecs.base import Codec, Packed, Wrapper, wrappers
+from walshkv.codecs.base import Codec, Packed, Wrapper
+from walshkv.codecs.calibration import KEqualizer, VEqualizer
+
+if TYPE_CHECKING:
+    from walshkv.codecs.calibration import CalibrationLike
+    from walshkv.constants import Kind
 
 __all__ = ["Equalized"]
 
@@ -33,13 +38,10 @@ class Equalized(Wrapper):
     """
 
     name = "eq"
+    kinds = ("k", "v")
+    misplaced = "eq+ works in the plain basis: write {fixed}, not {given}"
 
     def __init__(self, inner: Codec, matrix: torch.Tensor | None = None, spec: str | None = None) -> None:
-        first = next((w.name for w in wrappers(inner)), None)
-        if first == "center":
-            raise ValueError(f"write center+ first: center+eq+{inner.spec.removeprefix('center+')}")
-        if first == "eq":
-            raise ValueError("eq+ appears twice in one codec spec")
         super().__init__(inner)
         self.spec = spec or f"eq+{inner.spec}"
         self.matrix: torch.Tensor | None = None
@@ -59,15 +61,18 @@ class Equalized(Wrapper):
     def needs_calibration(self) -> bool:  # type: ignore[override]
         return self.matrix is None or self.inner.needs_calibration
 
-    def bind(self, layer_idx: int, kind: str, calibration: Any = None) -> Codec:
+    def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
         inner = self.inner.bind(layer_idx, kind, calibration)
-        method = "k_equalizer" if kind == "k" else "v_equalizer"
-        if calibration is None or not hasattr(calibration, method):
+        if kind == "k" and isinstance(calibration, KEqualizer):
+            matrix = calibration.k_equalizer(layer_idx)
+        elif kind == "v" and isinstance(calibration, VEqualizer):
+            matrix = calibration.v_equalizer(layer_idx)
+        else:
             raise ValueError(
                 f"{self.spec} needs a calibrated {kind.upper()} transform: pass --calib-text TEXT, or a file written "
                 "by `walshkv calibrate --eq` / `--preset NAME` / `walshkv recommend` for a spec with eq+"
             )
-        return Equalized(inner, getattr(calibration, method)(layer_idx), self.spec)
+        return Equalized(inner, matrix, self.spec)
 
     def check_head_dim(self, head_dim: int) -> None:
         self.inner.check_head_dim(head_dim)

@@ -17,17 +17,25 @@ default 32), e.g. ``kivi2:g=32:r=128``:
 
 Deviations from the paper, on purpose: V leaves the window on the same schedule as K (the paper
 can quantize V token by token as it leaves a window of ``R``); the window is stored in fp16 as in
-the paper's code whatever the model's dtype. These codecs need the cache's token-group store
-(:class:`walshkv.cache.KiviLayer`); ``encode``/``decode`` on single vectors are not defined.
+the paper's code whatever the model's dtype. The window and the grouping schedule are the cache's
+(:class:`walshkv.cache.KiviLayer`); the codec itself follows the contract once bound to a side:
+``bind(layer, "k").encode(x)`` takes whole groups (``seq_len`` a multiple of ``G``; the stored sequence
+dimension counts groups), ``bind(layer, "v").encode(x)`` any number of tokens.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from walshkv.codecs.base import Codec, Field, Packed
 from walshkv.ops.packing import pack_bits, packed_nbytes, unpack_bits
 from walshkv.ops.quant import FP16_MAX, divide_by_scale, fp16_scale_up
+
+if TYPE_CHECKING:
+    from walshkv.codecs.calibration import CalibrationLike
+    from walshkv.constants import Kind
 
 __all__ = ["KiviCodec", "dequantize_asymmetric", "parse_kivi_args", "quantize_asymmetric"]
 
@@ -72,7 +80,7 @@ class KiviCodec(Codec):
         kind: ``"k"`` (per-channel over token groups) or ``"v"`` (per-token); ``None`` until bound.
     """
 
-    def __init__(self, bits: int, group: int = 32, residual: int = 32, kind: str | None = None) -> None:
+    def __init__(self, bits: int, group: int = 32, residual: int = 32, kind: Kind | None = None) -> None:
         if not isinstance(bits, int) or not 1 <= bits <= 8:
             raise ValueError(f"kivi takes 1..8 bits (kivi2, kivi4), got {bits!r}")
         if group < 1 or residual < 0:
@@ -81,7 +89,7 @@ class KiviCodec(Codec):
         opts = (f":g={group}" if group != 32 else "") + (f":r={residual}" if residual != 32 else "")
         self.spec = f"kivi{bits}{opts}"
 
-    def bind(self, layer_idx: int, kind: str, calibration: object = None) -> Codec:
+    def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
         return self if self.kind == kind else KiviCodec(self.bits, self.group, self.residual, kind)
 
     def v_group(self, head_dim: int) -> int:
@@ -107,10 +115,20 @@ class KiviCodec(Codec):
         per = super().bytes_per_vector(head_dim)
         return per / self.group if self.kind == "k" else per  # type: ignore[return-value]
 
-    def encode_block(self, x: torch.Tensor) -> Packed:
-        """Encode ``[batch, heads, n*G, head_dim]`` (K: n groups; V: n*G tokens)."""
+    def _encode(self, x: torch.Tensor) -> Packed:
+        """``[batch, heads, n*G, head_dim]`` -> K: n groups (quantized per channel); V: n*G tokens."""
+        if self.kind is None:
+            raise ValueError(
+                f"{self.spec} stores K and V differently: bind it to a side first (codec.bind(layer, 'k') or "
+                "'v'; CompressedCache does)"
+            )
         b, h, t, d = x.shape
         if self.kind == "k":
+            if t % self.group:
+                raise ValueError(
+                    f"{self.spec} quantizes K in groups of {self.group} tokens: encode a multiple of {self.group} "
+                    f"tokens, got {t} (CompressedCache keeps the rest in its fp16 window)"
+                )
             g = x.reshape(b, h, t // self.group, self.group, d)
             q, s, z = quantize_asymmetric(g, self.bits, dim=3)  # per channel over the group's tokens
             codes = pack_bits(q.reshape(b, h, t // self.group, self.group * d), self.bits)
@@ -121,8 +139,8 @@ class KiviCodec(Codec):
         codes = pack_bits(q.reshape(b, h, t, d), self.bits)
         return Packed({"codes": codes, "scale": s.squeeze(4), "zero": z.squeeze(4)}, d, x.dtype)
 
-    def decode_block(self, packed: Packed) -> torch.Tensor:
-        """Inverse of :meth:`encode_block`: ``[batch, heads, tokens, head_dim]`` float32."""
+    def _decode(self, packed: Packed) -> torch.Tensor:
+        """Inverse of :meth:`_encode`: ``[batch, heads, tokens, head_dim]`` float32."""
         d = packed.head_dim
         codes, s, z = packed.tensors["codes"], packed.tensors["scale"], packed.tensors["zero"]
         b, h, n = codes.shape[:3]
@@ -133,12 +151,6 @@ class KiviCodec(Codec):
         gv = self.v_group(d)
         q = unpack_bits(codes, self.bits, d).reshape(b, h, n, d // gv, gv)
         return dequantize_asymmetric(q, s.unsqueeze(4), z.unsqueeze(4)).reshape(b, h, n, d)
-
-    def _encode(self, x: torch.Tensor) -> Packed:
-        raise ValueError(f"{self.spec} groups tokens; use it through CompressedCache (it has its own store)")
-
-    def _decode(self, packed: Packed) -> torch.Tensor:
-        return self.decode_block(packed)
 
 
 def parse_kivi_args(bits: int, args: str | None) -> KiviCodec:

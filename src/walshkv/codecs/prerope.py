@@ -11,6 +11,9 @@ Positions are the cache's own token indices (sink, packed, window in order; a sl
 tokens it dropped). With left-padded batches a row's positions are offset by its padding: the round
 trip is still exact, only the calibrated mean fits such a row less well.
 
+Positions come through the codec contract: ``encode(x, start)`` and ``decode(packed, start)`` with
+``start`` the position of the block's first key.
+
 ``prerope+`` must be the outermost K wrapper (``prerope+center+eq+tq:3.5``) and needs calibration made
 by :func:`walshkv.calibration.collect_kv_stats` (K before RoPE and the model's RoPE tables) or a file
 written for a ``prerope+`` spec. The fused attention kernels do not re-rotate keys: a cache with
@@ -19,12 +22,18 @@ written for a ``prerope+`` spec. The fused attention kernels do not re-rotate ke
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from walshkv.codecs.base import Codec, Packed, Wrapper, check_kv, find_wrapper
+from walshkv.codecs.base import Codec, Packed, Wrapper
+from walshkv.codecs.calibration import PreRopeSource, RopeTables
+from walshkv.codecs.center import Centered
 from walshkv.ops.rope import RopeTable, apply_rope, undo_rope
+
+if TYPE_CHECKING:
+    from walshkv.codecs.calibration import CalibrationLike
+    from walshkv.constants import Kind
 
 __all__ = ["PreRope"]
 
@@ -38,10 +47,11 @@ class PreRope(Wrapper):
     """
 
     name = "prerope"
+    kinds = ("k",)
+    other_kind = "refuse"
+    misplaced = "prerope+ must be the first wrapper (it sees K as the cache does): write {fixed}, not {given}"
 
     def __init__(self, inner: Codec, rope: RopeTable | None = None, spec: str | None = None) -> None:
-        if find_wrapper(inner, PreRope) is not None:
-            raise ValueError("prerope+ appears twice in one codec spec")
         super().__init__(inner)
         self.rope = rope
         self.spec = spec or f"prerope+{inner.spec}"
@@ -50,17 +60,18 @@ class PreRope(Wrapper):
     def needs_calibration(self) -> bool:  # type: ignore[override]
         return self.rope is None or self.inner.needs_calibration
 
-    def bind(self, layer_idx: int, kind: str, calibration: Any = None) -> Codec:
-        if kind != "k":
+    def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
+        if kind not in self.kinds:  # other_kind = "refuse"
             raise ValueError(f"{self.spec}: prerope+ is for K (V carries no RoPE); write it on the K side only")
-        view = getattr(calibration, "pre_rope", None)
-        if view is None:
+        if not isinstance(calibration, PreRopeSource):
             raise ValueError(
                 f"{self.spec} needs K statistics before RoPE and the model's RoPE tables: pass --calib-text TEXT "
                 "(calibration=collect_kv_stats(...)) or a file written by `walshkv calibrate --preset` / "
                 "`walshkv recommend` for a prerope+ spec"
             )
-        stats = view()
+        stats = calibration.pre_rope()
+        if not isinstance(stats, RopeTables):
+            raise ValueError(f"{self.spec}: the calibration before RoPE holds no RoPE tables; recalibrate")
         return PreRope(self.inner.bind(layer_idx, kind, stats), stats.rope_table(layer_idx), self.spec)
 
     def check_head_dim(self, head_dim: int) -> None:
@@ -70,27 +81,26 @@ class PreRope(Wrapper):
 
     def _table(self) -> RopeTable:
         if self.rope is None:
-            raise ValueError(f"{self.spec} is not bound to a layer's RoPE table; build it through CompressedCache")
+            raise ValueError(
+                f"{self.spec} is not bound to a layer's RoPE table, which turns the keys' positions into angles; "
+                "bind it (CompressedCache does)"
+            )
         return self.rope
 
+    def _encode_at(self, x: torch.Tensor, start: int) -> Packed:
+        """Keys ``x`` ``[batch, kv_heads, seq, head_dim]`` (after RoPE) at positions ``start, ...``."""
+        return self.inner.encode(undo_rope(x, self._table(), start))
+
+    def _decode_at(self, packed: Packed, start: int) -> torch.Tensor:
+        """Keys after RoPE ``[batch, kv_heads, seq, head_dim]`` (float32) at positions ``start, ...``."""
+        table = self._table()
+        y = self.inner._decode(packed).to(torch.float32)
+        if isinstance(self.inner, Centered):  # center+ left its mean subtracted; after RoPE it is not a constant
+            y = y + self.inner.plain_offset().to(y.device)[None, :, None, :]
+        return apply_rope(y, table, start)
+
     def _encode(self, x: torch.Tensor) -> Packed:
-        raise ValueError(f"{self.spec} needs the keys' positions: use encode_at(x, start) (CompressedCache does)")
+        return self._encode_at(x, 0)
 
     def _decode(self, packed: Packed) -> torch.Tensor:
-        raise ValueError(f"{self.spec} needs the keys' positions: use decode_at(packed, start) (CompressedCache does)")
-
-    def encode_at(self, x: torch.Tensor, start: int) -> Packed:
-        """Compress keys ``x`` ``[batch, kv_heads, seq, head_dim]`` (after RoPE) at positions ``start, ...``."""
-        check_kv(x, "K")
-        self.check_head_dim(x.shape[-1])
-        packed = self.inner.encode(undo_rope(x, self._table(), start))
-        packed.dtype = x.dtype
-        return packed
-
-    def decode_at(self, packed: Packed, start: int) -> torch.Tensor:
-        """Keys after RoPE ``[batch, kv_heads, seq, head_dim]`` at positions ``start, ...``, in the encoded dtype."""
-        y = self.inner._decode(packed).to(torch.float32)
-        offset = getattr(self.inner, "plain_offset", None)
-        if offset is not None:  # center+ left its mean subtracted; after RoPE it is no longer a constant
-            y = y + offset().to(y.device)[None, :, None, :]
-        return apply_rope(y, self._table(), start).to(packed.dtype)
+        return self._decode_at(packed, 0)

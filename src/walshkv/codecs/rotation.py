@@ -8,12 +8,16 @@ signs with a seeded random ±1 vector (a randomized Hadamard transform):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from walshkv.codecs.base import Codec, Packed, Wrapper, wrappers
+from walshkv.codecs.base import Codec, Packed, Wrapper
 from walshkv.ops.hadamard import _check_size, hadamard_transform, signs_for
+
+if TYPE_CHECKING:
+    from walshkv.codecs.calibration import CalibrationLike
+    from walshkv.constants import Kind
 
 __all__ = ["Rotated"]
 
@@ -28,21 +32,19 @@ class Rotated(Wrapper):
     """
 
     name = "rot"
+    kinds = ("k", "v")
 
     def __init__(self, inner: Codec, seed: int | None = None) -> None:
+        self.seed = seed  # before the order check: it names the prefix
         super().__init__(inner)
-        self.seed = seed
-        prefix = "rot" if seed is None else ("rrot" if seed == 0 else f"rrot:{seed}")
-        first = next((w.name for w in wrappers(inner)), None)
-        if first == "center":
-            fixed = f"center+{prefix}+{inner.spec.removeprefix('center+')}"
-            raise ValueError(f"write center+ first: {fixed}, not {prefix}+{inner.spec}")
-        if first == "eq":
-            fixed = f"eq+{prefix}+{inner.spec.removeprefix('eq+')}"
-            raise ValueError(f"eq+ works in the plain basis: write {fixed}, not {prefix}+{inner.spec}")
-        self.spec = f"{prefix}+{inner.spec}"
+        self.spec = f"{self.prefix}+{inner.spec}"
 
-    def bind(self, layer_idx: int, kind: str, calibration: Any = None) -> Codec:
+    @property
+    def prefix(self) -> str:
+        """``rot``, ``rrot`` (seed 0) or ``rrot:SEED``."""
+        return "rot" if self.seed is None else ("rrot" if self.seed == 0 else f"rrot:{self.seed}")
+
+    def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
         inner = self.inner.bind(layer_idx, kind, calibration)
         return self if inner is self.inner else Rotated(inner, self.seed)
 

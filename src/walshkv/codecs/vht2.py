@@ -32,16 +32,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from walshkv.codecs.base import Codec, Field, Packed
+from walshkv.codecs.calibration import Variances
 from walshkv.ops.hadamard import _check_size, hadamard_transform
 from walshkv.ops.numtheory import squarefree_indices
 from walshkv.ops.orders import ORDERS, coefficient_order, variance_order
 from walshkv.ops.packing import pack_bits, packed_nbytes, unpack_bits
 from walshkv.ops.quant import FP16_MAX, dequantize_symmetric, quantize_symmetric
+
+if TYPE_CHECKING:
+    from walshkv.codecs.calibration import CalibrationLike
+    from walshkv.constants import Kind
 
 __all__ = ["SqfreeCodec", "VHT2Codec", "VZCCodec", "allocate_bits", "parse_vht2_args"]
 
@@ -146,10 +151,10 @@ class VHT2Codec(Codec):
     def needs_calibration(self) -> bool:  # type: ignore[override]
         return (self.order == "variance" or self.auto_bits is not None) and self._perm is None
 
-    def bind(self, layer_idx: int, kind: str, calibration: Any = None) -> Codec:
+    def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
         if not self.needs_calibration:
             return self
-        if calibration is None:
+        if not isinstance(calibration, Variances):
             raise ValueError(f"{self.spec} needs calibration statistics (CLI: --calib-text TEXT)")
         variance = calibration.variance(kind, layer_idx, "wht").mean(dim=0)  # over kv heads
         perm = variance_order(variance)

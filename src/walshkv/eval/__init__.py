@@ -1,21 +1,47 @@
-"""Honest evaluation: KL divergence against the same model with an uncompressed cache."""
+"""Honest evaluation: KL divergence against the same model with an uncompressed cache.
 
+Modules: :mod:`~walshkv.eval.harness` (:func:`evaluate`, the protocol), :mod:`~walshkv.eval.metrics`,
+:mod:`~walshkv.eval.rows` (the typed result row), :mod:`~walshkv.eval.report` (run descriptions and result
+files for every command), :mod:`~walshkv.eval.grids`, :mod:`~walshkv.eval.pareto` and
+:mod:`~walshkv.eval.sweep` (``walshkv sweep``), :mod:`~walshkv.eval.rd` with :mod:`~walshkv.eval.rd_report`
+(``walshkv rd``), :mod:`~walshkv.eval.capture` (K/V of real text for the research studies). Token windows
+live one layer down, in :mod:`walshkv.data`; they are re-exported here.
+"""
+
+from walshkv.data import SCORE_MODES, Windows, describe_scored, make_windows, scored_positions
 from walshkv.eval.harness import DEFAULT_CODECS, EvalResult, evaluate
 from walshkv.eval.metrics import TokenMetrics, compare_logits
-from walshkv.eval.report import format_table, write_csv, write_json, write_markdown
-from walshkv.eval.windows import Windows, make_windows, scored_positions
+from walshkv.eval.report import (
+    command_line,
+    describe_run,
+    format_table,
+    run_meta,
+    write_csv,
+    write_json,
+    write_markdown,
+    write_result_files,
+)
+from walshkv.eval.rows import MetricSummary, ResultRow
 
 __all__ = [
     "DEFAULT_CODECS",
+    "SCORE_MODES",
     "EvalResult",
+    "MetricSummary",
+    "ResultRow",
     "TokenMetrics",
     "Windows",
+    "command_line",
     "compare_logits",
+    "describe_run",
+    "describe_scored",
     "evaluate",
     "format_table",
     "make_windows",
+    "run_meta",
     "scored_positions",
     "write_csv",
     "write_json",
     "write_markdown",
+    "write_result_files",
 ]

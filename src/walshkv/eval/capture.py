@@ -15,6 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+
+from walshkv.data import make_windows
+from walshkv.eval.rd import capture_window
+from walshkv.export.kv_mean_center import to_llamacpp_channel_order
+from walshkv.ops.rope import rope_tables, undo_rope
 
 __all__ = ["CHANNEL_ORDERS", "KVCapture", "capture_kv", "unrotate_keys"]
 
@@ -50,8 +56,6 @@ def unrotate_keys(model: Any, layer: int, k: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[batch, kv_heads, T, head_dim]`` float32 keys before RoPE, on the CPU.
     """
-    from walshkv.ops.rope import rope_tables, undo_rope
-
     tables = rope_tables(model)
     if tables is None:
         raise ValueError("no rotary embedding module found: K before RoPE needs a RoPE model")
@@ -80,12 +84,6 @@ def capture_kv(
     Returns:
         A :class:`KVCapture`.
     """
-    from tqdm.auto import tqdm
-
-    from walshkv.eval.rd import capture_window
-    from walshkv.eval.windows import make_windows
-    from walshkv.export.kv_mean_center import to_llamacpp_channel_order
-
     if channel_order not in CHANNEL_ORDERS:
         raise ValueError(f"channel order must be one of {', '.join(CHANNEL_ORDERS)}, got {channel_order!r}")
     if ctx < 4 or tokens < ctx:
@@ -97,7 +95,7 @@ def capture_kv(
         posts.append(torch.cat(ks, dim=0))
         pres.append(torch.cat([unrotate_keys(lm.model, i, k) for i, k in enumerate(ks)], dim=0))
         vs.append(torch.cat(vals, dim=0))
-    arch = lm.info["arch"] if channel_order == "llamacpp" else ""
+    arch = lm.shape.arch if channel_order == "llamacpp" else ""
     return KVCapture(
         k_post=to_llamacpp_channel_order(torch.cat(posts, dim=2), arch),
         k_pre=to_llamacpp_channel_order(torch.cat(pres, dim=2), arch),

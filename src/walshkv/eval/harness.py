@@ -15,61 +15,57 @@ fed as in generation (``feed="decode"``): the unscored prefix in one forward, th
 scored token in its own forward. Each such row records how much of the context its scored
 tokens saw in full precision.
 
-Scored logits (see :func:`~walshkv.eval.windows.scored_positions`) are compared in
+Scored logits (see :func:`~walshkv.data.scored_positions`) are compared in
 float64 over the full vocabulary.
 """
 
 from __future__ import annotations
 
-import platform
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from walshkv.cache import CompressedCache, context_state, hf_cache_nbytes, make_cache
-from walshkv.codecs.spec import HFCacheSpec, parse_cache_spec
-from walshkv.data import Text
+from walshkv.codecs.spec import CacheSpec, HFCacheSpec, parse_cache_spec
+from walshkv.constants import Feed, Score
+from walshkv.data import describe_scored, make_windows, scored_positions
+from walshkv.defaults import CTX, WINDOWS
 from walshkv.eval.metrics import TokenMetrics, compare_logits
-from walshkv.eval.windows import describe_scored, make_windows, scored_positions
-from walshkv.models import LoadedModel
+from walshkv.eval.report import calibration_meta, run_meta
+from walshkv.eval.rows import ResultRow
 
-__all__ = ["DEFAULT_CODECS", "EvalResult", "evaluate"]
+if TYPE_CHECKING:
+    from walshkv.codecs.calibration import CalibrationLike
+    from walshkv.data import Text
+    from walshkv.models import LoadedModel
+
+__all__ = ["DEFAULT_CODECS", "FEEDS", "EvalResult", "ResultRow", "evaluate"]
 
 DEFAULT_CODECS = ("fp16", "int8", "int4", "rot+int4", "int3", "rot+int3", "int2", "rot+int2")
 
 
 @dataclass
 class EvalResult:
-    """``meta`` describes the run; ``results`` has one dict of metrics per codec."""
+    """``meta`` describes the run; ``results`` has one :class:`ResultRow` (a dict) per codec."""
 
     meta: dict[str, Any]
-    results: list[dict[str, Any]] = field(default_factory=list)
+    results: list[ResultRow] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"meta": self.meta, "results": self.results}
 
 
-def library_versions() -> dict[str, str]:
-    """Versions recorded in every result file."""
-    import transformers
-
-    import walshkv
-
-    return {
-        "walshkv": walshkv.__version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
+FEEDS: tuple[Feed, ...] = ("auto", "window", "decode")
 
 
-FEEDS = ("auto", "window", "decode")
-
-
-def _forward(model: Any, ids: torch.Tensor, cache: Any, keep: int) -> torch.Tensor:
+def forward_logits(model: Any, ids: torch.Tensor, cache: Any, keep: int) -> torch.Tensor:
+    """Logits ``[keep, vocab]`` of the last ``keep`` positions of one sequence ``ids`` ``[1, seq_len]``,
+    the K/V going through ``cache`` (quantize on write for a compressed cache)."""
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep)
     return out.logits[0]
 
@@ -85,7 +81,7 @@ def _decode(
         :func:`~walshkv.cache.context_state` of layer 0.
     """
     if first > 0:
-        _forward(model, ids[:, :first], cache, 1)
+        forward_logits(model, ids[:, :first], cache, 1)
     rows, states = [], []
     for p in range(first, last, chunk):
         n = min(chunk, last - p)
@@ -93,11 +89,11 @@ def _decode(
         for j in range(n):  # earlier tokens of this forward are full precision too if the cache shows them so
             earlier = window + (j if exact else 0)
             states.append((cached + j + 1, earlier + exact, earlier))
-        rows.append(_forward(model, ids[:, p : p + n], cache, n))
+        rows.append(forward_logits(model, ids[:, p : p + n], cache, n))
     return torch.cat(rows), states
 
 
-def _feed_for(spec: Any, feed: str) -> str:
+def _feed_for(spec: CacheSpec | HFCacheSpec, feed: Feed) -> Feed:
     if feed == "auto":
         return "decode" if isinstance(spec, HFCacheSpec) else "window"
     if feed == "window" and isinstance(spec, HFCacheSpec):
@@ -112,14 +108,14 @@ def _feed_for(spec: Any, feed: str) -> str:
 def evaluate(
     lm: LoadedModel,
     text: Text,
-    codecs: list[str] | tuple[str, ...] = DEFAULT_CODECS,
+    codecs: Sequence[str] = DEFAULT_CODECS,
     *,
-    ctx: int = 512,
-    windows: int | None = 8,
-    score: str = "half",
+    ctx: int = CTX,
+    windows: int | None = WINDOWS,
+    score: Score = "half",
     residual: int = 0,
-    calibration: Any = None,
-    feed: str = "auto",
+    calibration: CalibrationLike | None = None,
+    feed: Feed = "auto",
     decode_chunk: int = 1,
     progress: bool = True,
 ) -> EvalResult:
@@ -145,8 +141,6 @@ def evaluate(
     Returns:
         An :class:`EvalResult`.
     """
-    from transformers import DynamicCache
-
     specs = [parse_cache_spec(c) for c in codecs]  # fail fast on typos
     if not specs:
         raise ValueError("give at least one --codec")
@@ -155,7 +149,7 @@ def evaluate(
     feeds = {s.spec: _feed_for(s, feed) for s in specs}
     if decode_chunk < 1:
         raise ValueError(f"decode_chunk must be at least 1 token, got {decode_chunk}")
-    head_dim = lm.info["head_dim"]
+    head_dim = lm.shape.head_dim
     for spec in specs:
         spec.check_head_dim(head_dim)
         if spec.needs_calibration and calibration is None:
@@ -177,16 +171,13 @@ def evaluate(
     seconds = dict.fromkeys(metrics, 0.0)
     model = lm.model
     device = next(model.parameters()).device
-
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=n_win * (len(specs) + 1), desc="eval", unit="fwd", disable=not progress)
     started = time.perf_counter()
     for w in range(n_win):
         ids = win.ids[w : w + 1].to(device)
         targets = win.ids[w, first + 1 : last + 1].to(device)
         bar.set_postfix_str(f"window {w + 1}/{n_win}: reference")
-        ref = _forward(model, ids, DynamicCache(config=model.config), keep)[: last - first]
+        ref = forward_logits(model, ids, DynamicCache(config=model.config), keep)[: last - first]
         bar.update()
         for spec in specs:
             bar.set_postfix_str(f"window {w + 1}/{n_win}: {spec.spec}")
@@ -196,7 +187,7 @@ def evaluate(
                 logits, states = _decode(model, ids, cache, first, last, decode_chunk)
                 fp_context[spec.spec].extend(states)
             else:
-                logits = _forward(model, ids, cache, keep)[: last - first]
+                logits = forward_logits(model, ids, cache, keep)[: last - first]
             seconds[spec.spec] += time.perf_counter() - t0
             if w == 0:
                 if isinstance(spec, HFCacheSpec):
@@ -214,24 +205,22 @@ def evaluate(
     bar.close()
 
     fp16_bytes = _fp16_bytes(lm, ctx)
-    results = []
+    results: list[ResultRow] = []
     for spec in specs:
-        row: dict[str, Any] = {"codec": spec.spec}
-        row.update(metrics[spec.spec].summary())
         bits = layout_bits[spec.spec]
-        row.update(
-            {
-                "bits_k": kv_bits[spec.spec][0],
-                "bits_v": kv_bits[spec.spec][1],
-                "bits_per_element": bits,
-                "compression": 16.0 / bits,
-                "kv_bytes": kv_bytes[spec.spec],
-                "kv_bytes_fp16": fp16_bytes,
-                "seconds": seconds[spec.spec],
-                "feed": feeds[spec.spec],
-                "quantize_on_write": not isinstance(spec, HFCacheSpec),
-            }
-        )
+        row: ResultRow = {
+            "codec": spec.spec,
+            **metrics[spec.spec].summary(),
+            "bits_k": kv_bits[spec.spec][0],
+            "bits_v": kv_bits[spec.spec][1],
+            "bits_per_element": bits,
+            "compression": 16.0 / bits,
+            "kv_bytes": kv_bytes[spec.spec],
+            "kv_bytes_fp16": fp16_bytes,
+            "seconds": seconds[spec.spec],
+            "feed": feeds[spec.spec],
+            "quantize_on_write": not isinstance(spec, HFCacheSpec),
+        }
         states = fp_context.get(spec.spec)
         if states:  # decode-fed rows: how much of what attention read was full precision
             row["fp_context_mean"] = sum(fp / seen for seen, fp, _ in states) / len(states)
@@ -241,34 +230,33 @@ def evaluate(
         if isinstance(spec, HFCacheSpec):
             row["fp_window"] = spec.residual
         results.append(row)
-    meta = {
-        "model": {"name": lm.name, "source": lm.source, **lm.info},
-        "text": {"name": text.name, "source": text.source, "chars": len(text.content), "tokens": win.text_tokens},
-        "ctx": ctx,
-        "windows": n_win,
-        "tokens_evaluated": n_win * ctx,
-        "window_starts": [w * ctx for w in range(n_win)],
-        "score": score,
-        "scored_positions": describe_scored(first, last),
-        "scored_tokens": n_win * (last - first),
-        "bos_first_token": win.bos,
-        "residual": residual,
-        "calibration": None if calibration is None else calibration.describe(),
-        "reference": f"same model, uncompressed DynamicCache at {next(model.parameters()).dtype!s}",
-        "quantize_on_write": (
+    meta = run_meta(
+        lm,
+        text,
+        text_tokens=win.text_tokens,
+        ctx=ctx,
+        windows=n_win,
+        tokens_evaluated=n_win * ctx,
+        window_starts=[w * ctx for w in range(n_win)],
+        score=score,
+        scored_positions=describe_scored(first, last),
+        scored_tokens=n_win * (last - first),
+        bos_first_token=win.bos,
+        residual=residual,
+        calibration=calibration_meta(calibration),
+        reference=f"same model, uncompressed DynamicCache at {next(model.parameters()).dtype!s}",
+        quantize_on_write=(
             True if all(not isinstance(s, HFCacheSpec) for s in specs) else "per row (hf-* caches: no, by design)"
         ),
-        "feed": {
+        feed={
             "window": "one forward per window; every token compressed on write before attention reads it",
             "decode": f"tokens 0..{first - 1} in one forward, then {decode_chunk} scored position(s) per forward"
             + (" (as in generation)" if decode_chunk == 1 else ""),
         },
-        "kv_bytes_note": "bytes held by the cache after one window of ctx tokens, batch 1",
-        "metrics_dtype": "float64, full vocabulary",
-        "seconds_total": time.perf_counter() - started,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "versions": library_versions(),
-    }
+        kv_bytes_note="bytes held by the cache after one window of ctx tokens, batch 1",
+        metrics_dtype="float64, full vocabulary",
+        started=started,
+    )
     return EvalResult(meta, results)
 
 
@@ -279,5 +267,5 @@ def _fp16_bytes(lm: LoadedModel, ctx: int) -> int:
     total = 0
     for layer in cache.layers:
         tokens = min(ctx, layer.sliding_window - 1) if getattr(layer, "is_sliding", False) else ctx
-        total += 2 * 2 * tokens * cfg.num_key_value_heads * lm.info["head_dim"]
+        total += 2 * 2 * tokens * cfg.num_key_value_heads * lm.shape.head_dim
     return total

@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["TokenMetrics", "compare_logits"]
+from walshkv.eval.rows import MetricSummary
+
+__all__ = ["TokenMetrics", "compare_logits", "is_finite_number"]
+
+
+def is_finite_number(x: object) -> bool:
+    """Whether ``x`` is an int or float and finite (not NaN, not infinite); ``None`` and strings are not."""
+    return isinstance(x, int | float) and math.isfinite(x)
 
 
 @dataclass
@@ -25,7 +32,7 @@ class TokenMetrics:
         self.nll_ref.append(nll_ref)
         self.same_top1.append(same)
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> MetricSummary:
         """``kld_mean``, ``kld_p99``, ``kld_median``, ``top1_agreement``, ``ppl``, ``ppl_ref``, ``ppl_ratio``,
         ``ppl_ratio_ci95``, ``scored_tokens``."""
         kl = torch.cat(self.kl)

@@ -1,15 +1,240 @@
-"""Tables (stdout, markdown), JSON and CSV for evaluation results."""
+"""What every result file says about its run, and the files themselves.
+
+One set of builders for all of walshkv's measuring commands (``eval``, ``sweep``, ``rd``, ``bench`` and the
+research commands):
+
+* the run's description: :func:`run_meta` (model, text, the command's own fields, duration, date,
+  versions), :func:`describe_run` (that meta in one paragraph), :func:`calibration_meta` and
+  :func:`describe_calibration`, :func:`library_versions`, :func:`command_line`;
+* the files: :func:`write_result_files` (``<stem>.json``, ``<stem>.csv``, ``<stem>.md`` and the plots), and
+  for ``walshkv eval``'s rows :func:`format_table`, :func:`write_json`, :func:`write_csv`,
+  :func:`write_markdown`;
+* :func:`agg_figure`: a matplotlib figure for the plots, or an error naming ``pip install 'walshkv[plot]'``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import csv
+import hashlib
 import json
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
+import transformers
 from tabulate import tabulate
 
-__all__ = ["TABLE_COLUMNS", "decode_note", "format_table", "write_csv", "write_json", "write_markdown"]
+from walshkv._version import __version__
+from walshkv.eval.rows import ResultRow
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from walshkv.codecs.calibration import CalibrationLike
+    from walshkv.data import Text
+    from walshkv.models import LoadedModel
+
+__all__ = [
+    "MODEL_FIELDS",
+    "TABLE_COLUMNS",
+    "agg_figure",
+    "calibration_meta",
+    "command_line",
+    "decode_note",
+    "describe_calibration",
+    "describe_model",
+    "describe_run",
+    "format_table",
+    "library_versions",
+    "model_meta",
+    "run_meta",
+    "run_settings",
+    "text_meta",
+    "timestamp",
+    "write_csv",
+    "write_json",
+    "write_markdown",
+    "write_result_files",
+]
+
+PLOT_HINT = "pip install 'walshkv[plot]'"
+
+# ---------------------------------------------------------------------------------------------------------
+# The run, described
+# ---------------------------------------------------------------------------------------------------------
+
+
+def library_versions() -> dict[str, str]:
+    """Versions recorded in every result file."""
+    return {
+        "walshkv": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def timestamp() -> str:
+    """Now, in UTC, to the second (ISO 8601): the ``date`` of every result file."""
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The ``walshkv ...`` command line that produced a run, quoted for a shell."""
+    return "walshkv " + " ".join(shlex.quote(a) for a in (getattr(args, "argv", None) or []))
+
+
+def model_meta(lm: LoadedModel) -> dict[str, Any]:
+    """``{"name", "source", **lm.info}``: the model of a result file."""
+    return {"name": lm.name, "source": lm.source, **lm.info}
+
+
+def text_meta(text: Text, tokens: int | None = None, *, chars: bool = True) -> dict[str, Any]:
+    """``{"name", "source", "chars", "tokens"}`` of a text (``chars`` and ``tokens`` where asked for)."""
+    out: dict[str, Any] = {"name": text.name, "source": text.source}
+    if chars:
+        out["chars"] = len(text.content)
+    if tokens is not None:
+        out["tokens"] = tokens
+    return out
+
+
+def run_meta(
+    lm: LoadedModel,
+    text: Text,
+    *,
+    text_tokens: int | None = None,
+    text_chars: bool = True,
+    started: float | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
+    """The ``meta`` of a result file: model, text, the command's own ``fields``, duration, date, versions.
+
+    Args:
+        lm: the model that ran.
+        text: the text it read.
+        text_tokens: tokens in the whole text (recorded as ``text.tokens`` when given).
+        text_chars: record the text's length in characters (``text.chars``).
+        started: ``time.perf_counter()`` when the run began; adds ``seconds_total``.
+        **fields: the command's own keys, in the order they should appear (``ctx``, ``windows``, ...).
+
+    Returns:
+        ``{"model", "text", **fields, ["seconds_total"], "date", "versions"}``.
+    """
+    meta: dict[str, Any] = {"model": model_meta(lm), "text": text_meta(text, text_tokens, chars=text_chars)}
+    meta.update(fields)
+    if started is not None:
+        meta["seconds_total"] = time.perf_counter() - started
+    meta["date"] = timestamp()
+    meta["versions"] = library_versions()
+    return meta
+
+
+def run_settings(
+    lm: LoadedModel, text: Text, ctx: int, windows: int | None, score: str, residual: int
+) -> dict[str, Any]:
+    """What makes two runs of the eval protocol measure the same thing (a sweep reuses rows that match)."""
+    return {
+        "model": lm.name,
+        "text": text.name,
+        "text_sha256": hashlib.sha256(text.content.encode()).hexdigest(),
+        "ctx": ctx,
+        "windows": windows,
+        "score": score,
+        "residual": residual,
+    }
+
+
+def calibration_meta(calibration: CalibrationLike | None) -> dict[str, Any] | None:
+    """Where calibration came from, for result files: its ``describe()``, else its text and tokens."""
+    if calibration is None:
+        return None
+    describe = getattr(calibration, "describe", None)
+    if callable(describe):
+        return describe()
+    return {"text": getattr(calibration, "text", None), "tokens": getattr(calibration, "tokens", None)}
+
+
+def describe_calibration(c: Mapping[str, Any]) -> str:
+    """A :func:`calibration_meta` (or a sweep's calibration key) in words."""
+    if c.get("kind") == "kv-mean-center file":
+        tokens, text = c.get("walshkv.tokens", "?"), c.get("walshkv.text", "?")
+        return f"the K mean file {c['file']} ({c['basis']} basis, {tokens} tokens of {text})"
+    if c.get("kind") == "merged":
+        return f"{describe_calibration(c['stats'])} with the K mean of {describe_calibration(c['k_bias'])}"
+    return f"the K/V statistics of {c['tokens']:,} tokens of {c['text']} on {c['model']}"
+
+
+#: The model facts :func:`describe_model` states, and how.
+MODEL_FIELDS: dict[str, str] = {
+    "arch": "{}",
+    "head_dim": "head_dim {}",
+    "layers": "{} layers",
+    "kv_heads": "{} KV heads",
+}
+
+
+def describe_model(model: Mapping[str, Any], fields: Sequence[str] = tuple(MODEL_FIELDS)) -> str:
+    """``Model NAME (arch, head_dim D, L layers, H KV heads)`` from a :func:`model_meta`, with ``fields`` only."""
+    facts = ", ".join(MODEL_FIELDS[f].format(model.get(f)) for f in fields)
+    return f"Model {model.get('name')} ({facts})"
+
+
+def describe_run(
+    meta: Mapping[str, Any],
+    windows_detail: str | None = None,
+    clauses: Sequence[str] | None = None,
+    *,
+    model_fields: Sequence[str] = tuple(MODEL_FIELDS),
+    text_tokens: bool | None = None,
+) -> str:
+    """The run of a result file in one paragraph: model; text; windows; the command's own clauses.
+
+    Called with ``meta`` only, it describes a run of the eval protocol (:func:`walshkv.eval.evaluate`'s
+    meta): the text's tokens, the scored positions and tokens, the reference and the full-precision
+    window. Other commands pass their own ``windows_detail`` (appended to ``W windows of C tokens``) and
+    ``clauses`` (each its own ``; ...`` part).
+
+    Args:
+        meta: a :func:`run_meta`.
+        windows_detail: text right after ``W windows of C tokens`` (e.g. ``" (4,096 tokens captured)"``).
+        clauses: further parts, joined by ``"; "``.
+        model_fields: which of :data:`MODEL_FIELDS` to state about the model.
+        text_tokens: state the text's token count (default: for the eval protocol only).
+    """
+    m, t = meta.get("model", {}), meta.get("text", {})
+    protocol = windows_detail is None and clauses is None
+    if protocol:
+        windows_detail = f", {meta['scored_positions']}"
+        clauses = (
+            f"{meta['scored_tokens']:,} scored tokens",
+            f"reference: {meta['reference']}",
+            f"full-precision window: {meta['residual']} tokens",
+        )
+    text = f"text {t.get('name')}"
+    if text_tokens is None:
+        text_tokens = protocol
+    if text_tokens:
+        text += f" ({t['tokens']:,} tokens)"
+    parts = [
+        describe_model(m, model_fields),
+        text,
+        f"{meta.get('windows')} windows of {meta.get('ctx')} tokens{windows_detail or ''}",
+        *(clauses or ()),
+    ]
+    return "; ".join(parts) + "."
+
+
+# ---------------------------------------------------------------------------------------------------------
+# walshkv eval's rows: tables, JSON, CSV, markdown
+# ---------------------------------------------------------------------------------------------------------
 
 # (key, header, format)
 TABLE_COLUMNS: list[tuple[str, str, str]] = [
@@ -24,12 +249,12 @@ TABLE_COLUMNS: list[tuple[str, str, str]] = [
 ]
 
 
-def _rows(results: list[dict[str, Any]]) -> list[list[str]]:
+def _cells(results: Sequence[ResultRow]) -> list[list[str]]:
     rows = []
     for r in results:
         row = []
         for key, _, fmt in TABLE_COLUMNS:
-            text = fmt.format(r[key])
+            text = fmt.format(r[key])  # type: ignore[literal-required]
             if key == "codec" and r.get("feed") == "decode":
                 text += " †"
             row.append(text[:-1] if key == "top1_agreement" else text)
@@ -37,23 +262,12 @@ def _rows(results: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def format_table(results: list[dict[str, Any]], fmt: str = "simple") -> str:
+def format_table(results: Sequence[ResultRow], fmt: str = "simple") -> str:
     """Render results as a table (``fmt``: any tabulate format, e.g. ``github``)."""
-    return tabulate(_rows(results), headers=[h for _, h, _ in TABLE_COLUMNS], tablefmt=fmt, disable_numparse=True)
+    return tabulate(_cells(results), headers=[h for _, h, _ in TABLE_COLUMNS], tablefmt=fmt, disable_numparse=True)
 
 
-def describe_run(meta: dict[str, Any]) -> str:
-    """One paragraph stating model, text, windows and scored positions."""
-    m, t = meta["model"], meta["text"]
-    return (
-        f"Model {m['name']} ({m['arch']}, head_dim {m['head_dim']}, {m['layers']} layers, "
-        f"{m['kv_heads']} KV heads); text {t['name']} ({t['tokens']:,} tokens); {meta['windows']} windows of "
-        f"{meta['ctx']} tokens, {meta['scored_positions']}; {meta['scored_tokens']:,} scored tokens; "
-        f"reference: {meta['reference']}; full-precision window: {meta['residual']} tokens."
-    )
-
-
-def decode_note(results: list[dict[str, Any]]) -> str:
+def decode_note(results: Sequence[ResultRow]) -> str:
     """A footnote for rows marked † (fed token by token), or ``""`` when there are none."""
     rows = [r for r in results if r.get("feed") == "decode"]
     if not rows:
@@ -62,8 +276,9 @@ def decode_note(results: list[dict[str, Any]]) -> str:
     for r in rows:
         window = f"full-precision window {r['fp_window']} tokens, " if "fp_window" in r else ""
         parts.append(
-            f"{r['codec']}: {window}{r['fp_context_mean']:.1%} of attended positions in full precision on average, "
-            f"{r['scored_quantized_context_share']:.1%} of scored tokens saw only quantized earlier context"
+            f"{r['codec']}: {window}{r['fp_context_mean']:.1%} of attended positions in full precision "
+            f"on average, {r['scored_quantized_context_share']:.1%} of scored tokens saw only quantized "
+            "earlier context"
         )
     return (
         "† fed as in generation: the unscored prefix in one forward, then one forward per scored token "
@@ -73,11 +288,13 @@ def decode_note(results: list[dict[str, Any]]) -> str:
     )
 
 
-def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+def write_json(path: str | Path, payload: Mapping[str, Any]) -> None:
+    """``payload`` as indented JSON, with a final newline."""
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def write_csv(path: str | Path, results: list[dict[str, Any]]) -> None:
+def write_csv(path: str | Path, results: Sequence[Mapping[str, Any]]) -> None:
+    """One CSV line per row; the columns are every key of the rows, in order of first appearance."""
     keys: list[str] = []
     for r in results:
         keys.extend(k for k in r if k not in keys)
@@ -87,9 +304,78 @@ def write_csv(path: str | Path, results: list[dict[str, Any]]) -> None:
         writer.writerows(results)
 
 
-def write_markdown(path: str | Path, meta: dict[str, Any], results: list[dict[str, Any]], command: str) -> None:
+def write_markdown(path: str | Path, meta: Mapping[str, Any], results: Sequence[ResultRow], command: str) -> None:
+    """``walshkv eval --markdown``: the run described, the command, the table and the † note."""
     note = decode_note(results)
     body = f"{describe_run(meta)}\n\nProduced by `{command}`.\n\n{format_table(results, 'github')}\n"
     if note:
         body += f"\n{note}\n"
     Path(path).write_text(body)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every other command's files
+# ---------------------------------------------------------------------------------------------------------
+
+
+def write_result_files(
+    out_dir: str | Path,
+    stem: str,
+    payload: Mapping[str, Any],
+    rows: Sequence[Mapping[str, Any]],
+    csv_keys: Sequence[str],
+    markdown: Sequence[str],
+    plot: Callable[[Path], list[Path]] | None = None,
+) -> list[Path]:
+    """Write ``stem.json``, ``stem.csv`` and ``stem.md`` under ``out_dir``, then the plots.
+
+    Args:
+        out_dir: output folder (created).
+        stem: file name stem (``"rd"``, ``"bench"``, ``"rope"``, ...).
+        payload: what goes into the JSON file.
+        rows: the CSV rows (missing keys are empty cells, extra keys are ignored).
+        csv_keys: CSV columns.
+        markdown: the lines of the markdown file.
+        plot: called with the output folder, returns the image paths it wrote; skipped with a note
+            when matplotlib is missing.
+
+    Returns:
+        Every path written.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    written = [path]
+    path = out / f"{stem}.csv"
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(csv_keys), extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: r.get(k) for k in csv_keys})
+    written.append(path)
+    path = out / f"{stem}.md"
+    path.write_text("\n".join(markdown), encoding="utf-8")
+    written.append(path)
+    if plot is not None:
+        try:
+            written += plot(out)
+        except ImportError:
+            print(f"{stem} plots skipped: matplotlib is not installed ({PLOT_HINT})", file=sys.stderr)
+    return written
+
+
+def agg_figure(**kwargs: Any) -> Figure:
+    """A matplotlib ``Figure`` on the Agg canvas (no pyplot state, no display); ``kwargs`` go to ``Figure``.
+
+    Raises:
+        ImportError: matplotlib is not installed; the message says ``pip install 'walshkv[plot]'``.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError(f"plots need matplotlib, an optional dependency: {PLOT_HINT}") from err
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig

@@ -28,12 +28,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import gguf
 import numpy as np
 import torch
 
+from walshkv._version import __version__
+from walshkv.constants import Keys
 from walshkv.ops.hadamard import hadamard_transform
+from walshkv.ops.rope import RopeTable
+
+if TYPE_CHECKING:
+    from walshkv.constants import Basis, KBasis, Kind
 
 __all__ = [
     "PERMUTED_ARCHS",
@@ -47,9 +54,9 @@ __all__ = [
 #: Architectures whose GGUF K weights are permuted relative to Hugging Face.
 PERMUTED_ARCHS = ("llama", "mistral")
 BASES = ("plain", "rot")
-_TENSOR = "kv_bar.blk.{}.k"
-_EQ_TENSOR = {"k": "walshkv.k_eq.blk.{}", "v": "walshkv.v_eq.blk.{}"}
-_ROPE_TENSOR = {"inv_freq": "walshkv.rope.inv_freq", "scaling": "walshkv.rope.scaling"}
+K_BASES = ("post-rope", "pre-rope")
+_TENSOR = Keys.Tensor.K_MEAN
+_EQ_TENSOR = {"k": Keys.Tensor.K_EQ, "v": Keys.Tensor.V_EQ}
 
 
 def to_llamacpp_channel_order(x: torch.Tensor, arch: str) -> torch.Tensor:
@@ -86,13 +93,13 @@ class KMeanBias:
     """
 
     plain: torch.Tensor
-    basis: str
+    basis: Basis
     arch: str
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     k_eq: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim], Hugging Face order
     v_eq: torch.Tensor | None = None  # [layers, kv_heads, head_dim, head_dim]
-    k_basis: str = "post-rope"  # "pre-rope": K mean and K transforms of K before RoPE (prerope+ specs)
+    k_basis: KBasis = "post-rope"  # "pre-rope": K mean and K transforms of K before RoPE (prerope+ specs)
     rope_inv_freq: torch.Tensor | None = None  # [layers, head_dim / 2]
     rope_scaling: torch.Tensor | None = None  # [layers]
 
@@ -105,12 +112,12 @@ class KMeanBias:
             )
         return self
 
-    def rope_table(self, layer: int) -> Any:
+    def rope_table(self, layer: int) -> RopeTable:
         """``layer``'s RoPE table (:class:`walshkv.ops.rope.RopeTable`) as recorded in the file."""
-        from walshkv.ops.rope import RopeTable
-
         if self.rope_inv_freq is None or self.rope_scaling is None:
-            raise ValueError(f"{self.source} holds no RoPE tables (walshkv.rope.*); rewrite it for the prerope+ spec")
+            raise ValueError(
+                f"{self.source} holds no RoPE tables ({Keys.Rope.PREFIX}*); rewrite it for the prerope+ spec"
+            )
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"{self.source} has {self.num_layers} layers; layer {layer} requested")
         return RopeTable(self.rope_inv_freq[layer].to(torch.float32), float(self.rope_scaling[layer]))
@@ -129,7 +136,7 @@ class KMeanBias:
         """True if the file holds the ``eq+`` V transforms."""
         return self.v_eq is not None
 
-    def _equalizer(self, kind: str, layer: int) -> torch.Tensor:
+    def _equalizer(self, kind: Kind, layer: int) -> torch.Tensor:
         eq = self.k_eq if kind == "k" else self.v_eq
         if eq is None:
             name = _EQ_TENSOR[kind].format("<il>")
@@ -150,7 +157,7 @@ class KMeanBias:
         """The ``eq+`` V transform ``[kv_heads, head_dim, head_dim]`` of ``layer``."""
         return self._equalizer("v", layer)
 
-    def k_bias(self, layer: int, basis: str) -> torch.Tensor:
+    def k_bias(self, layer: int, basis: Basis) -> torch.Tensor:
         """Bias ``[kv_heads, head_dim]`` for ``layer`` in walshkv's ``basis`` (``plain`` or ``rot``)."""
         if basis != self.basis:
             fix = "center+rot+SPEC" if self.basis == "rot" else "center+SPEC without rot+"
@@ -165,7 +172,7 @@ class KMeanBias:
 
     @property
     def text(self) -> str | None:
-        return self.meta.get("walshkv.text")
+        return self.meta.get(Keys.General.TEXT)
 
     def describe(self) -> dict[str, Any]:
         """Provenance for result files."""
@@ -177,7 +184,7 @@ class KMeanBias:
         Raises:
             ValueError: naming both models and the command that makes a file for this one.
         """
-        made_for = self.meta.get("walshkv.model")
+        made_for = self.meta.get(Keys.General.MODEL)
         if model and made_for and made_for != model:
             raise ValueError(
                 f"{self.source} was calibrated on {made_for!r}, not {model!r}: a K mean (and a preset chosen with "
@@ -197,7 +204,7 @@ def write_kv_mean_center(
     plain_mean: torch.Tensor,
     *,
     arch: str,
-    basis: str = "plain",
+    basis: Basis = "plain",
     tokens: int = 0,
     text: str = "",
     model: str = "",
@@ -221,10 +228,6 @@ def write_kv_mean_center(
         rope: ``(inv_freq [layers, head_dim/2], scaling [layers])``: the statistics are of K *before* RoPE
             (``prerope+``); written as ``walshkv.rope.*`` with ``walshkv.k_basis = "pre-rope"``.
     """
-    import gguf
-
-    import walshkv
-
     if basis not in BASES:
         raise ValueError(f"--basis must be one of {', '.join(BASES)}, got {basis!r}")
     if plain_mean.dim() != 3:
@@ -245,25 +248,25 @@ def write_kv_mean_center(
     data = to_llamacpp_channel_order(plain_mean.to(torch.float64), arch)
     if basis == "rot":
         data = hadamard_transform(data)
-    writer = gguf.GGUFWriter(str(path), arch="kv_mean_center")
-    writer.add_bool("kv_mean_center.k_rot", basis == "rot")
+    writer = gguf.GGUFWriter(str(path), arch=Keys.KvMeanCenter.ARCH)
+    writer.add_bool(Keys.KvMeanCenter.K_ROT, basis == "rot")
     for key, value in (
-        ("walshkv.architecture", arch),
-        ("walshkv.model", model),
-        ("walshkv.text", text),
-        ("walshkv.version", walshkv.__version__),
-        ("walshkv.channel_order", "llama.cpp"),
-        *((("walshkv.k_basis", "pre-rope"),) if rope is not None else ()),
+        (Keys.General.ARCHITECTURE, arch),
+        (Keys.General.MODEL, model),
+        (Keys.General.TEXT, text),
+        (Keys.General.VERSION, __version__),
+        (Keys.General.CHANNEL_ORDER, "llama.cpp"),
+        *(((Keys.General.K_BASIS, "pre-rope"),) if rope is not None else ()),
         *(extra or {}).items(),
     ):
-        if not key.startswith("walshkv."):
-            raise ValueError(f"extra metadata keys live under 'walshkv.', got {key!r}")
+        if not key.startswith(Keys.General.PREFIX):
+            raise ValueError(f"extra metadata keys live under {Keys.General.PREFIX!r}, got {key!r}")
         writer.add_string(key, value)
     for key, value in (
-        ("walshkv.layer_count", layers),
-        ("walshkv.head_dim", head_dim),
-        ("walshkv.n_head_kv", heads),
-        ("walshkv.tokens", tokens),
+        (Keys.General.LAYER_COUNT, layers),
+        (Keys.General.HEAD_DIM, head_dim),
+        (Keys.General.N_HEAD_KV, heads),
+        (Keys.General.TOKENS, tokens),
     ):
         writer.add_uint32(key, int(value))
     for il in range(layers):
@@ -283,8 +286,8 @@ def write_kv_mean_center(
                 f"the RoPE tables must be [layers, head_dim/2] = {(layers, head_dim // 2)} and [layers], got "
                 f"{tuple(inv_freq.shape)} and {tuple(scaling.shape)}"
             )
-        writer.add_tensor(_ROPE_TENSOR["inv_freq"], inv_freq.to(torch.float32).numpy().astype(np.float32))
-        writer.add_tensor(_ROPE_TENSOR["scaling"], scaling.to(torch.float32).numpy().astype(np.float32))
+        writer.add_tensor(Keys.Rope.INV_FREQ, inv_freq.to(torch.float32).numpy().astype(np.float32))
+        writer.add_tensor(Keys.Rope.SCALING, scaling.to(torch.float32).numpy().astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -313,8 +316,6 @@ def read_kv_mean_center(path: str | Path, model_arch: str | None = None) -> KMea
         ValueError: not a GGUF file, truncated, missing ``kv_mean_center.k_rot``, missing or
             misshapen tensors, non-finite values; each message names the problem and the fix.
     """
-    import gguf
-
     path = Path(path)
     fix = "rewrite it with `walshkv calibrate ... -o FILE`"
     if not path.is_file():
@@ -326,15 +327,16 @@ def read_kv_mean_center(path: str | Path, model_arch: str | None = None) -> KMea
         reader = gguf.GGUFReader(str(path))
     except Exception as err:
         raise ValueError(f"{path} is truncated or damaged ({type(err).__name__}: {err}); {fix}") from err
-    k_rot = _field(reader, "kv_mean_center.k_rot")
+    k_rot = _field(reader, Keys.KvMeanCenter.K_ROT)
     if k_rot is None:
-        raise ValueError(f"{path} has no kv_mean_center.k_rot key: not a K mean-centering file; {fix}")
+        raise ValueError(f"{path} has no {Keys.KvMeanCenter.K_ROT} key: not a K mean-centering file; {fix}")
     tensors = {t.name: t for t in reader.tensors}
-    names = sorted((n for n in tensors if n.startswith("kv_bar.blk.")), key=lambda n: int(n.split(".")[2]))
+    prefix = Keys.Tensor.K_MEAN_PREFIX
+    names = sorted((n for n in tensors if n.startswith(prefix)), key=lambda n: int(n[len(prefix) :].split(".")[0]))
     if not names:
-        raise ValueError(f"{path} holds no kv_bar.blk.<il>.k tensors; {fix}")
+        raise ValueError(f"{path} holds no {_TENSOR.format('<il>')} tensors; {fix}")
     layers = len(names)
-    declared = _field(reader, "walshkv.layer_count")
+    declared = _field(reader, Keys.General.LAYER_COUNT)
     if declared is not None and declared != layers:
         raise ValueError(f"{path} declares {declared} layers but holds {layers} kv_bar tensors; {fix}")
     missing = [_TENSOR.format(i) for i in range(layers) if _TENSOR.format(i) not in tensors]
@@ -356,11 +358,11 @@ def read_kv_mean_center(path: str | Path, model_arch: str | None = None) -> KMea
     if not bool(torch.isfinite(data).all()):
         raise ValueError(f"{path} holds NaN/Inf values; recalibrate")
     heads, head_dim = data.shape[1:]
-    for key, want in (("walshkv.head_dim", head_dim), ("walshkv.n_head_kv", heads)):
+    for key, want in ((Keys.General.HEAD_DIM, head_dim), (Keys.General.N_HEAD_KV, heads)):
         got = _field(reader, key)
         if got is not None and got != want:
             raise ValueError(f"{path}: {key} = {got} but the tensors say {want}; {fix}")
-    arch = _field(reader, "walshkv.architecture")
+    arch = _field(reader, Keys.General.ARCHITECTURE)
     if model_arch is not None and arch is not None and arch != model_arch:
         raise ValueError(f"{path} was calibrated on a {arch!r} model, not {model_arch!r}; calibrate on this model")
     arch = model_arch or arch or "unknown"
@@ -368,17 +370,19 @@ def read_kv_mean_center(path: str | Path, model_arch: str | None = None) -> KMea
     if basis == "rot":
         data = hadamard_transform(data)  # self-inverse: back to the plain basis, llama.cpp order
     plain = from_llamacpp_channel_order(data, arch)
-    meta = {k: _field(reader, k) for k in reader.fields if k.startswith("walshkv.")}
+    meta = {k: _field(reader, k) for k in reader.fields if k.startswith(Keys.General.PREFIX)}
     k_eq = _read_eq(path, tensors, "k", layers, heads, head_dim)
     v_eq = _read_eq(path, tensors, "v", layers, heads, head_dim)
     if k_eq is not None:
         k_eq = _permute_matrix(k_eq, arch, to_llamacpp=False)
-    k_basis = meta.get("walshkv.k_basis") or "post-rope"
-    if k_basis not in ("post-rope", "pre-rope"):
-        raise ValueError(f"{path}: walshkv.k_basis is {k_basis!r}, expected 'post-rope' or 'pre-rope'; {fix}")
+    k_basis = meta.get(Keys.General.K_BASIS) or "post-rope"
+    if k_basis not in K_BASES:
+        raise ValueError(
+            f"{path}: {Keys.General.K_BASIS} is {k_basis!r}, expected {' or '.join(map(repr, K_BASES))}; {fix}"
+        )
     rope: list[torch.Tensor | None] = [None, None]
     if k_basis == "pre-rope":
-        wanted = ((_ROPE_TENSOR["inv_freq"], layers * (head_dim // 2)), (_ROPE_TENSOR["scaling"], layers))
+        wanted = ((Keys.Rope.INV_FREQ, layers * (head_dim // 2)), (Keys.Rope.SCALING, layers))
         for i, (name, want) in enumerate(wanted):
             t = tensors.get(name)
             if t is None or t.tensor_type != gguf.GGMLQuantizationType.F32 or int(np.asarray(t.data).size) != want:
@@ -392,11 +396,9 @@ def read_kv_mean_center(path: str | Path, model_arch: str | None = None) -> KMea
 
 
 def _read_eq(
-    path: Path, tensors: dict[str, Any], kind: str, layers: int, heads: int, head_dim: int
+    path: Path, tensors: dict[str, Any], kind: Kind, layers: int, heads: int, head_dim: int
 ) -> torch.Tensor | None:
     """The ``walshkv.{k,v}_eq.blk.<il>`` tensors (as stored), or ``None`` if the file has none."""
-    import gguf
-
     fix = "rewrite it with `walshkv calibrate --eq ... -o FILE`"
     pattern = _EQ_TENSOR[kind]
     present = [n for n in tensors if n.startswith(pattern.format(""))]

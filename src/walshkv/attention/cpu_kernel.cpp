@@ -1,0 +1,692 @@
+// Fused CPU decode attention straight from packed K/V codes: walshkv's C++ kernel.
+//
+// Built on first use by walshkv.attention.cpu.load_kernel (torch.utils.cpp_extension.load_inline over
+// this file's text; the build cache name hashes the text, so any edit here builds a fresh module). The
+// byte layouts it reads are described in walshkv/attention/cpu.py; walshkv/attention/cpu_formats.py
+// describes each codec to it. The format ids and limits below are exported to Python (FORMATS,
+// MAX_BANDS, MAX_SEGS) and checked against the Python side when the module loads.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <stdexcept>
+#include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace py = pybind11;
+
+// Lanes of the generic vector type (GCC/Clang vector extensions, lowered to whatever SIMD the target has).
+#if defined(__AVX512F__)
+#define WK_VW 16
+#else
+#define WK_VW 8
+#endif
+static constexpr int VW = WK_VW;
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+enum Fmt : int {
+  FMT_INT4 = 0, FMT_INT8 = 1, FMT_INT_GENERIC = 2, FMT_Q4_0 = 3, FMT_Q8_0 = 4, FMT_INT2 = 5, FMT_BANDED = 6,
+  FMT_TQ = 7
+};
+static constexpr int MAX_BANDS = 32;
+static constexpr int MAX_SEGS = 2;
+#include <array>
+static constexpr int TILE = 32;  // tokens per tile
+static constexpr int JB = 4;     // query heads per register block
+
+static inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);  // little-endian fp16, possibly unaligned (ggml blocks)
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t ex = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (ex == 0) {
+    const float f = std::ldexp((float)man, -24);
+    return sign ? -f : f;
+  }
+  const uint32_t bits = ex == 31 ? (sign | 0x7f800000u | (man << 13)) : (sign | ((ex + 112u) << 23) | (man << 13));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+static inline vf splat(float x) { return vf{} + x; }
+
+static inline v8f half8(vf v) {
+#if WK_VW == 16
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return v;
+#endif
+}
+
+static inline float hsum(vf v) {
+  const v8f a = half8(v);
+  v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  b = b + __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  return b[0] + b[1];
+}
+
+// Lane sums of four vectors at once (fewer shuffles than four hsum calls).
+static inline void hsum4(vf a0, vf a1, vf a2, vf a3, float* out) {
+  const v8f b0 = half8(a0), b1 = half8(a1), b2 = half8(a2), b3 = half8(a3);
+  const v8f c01 = __builtin_shufflevector(b0, b1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(b0, b1, 4, 5, 6, 7, 12, 13, 14, 15);  // [b0 x4, b1 x4]
+  const v8f c23 = __builtin_shufflevector(b2, b3, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(b2, b3, 4, 5, 6, 7, 12, 13, 14, 15);  // [b2 x4, b3 x4]
+  const v8f d = __builtin_shufflevector(c01, c23, 0, 1, 8, 9, 4, 5, 12, 13) +
+                __builtin_shufflevector(c01, c23, 2, 3, 10, 11, 6, 7, 14, 15);  // [b0 x2, b2 x2, b1 x2, b3 x2]
+  const v4f e = __builtin_shufflevector(d, d, 0, 2, 4, 6) + __builtin_shufflevector(d, d, 1, 3, 5, 7);
+  out[0] = e[0];
+  out[1] = e[2];
+  out[2] = e[1];
+  out[3] = e[3];
+}
+
+// exp(x) for x <= 0, lane-wise: Cody-Waite range reduction and a degree-6 polynomial (relative
+// error ~1e-7, no libm call); 0 below -87 and for -inf.
+static inline vf vexp_nonpos(vf x) {
+  const vf lo = splat(-87.0f);
+  const vf xc = x < lo ? lo : x;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vf n = (xc * 1.44269504088896341f + magic) - magic;
+  vf r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  vf p = splat(1.3981999507e-3f);
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  const vf y = p * (vf)e;
+  return x < lo ? vf{} : y;
+}
+
+struct Src {
+  const uint8_t* codes;
+  int64_t cs0, cs1, cs2;  // byte strides of codes/blocks over (batch, head, token)
+  const uint8_t* scale;   // fp16 per-token scale (intB); unused for ggml
+  int64_t ss0, ss1, ss2;  // byte strides of the scale
+  int fmt, bits, row_bytes, d, L;
+  float offset;       // qmax for intB
+  const uint8_t* end;  // one past the last byte of the codes tensor (bounds for over-wide vector loads)
+  int nbands;          // FMT_BANDED: bands of (first byte, first buffer position, size, bits), one fp16 scale each
+  int band_byte[MAX_BANDS], band_start[MAX_BANDS], band_size[MAX_BANDS], band_bits[MAX_BANDS];
+  int nseg;            // FMT_TQ: segments of codes, each its own tensor, decoded through its level table
+  const uint8_t* seg_codes[MAX_SEGS];
+  int64_t seg_s0[MAX_SEGS], seg_s1[MAX_SEGS], seg_s2[MAX_SEGS];
+  const uint8_t* seg_end[MAX_SEGS];
+  int seg_start[MAX_SEGS], seg_size[MAX_SEGS], seg_bits[MAX_SEGS];
+  const float* seg_levels[MAX_SEGS];  // max(2^bits, 32) floats (zero padded: whole-vector permutes)
+  float row_mul;                      // FMT_TQ: the row factor is norm * row_mul (1 / sqrt(d))
+};
+
+static Src make_src(const std::vector<int64_t>& a) {
+  Src s;
+  s.codes = reinterpret_cast<const uint8_t*>(a.at(0));
+  s.cs0 = a[1];
+  s.cs1 = a[2];
+  s.cs2 = a[3];
+  s.scale = reinterpret_cast<const uint8_t*>(a[4]);
+  s.ss0 = a[5];
+  s.ss1 = a[6];
+  s.ss2 = a[7];
+  s.fmt = (int)a[8];
+  s.bits = (int)a[9];
+  s.row_bytes = (int)a[10];
+  s.d = (int)a[11];
+  s.L = (int)a[12];
+  s.offset = (float)a[13];
+  s.end = reinterpret_cast<const uint8_t*>(a.at(14));
+  s.nbands = 0;
+  s.nseg = 0;
+  s.row_mul = 1.0f;
+  if (s.fmt == FMT_TQ) {
+    s.nseg = a.size() > 15 ? (int)a[15] : 0;
+    if (s.nseg < 1 || s.nseg > MAX_SEGS || (int64_t)a.size() != 16 + 9 * (int64_t)s.nseg)
+      throw std::invalid_argument("walshkv decode attention: bad tq segment table");
+    for (int i = 0; i < s.nseg; ++i) {
+      const int64_t* e = a.data() + 16 + 9 * i;
+      s.seg_codes[i] = reinterpret_cast<const uint8_t*>(e[0]);
+      s.seg_s0[i] = e[1];
+      s.seg_s1[i] = e[2];
+      s.seg_s2[i] = e[3];
+      s.seg_end[i] = reinterpret_cast<const uint8_t*>(e[4]);
+      s.seg_start[i] = (int)e[5];
+      s.seg_size[i] = (int)e[6];
+      s.seg_bits[i] = (int)e[7];
+      s.seg_levels[i] = reinterpret_cast<const float*>(e[8]);
+      if (s.seg_bits[i] < 1 || s.seg_bits[i] > 8 || s.seg_start[i] < 0 || s.seg_start[i] + s.seg_size[i] > s.L)
+        throw std::invalid_argument("walshkv decode attention: bad tq segment");
+    }
+    s.row_mul = 1.0f / std::sqrt((float)s.d);
+    return s;
+  }
+  s.nbands = a.size() > 15 ? (int)a[15] : 0;
+  if (s.fmt == FMT_BANDED && (s.nbands < 1 || s.nbands > MAX_BANDS || (int64_t)a.size() != 16 + 4 * (int64_t)s.nbands))
+    throw std::invalid_argument("walshkv decode attention: bad band table");
+  for (int i = 0; i < s.nbands && i < MAX_BANDS; ++i) {
+    s.band_byte[i] = (int)a[16 + 4 * i];
+    s.band_start[i] = (int)a[17 + 4 * i];
+    s.band_size[i] = (int)a[18 + 4 * i];
+    s.band_bits[i] = (int)a[19 + 4 * i];
+  }
+  return s;
+}
+
+// Bit fields (2 or 4 bits) of bytes -> planes: buf[p * nb + k] = field p of byte k, minus `off`.
+template <int BITS>
+static inline void unpack_planes(const uint8_t* __restrict row, int nb, float off, float* __restrict buf) {
+  constexpr int P = 8 / BITS;
+  constexpr unsigned M = (1u << BITS) - 1u;
+  int k = 0;
+#if defined(__AVX512F__)
+  {
+    const __m512 o = _mm512_set1_ps(off);
+    const __m128i m = _mm_set1_epi8((char)M);
+    for (; k + 16 <= nb; k += 16) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+      for (int p = 0; p < P; ++p) {
+        const __m128i f = _mm_and_si128(_mm_srli_epi16(c, p * BITS), m);
+        _mm512_storeu_ps(buf + p * nb + k, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(f)), o));
+      }
+    }
+  }
+#elif defined(__AVX2__)
+  {
+    const __m256 o = _mm256_set1_ps(off);
+    const __m128i m = _mm_set1_epi8((char)M);
+    for (; k + 16 <= nb; k += 16) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+      for (int p = 0; p < P; ++p) {
+        const __m128i f = _mm_and_si128(_mm_srli_epi16(c, p * BITS), m);
+        float* dst = buf + p * nb + k;
+        _mm256_storeu_ps(dst, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(f)), o));
+        _mm256_storeu_ps(dst + 8, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(f, 8))), o));
+      }
+    }
+  }
+#endif
+  for (int p = 0; p < P; ++p)
+    for (int kk = k; kk < nb; ++kk) buf[p * nb + kk] = (float)((row[kk] >> (p * BITS)) & M) - off;
+}
+
+// n bytes (unsigned, or signed with SIGNED) -> (x - off) * mul.
+template <bool SIGNED>
+static inline void widen_bytes(const uint8_t* __restrict row, int n, float off, float mul, float* __restrict buf) {
+  int k = 0;
+#if defined(__AVX512F__)
+  {
+    const __m512 o = _mm512_set1_ps(off), mm = _mm512_set1_ps(mul);
+    for (; k + 16 <= n; k += 16) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+      const __m512i w = SIGNED ? _mm512_cvtepi8_epi32(c) : _mm512_cvtepu8_epi32(c);
+      _mm512_storeu_ps(buf + k, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(w), o), mm));
+    }
+  }
+#elif defined(__AVX2__)
+  {
+    const __m256 o = _mm256_set1_ps(off), mm = _mm256_set1_ps(mul);
+    for (; k + 8 <= n; k += 8) {
+      const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k));
+      const __m256i w = SIGNED ? _mm256_cvtepi8_epi32(c) : _mm256_cvtepu8_epi32(c);
+      _mm256_storeu_ps(buf + k, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(w), o), mm));
+    }
+  }
+#endif
+  for (; k < n; ++k) buf[k] = ((SIGNED ? (float)(int8_t)row[k] : (float)row[k]) - off) * mul;
+}
+
+// Byte-shuffle control and shifts that put code i of a group (B bits each, LSB-first) in dword i:
+// bytes (i*B)>>3 and +1 into the low half, then a right shift by (i*B)&7. Per 128-bit lane the
+// shuffle indexes the same (broadcast) 16 source bytes; 0x80 writes a zero byte.
+template <int BITS, int LANES>
+static constexpr std::array<int8_t, 4 * LANES> generic_shuffle() {
+  std::array<int8_t, 4 * LANES> c{};
+  for (int i = 0; i < LANES; ++i) {
+    c[4 * i] = (int8_t)((i * BITS) >> 3);
+    c[4 * i + 1] = (int8_t)(((i * BITS) >> 3) + 1);
+    c[4 * i + 2] = (int8_t)0x80;
+    c[4 * i + 3] = (int8_t)0x80;
+  }
+  return c;
+}
+
+template <int BITS, int LANES>
+static constexpr std::array<int32_t, LANES> generic_shifts() {
+  std::array<int32_t, LANES> c{};
+  for (int i = 0; i < LANES; ++i) c[i] = (i * BITS) & 7;
+  return c;
+}
+
+// B in 1..8 (used for 3, 5, 6, 7 and for vht2 bands): groups of GR codes (GR * B / 8 bytes) with one
+// byte shuffle + variable shift; the codes after the last whole group bit by bit.
+template <int BITS>
+static inline void unpack_generic(const uint8_t* __restrict row, int d, float off, const uint8_t* end,
+                                  float* __restrict buf) {
+  constexpr uint32_t M = (1u << BITS) - 1u;
+  int i = 0;
+#if defined(__AVX512VBMI__)
+  if constexpr (BITS == 3) {  // 64 codes (24 bytes) at a time: byte permute + multishift, no per-lane shifts
+    alignas(64) static constexpr std::array<uint8_t, 64> idx = [] {
+      std::array<uint8_t, 64> a{};
+      for (int j = 0; j < 8; ++j)
+        for (int k = 0; k < 8; ++k) a[8 * j + k] = (uint8_t)(3 * j + (k < 3 ? k : 2));  // qword j: bytes 3j..3j+2
+      return a;
+    }();
+    alignas(64) static constexpr std::array<uint8_t, 64> sh = [] {
+      std::array<uint8_t, 64> a{};
+      for (int j = 0; j < 64; ++j) a[j] = (uint8_t)(3 * (j % 8));  // byte k of a qword: bits 3k..3k+7
+      return a;
+    }();
+    const __m512i pi = _mm512_load_si512(idx.data()), ms = _mm512_load_si512(sh.data());
+    const __m512i m7 = _mm512_set1_epi8(7);
+    const __m512 o = _mm512_set1_ps(off);
+    for (; i + 64 <= d; i += 64) {
+      const __m512i x = _mm512_maskz_loadu_epi8(0xFFFFFFull, row + i / 8 * 3);  // 24 bytes, never past them
+      const __m512i c = _mm512_and_si512(_mm512_multishift_epi64_epi8(ms, _mm512_permutexvar_epi8(pi, x)), m7);
+      _mm512_storeu_ps(buf + i, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(c))), o));
+      _mm512_storeu_ps(buf + i + 16,
+                       _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 1))), o));
+      _mm512_storeu_ps(buf + i + 32,
+                       _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 2))), o));
+      _mm512_storeu_ps(buf + i + 48,
+                       _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, 3))), o));
+    }
+  }
+#endif
+#if defined(__AVX512BW__)
+  {
+    constexpr int GR = 16, GB = GR * BITS / 8;
+    alignas(64) static constexpr std::array<int8_t, 64> ctl = generic_shuffle<BITS, 16>();
+    alignas(64) static constexpr std::array<int32_t, 16> shl = generic_shifts<BITS, 16>();
+    const __m512i c = _mm512_load_si512(ctl.data()), sh = _mm512_load_si512(shl.data());
+    const __m512i m = _mm512_set1_epi32((int)M);
+    const __m512 o = _mm512_set1_ps(off);
+    uint8_t tmp[16] = {0};
+    for (; i + GR <= d; i += GR) {
+      const uint8_t* p = row + i / GR * GB;
+      __m128i x;
+      if (p + 16 <= end) {
+        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      } else {  // near the end of the tensor: never read past it
+        std::memcpy(tmp, p, GB);
+        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
+      }
+      const __m512i y = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(x), c);
+      const __m512i w = _mm512_and_si512(_mm512_srlv_epi32(y, sh), m);
+      _mm512_storeu_ps(buf + i, _mm512_sub_ps(_mm512_cvtepi32_ps(w), o));
+    }
+  }
+#elif defined(__AVX2__)
+  {
+    constexpr int GR = 8, GB = BITS;
+    alignas(32) static constexpr std::array<int8_t, 32> ctl = generic_shuffle<BITS, 8>();
+    alignas(32) static constexpr std::array<int32_t, 8> shl = generic_shifts<BITS, 8>();
+    const __m256i c = _mm256_load_si256(reinterpret_cast<const __m256i*>(ctl.data()));
+    const __m256i sh = _mm256_load_si256(reinterpret_cast<const __m256i*>(shl.data()));
+    const __m256i m = _mm256_set1_epi32((int)M);
+    const __m256 o = _mm256_set1_ps(off);
+    uint8_t tmp[16] = {0};
+    for (; i + GR <= d; i += GR) {
+      const uint8_t* p = row + i / GR * GB;
+      __m128i x;
+      if (p + 16 <= end) {
+        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      } else {
+        std::memcpy(tmp, p, GB);
+        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
+      }
+      const __m256i y = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(x), c);
+      const __m256i w = _mm256_and_si256(_mm256_srlv_epi32(y, sh), m);
+      _mm256_storeu_ps(buf + i, _mm256_sub_ps(_mm256_cvtepi32_ps(w), o));
+    }
+  }
+#else
+  (void)end;
+#endif
+  for (; i < d; ++i) {
+    const int bp = i * BITS;
+    unsigned w = row[bp >> 3];
+    if (((bp & 7) + BITS) > 8) w |= (unsigned)row[(bp >> 3) + 1] << 8;  // the code spills into the next byte
+    buf[i] = (float)((w >> (bp & 7)) & M) - off;
+  }
+}
+
+// Unpack one row into buf[0..L) (c - qmax for intB, dequantized values for ggml; entries from L on
+// are never written and stay 0); returns the factor of the whole row (intB scale, 1 for ggml).
+template <int FMT>
+static inline float decode_row(const Src& s, const uint8_t* __restrict row, const uint8_t* __restrict sc,
+                               float* __restrict buf) {
+  if constexpr (FMT == FMT_INT4) {
+    unpack_planes<4>(row, s.row_bytes, s.offset, buf);
+    return h2f(sc);
+  } else if constexpr (FMT == FMT_INT2) {
+    unpack_planes<2>(row, s.row_bytes, s.offset, buf);
+    return h2f(sc);
+  } else if constexpr (FMT == FMT_INT8) {
+    widen_bytes<false>(row, s.row_bytes, s.offset, 1.0f, buf);
+    return h2f(sc);
+  } else if constexpr (FMT == FMT_INT_GENERIC) {
+    switch (s.bits) {
+      case 3: unpack_generic<3>(row, s.d, s.offset, s.end, buf); break;
+      case 5: unpack_generic<5>(row, s.d, s.offset, s.end, buf); break;
+      case 6: unpack_generic<6>(row, s.d, s.offset, s.end, buf); break;
+      default: unpack_generic<7>(row, s.d, s.offset, s.end, buf); break;
+    }
+    return h2f(sc);
+  } else if constexpr (FMT == FMT_Q4_0) {
+    const int nblk = s.d / 32;
+    for (int k = 0; k < nblk; ++k) {
+      const uint8_t* __restrict blk = row + k * 18;
+      const float dd = h2f(blk);
+      float* __restrict dst = buf + k * 32;
+      unpack_planes<4>(blk + 2, 16, 8.0f, dst);  // value j low nibble, value j + 16 high nibble
+#if WK_VW == 16
+      ((vf*)dst)[0] *= dd;  // dst is 64-byte aligned (k * 32 floats)
+      ((vf*)dst)[1] *= dd;
+#else
+      for (int j = 0; j < 4; ++j) ((vf*)dst)[j] *= dd;
+#endif
+    }
+    return 1.0f;
+  } else if constexpr (FMT == FMT_BANDED) {  // vht2: per band c - qmax (1 bit: 2c - 1) times its fp16 scale
+    for (int i = 0; i < s.nbands; ++i) {
+      const uint8_t* r = row + s.band_byte[i];
+      float* __restrict dst = buf + s.band_start[i];
+      const int n = s.band_size[i], bits = s.band_bits[i];
+      const float off = bits == 1 ? 0.5f : (float)((1 << (bits - 1)) - 1);
+      switch (bits) {
+        case 1: unpack_generic<1>(r, n, off, s.end, dst); break;
+        case 2: unpack_generic<2>(r, n, off, s.end, dst); break;
+        case 3: unpack_generic<3>(r, n, off, s.end, dst); break;
+        case 4: unpack_generic<4>(r, n, off, s.end, dst); break;
+        case 5: unpack_generic<5>(r, n, off, s.end, dst); break;
+        case 6: unpack_generic<6>(r, n, off, s.end, dst); break;
+        case 7: unpack_generic<7>(r, n, off, s.end, dst); break;
+        default: unpack_generic<8>(r, n, off, s.end, dst); break;
+      }
+      const float f = h2f(sc + 2 * i) * (bits == 1 ? 2.0f : 1.0f);
+      for (int j = 0; j < n; ++j) dst[j] *= f;
+    }
+    return 1.0f;
+  } else {  // FMT_Q8_0
+    const int nblk = s.d / 32;
+    for (int k = 0; k < nblk; ++k) widen_bytes<true>(row + k * 34 + 2, 32, 0.0f, h2f(row + k * 34), buf + k * 32);
+    return 1.0f;
+  }
+}
+
+// Decode rows t..t+nt of one (batch, head) into tile rows of ld floats; rs[i] = row factor.
+typedef void (*TileFn)(const Src&, int64_t, int64_t, int64_t, int, float*, int64_t, float*);
+
+template <int FMT>
+static void decode_tile(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld, float* rs) {
+  const uint8_t* c = s.codes + b * s.cs0 + h * s.cs1 + t * s.cs2;
+  const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
+  for (int i = 0; i < nt; ++i) rs[i] = decode_row<FMT>(s, c + i * s.cs2, sc + i * s.ss2, tile + i * ld);
+}
+
+// buf[j] (a code c, as float) -> lv[c], for j < n. lv holds at least 32 floats (zero padded).
+static inline void lookup_levels(float* __restrict buf, int n, const float* __restrict lv, int bits) {
+  int j = 0;
+#if defined(__AVX512F__)
+  if (bits <= 5) {  // every level in one or two registers: a lane permute per 16 codes
+    const __m512 l0 = _mm512_loadu_ps(lv), l1 = _mm512_loadu_ps(lv + 16);
+    for (; j + 16 <= n; j += 16) {
+      const __m512i idx = _mm512_cvttps_epi32(_mm512_loadu_ps(buf + j));
+      _mm512_storeu_ps(buf + j, bits <= 4 ? _mm512_permutexvar_ps(idx, l0) : _mm512_permutex2var_ps(l0, idx, l1));
+    }
+  } else {
+    for (; j + 16 <= n; j += 16)
+      _mm512_storeu_ps(buf + j, _mm512_i32gather_ps(_mm512_cvttps_epi32(_mm512_loadu_ps(buf + j)), lv, 4));
+  }
+#elif defined(__AVX2__)
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(buf + j, _mm256_i32gather_ps(lv, _mm256_cvttps_epi32(_mm256_loadu_ps(buf + j)), 4));
+#endif
+  for (; j < n; ++j) buf[j] = lv[(int)buf[j]];
+}
+
+// tq: each segment's codes (own tensor and strides) unpacked to its buffer positions, then replaced by
+// their Lloyd-Max levels; the row factor is norm / sqrt(d).
+static void decode_tile_tq(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
+                           float* rs) {
+  const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
+  for (int i = 0; i < nt; ++i) {
+    float* row_buf = tile + i * ld;
+    for (int g = 0; g < s.nseg; ++g) {
+      const uint8_t* r = s.seg_codes[g] + b * s.seg_s0[g] + h * s.seg_s1[g] + (t + i) * s.seg_s2[g];
+      float* dst = row_buf + s.seg_start[g];
+      const int n = s.seg_size[g];
+      switch (s.seg_bits[g]) {
+        case 1: unpack_generic<1>(r, n, 0.0f, s.seg_end[g], dst); break;
+        case 2: unpack_generic<2>(r, n, 0.0f, s.seg_end[g], dst); break;
+        case 3: unpack_generic<3>(r, n, 0.0f, s.seg_end[g], dst); break;
+        case 4: unpack_generic<4>(r, n, 0.0f, s.seg_end[g], dst); break;
+        case 5: unpack_generic<5>(r, n, 0.0f, s.seg_end[g], dst); break;
+        case 6: unpack_generic<6>(r, n, 0.0f, s.seg_end[g], dst); break;
+        case 7: unpack_generic<7>(r, n, 0.0f, s.seg_end[g], dst); break;
+        default: unpack_generic<8>(r, n, 0.0f, s.seg_end[g], dst); break;
+      }
+      lookup_levels(dst, n, s.seg_levels[g], s.seg_bits[g]);
+    }
+    rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
+  }
+}
+
+static TileFn tile_fn(int fmt) {
+  switch (fmt) {
+    case FMT_INT4: return decode_tile<FMT_INT4>;
+    case FMT_INT2: return decode_tile<FMT_INT2>;
+    case FMT_INT8: return decode_tile<FMT_INT8>;
+    case FMT_INT_GENERIC: return decode_tile<FMT_INT_GENERIC>;
+    case FMT_Q4_0: return decode_tile<FMT_Q4_0>;
+    case FMT_Q8_0: return decode_tile<FMT_Q8_0>;
+    case FMT_BANDED: return decode_tile<FMT_BANDED>;
+    case FMT_TQ: return decode_tile_tq;
+  }
+  throw std::invalid_argument("walshkv decode attention: unknown packed format");
+}
+
+// Scores of NB query heads (rows of q, stride LK) against nt decoded K rows: sc[c * TILE + i].
+template <int NB>
+static inline void score_block(const float* __restrict q, int64_t LK, int64_t nk, const float* __restrict ktile,
+                               int nt, const float* __restrict rsk, float* __restrict sc) {
+  const vf* qv[NB];
+  for (int c = 0; c < NB; ++c) qv[c] = (const vf*)(q + c * LK);
+  for (int i = 0; i < nt; ++i) {
+    const vf* kb = (const vf*)(ktile + i * LK);
+    vf a[4] = {vf{}, vf{}, vf{}, vf{}};
+    for (int64_t k = 0; k < nk; ++k) {
+      const vf x = kb[k];
+      for (int c = 0; c < NB; ++c) a[c] += x * qv[c][k];
+    }
+    float s4[4];
+    hsum4(a[0], a[1], a[2], a[3], s4);
+    for (int c = 0; c < NB; ++c) sc[c * TILE + i] = s4[c] * rsk[i];
+  }
+}
+
+// acc[c] += sum_i w[c * TILE + i] * vtile[i] for NB heads, one vector of the row at a time in registers.
+template <int NB>
+static inline void acc_block(const float* __restrict w, const float* __restrict vtile, int nt, int64_t LV, int64_t nv,
+                             float* __restrict acc) {
+  for (int64_t k = 0; k < nv; ++k) {
+    vf a[NB];
+    for (int c = 0; c < NB; ++c) a[c] = ((vf*)(acc + c * LV))[k];
+    for (int i = 0; i < nt; ++i) {
+      const vf x = ((const vf*)(vtile + i * LV))[k];
+      for (int c = 0; c < NB; ++c) a[c] += w[c * TILE + i] * x;
+    }
+    for (int c = 0; c < NB; ++c) ((vf*)(acc + c * LV))[k] = a[c];
+  }
+}
+
+// One (batch, head, token range): online softmax over tiles. q: [G][LK] (zero columns pad), acc: [G][LV];
+// m, l: [G]. LK, LV are multiples of VW; buffers 64-byte aligned.
+static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, const float* __restrict q, int64_t b,
+                      int64_t h, int64_t t0, int64_t t1, int64_t G, int64_t LK, int64_t LV, float* __restrict m,
+                      float* __restrict l, float* __restrict acc, float* __restrict ktile, float* __restrict vtile,
+                      float* __restrict sc) {
+  const int64_t nk = LK / VW, nv = LV / VW;
+  float rsk[TILE], rsv[TILE];
+  bool first = true;
+  for (int64_t tb = t0; tb < t1; tb += TILE) {
+    const int nt = (int)std::min<int64_t>(TILE, t1 - tb);
+    kdec(K, b, h, tb, nt, ktile, LK, rsk);
+    for (int64_t j0 = 0; j0 < G; j0 += JB) {  // scores: (integer) codes . query, times the row factor
+      const float* qj = q + j0 * LK;
+      float* sj = sc + j0 * TILE;
+      switch (std::min<int64_t>(JB, G - j0)) {
+        case 1: score_block<1>(qj, LK, nk, ktile, nt, rsk, sj); break;
+        case 2: score_block<2>(qj, LK, nk, ktile, nt, rsk, sj); break;
+        case 3: score_block<3>(qj, LK, nk, ktile, nt, rsk, sj); break;
+        default: score_block<4>(qj, LK, nk, ktile, nt, rsk, sj); break;
+      }
+    }
+    for (int64_t j = 0; j < G; ++j) {  // online softmax update
+      float* sj = sc + j * TILE;
+      for (int i = nt; i < TILE; ++i) sj[i] = -std::numeric_limits<float>::infinity();
+      vf* sv = (vf*)sj;
+      vf mv = sv[0];
+      for (int v = 1; v < TILE / VW; ++v) mv = mv > sv[v] ? mv : sv[v];
+      float mt = mv[0];
+      for (int z = 1; z < VW; ++z) mt = std::max(mt, mv[z]);
+      const float mn = first ? mt : std::max(m[j], mt);
+      vf sum = vf{};
+      for (int v = 0; v < TILE / VW; ++v) {
+        const vf p = vexp_nonpos(sv[v] - mn);  // unused slots: -inf -> 0
+        sum += p;
+        sv[v] = p;
+      }
+      if (!first && mn > m[j]) {
+        const float alpha = vexp_nonpos(splat(m[j] - mn))[0];
+        vf* a = (vf*)(acc + j * LV);
+        for (int64_t k = 0; k < nv; ++k) a[k] *= alpha;
+        l[j] *= alpha;
+      }
+      l[j] += hsum(sum);
+      m[j] = mn;
+    }
+    first = false;
+    vdec(V, b, h, tb, nt, vtile, LV, rsv);
+    for (int64_t j = 0; j < G; ++j)
+      for (int i = 0; i < nt; ++i) sc[j * TILE + i] *= rsv[i];
+    for (int64_t j0 = 0; j0 < G; j0 += JB) {  // weighted V rows: up to JB heads x one vector in registers
+      const float* w = sc + j0 * TILE;
+      float* a = acc + j0 * LV;
+      switch (std::min<int64_t>(JB, G - j0)) {
+        case 1: acc_block<1>(w, vtile, nt, LV, nv, a); break;
+        case 2: acc_block<2>(w, vtile, nt, LV, nv, a); break;
+        case 3: acc_block<3>(w, vtile, nt, LV, nv, a); break;
+        default: acc_block<4>(w, vtile, nt, LV, nv, a); break;
+      }
+    }
+  }
+}
+
+static inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+static float* alloc_floats(int64_t n) {  // 64-byte aligned, zeroed
+  const size_t bytes = (size_t)round_up(std::max<int64_t>(n, 1) * 4, 64);
+  float* p = static_cast<float*>(std::aligned_alloc(64, bytes));
+  if (!p) throw std::bad_alloc();
+  std::memset(p, 0, bytes);
+  return p;
+}
+
+// q: float [B*H][G][K.L] (scaled, in K's buffer order). Outputs: m, l: [B*H][G]; acc: [B*H][G][V.L] (V's
+// buffer order). The T tokens are cut into nsplit ranges run in parallel, then merged.
+static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& vdesc, int64_t q_ptr, int64_t m_ptr,
+                int64_t l_ptr, int64_t acc_ptr, int64_t B, int64_t H, int64_t G, int64_t T, int64_t nsplit,
+                int64_t nthreads) {
+  const Src K = make_src(kdesc), V = make_src(vdesc);
+  const TileFn kdec = tile_fn(K.fmt), vdec = tile_fn(V.fmt);
+  const float* q = reinterpret_cast<const float*>(q_ptr);
+  float* m_out = reinterpret_cast<float*>(m_ptr);
+  float* l_out = reinterpret_cast<float*>(l_ptr);
+  float* acc_out = reinterpret_cast<float*>(acc_ptr);
+  nsplit = std::max<int64_t>(1, nsplit);
+  const int64_t N = B * H, LK = round_up(K.L, VW), LV = round_up(V.L, VW);
+  const int64_t per = (T + nsplit - 1) / nsplit;
+  const float NEG_INF = -std::numeric_limits<float>::infinity();
+  float* qp = alloc_floats(N * G * LK);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < G; ++j) std::memcpy(qp + (n * G + j) * LK, q + (n * G + j) * K.L, sizeof(float) * K.L);
+  std::vector<float> pm(N * nsplit * G, NEG_INF), pl(N * nsplit * G, 0.0f);
+  float* pacc = alloc_floats(N * nsplit * G * LV);
+  {
+    py::gil_scoped_release nogil;
+#pragma omp parallel num_threads((int)std::max<int64_t>(1, nthreads))
+    {
+      float* ktile = alloc_floats(TILE * LK + TILE * LV + G * TILE);
+      float* vtile = ktile + TILE * LK;
+      float* sc = vtile + TILE * LV;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < N * nsplit; ++task) {
+        const int64_t n = task / nsplit, sp = task % nsplit;
+        const int64_t t0 = sp * per, t1 = std::min<int64_t>(T, t0 + per);
+        if (t0 < t1)
+          run_range(K, V, kdec, vdec, qp + n * G * LK, n / H, n % H, t0, t1, G, LK, LV, pm.data() + task * G,
+                    pl.data() + task * G, pacc + task * G * LV, ktile, vtile, sc);
+      }
+      std::free(ktile);
+    }
+  }
+  for (int64_t n = 0; n < N; ++n) {  // merge the ranges
+    for (int64_t j = 0; j < G; ++j) {
+      float M = NEG_INF, L = 0.0f;
+      for (int64_t sp = 0; sp < nsplit; ++sp) M = std::max(M, pm[(n * nsplit + sp) * G + j]);
+      float* out = acc_out + (n * G + j) * V.L;
+      std::fill(out, out + V.L, 0.0f);
+      for (int64_t sp = 0; sp < nsplit && M != NEG_INF; ++sp) {
+        const int64_t task = n * nsplit + sp;
+        if (pl[task * G + j] == 0.0f) continue;
+        const float w = std::exp(pm[task * G + j] - M);
+        L += w * pl[task * G + j];
+        const float* a = pacc + (task * G + j) * LV;
+        for (int64_t k = 0; k < V.L; ++k) out[k] += w * a[k];
+      }
+      m_out[n * G + j] = M;
+      l_out[n * G + j] = L;
+    }
+  }
+  std::free(qp);
+  std::free(pacc);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("run", &run, "fused decode attention over packed K/V (see walshkv.attention.cpu)");
+  mod.attr("vector_lanes") = VW;
+  // What the Python side must agree with (walshkv.attention.cpu_formats reads FORMATS by name).
+  py::dict formats;
+  formats["int4"] = (int)FMT_INT4;
+  formats["int8"] = (int)FMT_INT8;
+  formats["int_generic"] = (int)FMT_INT_GENERIC;
+  formats["q4_0"] = (int)FMT_Q4_0;
+  formats["q8_0"] = (int)FMT_Q8_0;
+  formats["int2"] = (int)FMT_INT2;
+  formats["banded"] = (int)FMT_BANDED;
+  formats["tq"] = (int)FMT_TQ;
+  mod.attr("FORMATS") = formats;
+  mod.attr("MAX_BANDS") = MAX_BANDS;
+  mod.attr("MAX_SEGS") = MAX_SEGS;
+}

@@ -1,0 +1,266 @@
+"""The Triton decode-attention kernel bodies, jitted on first use (see :mod:`walshkv.attention.triton_decode`).
+
+The bodies are plain functions, so this module imports without triton; :func:`build_kernel` applies
+``triton.jit`` for the current ``TRITON_INTERPRET`` mode. The format ids below are the values of the
+kernels' ``K_FMT``/``V_FMT`` constexprs (the bodies compare them as literals: Triton reads only constexpr
+globals); the decode glue picks them per codec.
+"""
+
+# ruff: noqa: N803  (Triton convention: upper-case kernel arguments for sizes and constexprs)
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+__all__ = [
+    "FMT_BANDED",
+    "FMT_INT",
+    "FMT_Q4_0",
+    "FMT_Q8_0",
+    "FMT_TQ",
+    "build_kernel",
+    "triton_available",
+    "triton_interpret",
+]
+
+FMT_INT = 0  # intB, B in 2..8
+FMT_Q4_0 = 1
+FMT_Q8_0 = 2
+FMT_BANDED = 3  # vht2
+FMT_TQ = 4  # tq: Lloyd-Max codes in one or two code tensors, one fp16 norm
+
+_lock = threading.Lock()
+_available: bool | None = None
+_kernels: dict[bool, tuple[Any, Any]] = {}  # interpret mode -> jitted (_rows, _decode_kernel)
+
+
+def triton_available() -> bool:
+    """True if ``triton`` can be imported (checked once)."""
+    global _available
+    if _available is None:
+        try:
+            import triton
+            import triton.language  # noqa: F401
+
+            _available = True
+        except Exception:  # not installed, or a broken install
+            _available = False
+    return _available
+
+
+def triton_interpret() -> bool:
+    """True if ``TRITON_INTERPRET=1`` is set now (the kernel then runs on CPU tensors, interpreted)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+# The kernel bodies are plain functions here (so this module imports without triton); build_kernel() applies
+# ``triton.jit`` to them for the current mode and binds the module globals ``tl`` and ``_rows`` that the
+# bodies use (Triton resolves a kernel's names, including the jitted helpers it calls, in the module's
+# globals; its interpreter even re-executes the source there, so closures would not do).
+tl: Any = None  # triton.language, bound by build_kernel()
+
+
+def _rows(
+    codes_ptr,
+    scale_ptr,
+    tab_ptr,
+    codes2_ptr,
+    lev_ptr,
+    b,
+    h,
+    offs_n,
+    mask_n,
+    offs_d,
+    mask_d,
+    cs0,
+    cs1,
+    cs2,
+    ss0,
+    ss1,
+    ss2,
+    c2s0,
+    c2s1,
+    c2s2,
+    FMT: tl.constexpr,
+    BITS: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    QMAX: tl.constexpr,
+    ROW_D: tl.constexpr,
+):
+    """Unpacked rows ``[BLOCK_N, BLOCK_D]`` (block scales applied) and per-token scales ``[BLOCK_N]``."""
+    row = codes_ptr + b * cs0 + h * cs1 + offs_n[:, None] * cs2
+    m2 = mask_n[:, None] & mask_d[None, :]
+    if FMT == 0:  # intB, LSB-first bit stream, one fp16 scale per token
+        bit = offs_d * BITS
+        byte = (bit // 8)[None, :]
+        shift = (bit % 8)[None, :]
+        lo = tl.load(row + byte, mask=m2, other=0).to(tl.int32)
+        if BITS == 8:
+            code = lo
+        elif (8 % BITS) == 0:  # B = 2, 4: a code never straddles two bytes
+            code = (lo >> shift) & ((1 << BITS) - 1)
+        else:
+            hi = tl.load(row + byte + 1, mask=m2 & (byte + 1 < ROW_BYTES), other=0).to(tl.int32)
+            code = ((lo | (hi << 8)) >> shift) & ((1 << BITS) - 1)
+        vals = tl.where(m2, (code - QMAX).to(tl.float32), 0.0)
+        tok = tl.load(scale_ptr + b * ss0 + h * ss1 + offs_n * ss2, mask=mask_n, other=0.0).to(tl.float32)
+    elif FMT == 3:  # vht2 bands: per position bit offset, width, band, mul, offset (tab_ptr [5, D])
+        bitpos = tl.load(tab_ptr + offs_d, mask=mask_d, other=0)
+        width = tl.load(tab_ptr + ROW_D + offs_d, mask=mask_d, other=0)
+        band = tl.load(tab_ptr + 2 * ROW_D + offs_d, mask=mask_d, other=0)
+        mul = tl.load(tab_ptr + 3 * ROW_D + offs_d, mask=mask_d, other=0)
+        off = tl.load(tab_ptr + 4 * ROW_D + offs_d, mask=mask_d, other=0)
+        mk = m2 & (width > 0)[None, :]
+        byte = (bitpos // 8)[None, :]
+        shift = (bitpos % 8)[None, :]
+        lo = tl.load(row + byte, mask=mk, other=0).to(tl.int32)
+        hi = tl.load(row + byte + 1, mask=mk & (byte + 1 < ROW_BYTES), other=0).to(tl.int32)
+        code = ((lo | (hi << 8)) >> shift) & ((1 << width) - 1)[None, :]
+        srow = scale_ptr + b * ss0 + h * ss1 + offs_n[:, None] * ss2 + band[None, :]
+        bsc = tl.load(srow, mask=mk, other=0.0).to(tl.float32)
+        vals = tl.where(mk, (code * mul[None, :] - off[None, :]).to(tl.float32) * bsc, 0.0)
+        tok = tl.where(mask_n, 1.0, 0.0)
+    elif FMT == 4:  # tq: per position bit offset, width, segment, first level, segment row bytes
+        bitpos = tl.load(tab_ptr + offs_d, mask=mask_d, other=0)
+        width = tl.load(tab_ptr + ROW_D + offs_d, mask=mask_d, other=0)
+        seg = tl.load(tab_ptr + 2 * ROW_D + offs_d, mask=mask_d, other=0)
+        first = tl.load(tab_ptr + 3 * ROW_D + offs_d, mask=mask_d, other=0)
+        nbytes = tl.load(tab_ptr + 4 * ROW_D + offs_d, mask=mask_d, other=0)
+        row2 = codes2_ptr + b * c2s0 + h * c2s1 + offs_n[:, None] * c2s2
+        byte = (bitpos // 8)[None, :]
+        shift = (bitpos % 8)[None, :]
+        in0 = m2 & (seg == 0)[None, :]
+        in1 = m2 & (seg == 1)[None, :]
+        more = (byte + 1) < nbytes[None, :]
+        lo = tl.load(row + byte, mask=in0, other=0).to(tl.int32) + tl.load(row2 + byte, mask=in1, other=0).to(tl.int32)
+        hi = tl.load(row + byte + 1, mask=in0 & more, other=0).to(tl.int32)
+        hi += tl.load(row2 + byte + 1, mask=in1 & more, other=0).to(tl.int32)
+        code = ((lo | (hi << 8)) >> shift) & ((1 << width) - 1)[None, :]
+        vals = tl.load(lev_ptr + first[None, :] + code, mask=m2, other=0.0)
+        tok = tl.load(scale_ptr + b * ss0 + h * ss1 + offs_n * ss2, mask=mask_n, other=0.0).to(tl.float32)
+    else:  # ggml q4_0 / q8_0: 32-value blocks, fp16 d first
+        j = offs_d % 32
+        base = (offs_d // 32) * (18 if FMT == 1 else 34)  # block bytes
+        dlo = tl.load(row + base[None, :], mask=m2, other=0).to(tl.uint16)
+        dhi = tl.load(row + base[None, :] + 1, mask=m2, other=0).to(tl.uint16)
+        dsc = (dlo | (dhi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        if FMT == 1:
+            byte = tl.load(row + (base + 2 + j % 16)[None, :], mask=m2, other=0).to(tl.int32)
+            code = (byte >> ((j // 16) * 4)[None, :]) & 15
+            vals = (code - 8).to(tl.float32) * dsc
+        else:
+            qs = tl.load(row + (base + 2 + j)[None, :], mask=m2, other=0)
+            vals = qs.to(tl.int8, bitcast=True).to(tl.float32) * dsc
+        vals = tl.where(m2, vals, 0.0)
+        tok = tl.where(mask_n, 1.0, 0.0)
+    return vals, tok
+
+
+def _decode_kernel(
+    q_ptr,
+    kc_ptr,
+    ks_ptr,
+    kt_ptr,
+    vc_ptr,
+    vs_ptr,
+    vt_ptr,
+    kc2_ptr,
+    kl_ptr,
+    vc2_ptr,
+    vl_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    T,
+    KV,
+    G,
+    kcs0,
+    kcs1,
+    kcs2,
+    kss0,
+    kss1,
+    kss2,
+    vcs0,
+    vcs1,
+    vcs2,
+    vss0,
+    vss1,
+    vss2,
+    kc2s0,
+    kc2s1,
+    kc2s2,
+    vc2s0,
+    vc2s1,
+    vc2s2,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_FMT: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_ROW: tl.constexpr,
+    K_QMAX: tl.constexpr,
+    V_FMT: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_ROW: tl.constexpr,
+    V_QMAX: tl.constexpr,
+):
+    pid = tl.program_id(0)  # (batch * kv + kv head) * group + query head in the group
+    n = pid // G
+    b = (n // KV).to(tl.int64)
+    h = (n % KV).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    q = tl.load(q_ptr + pid.to(tl.int64) * D + offs_d, mask=mask_d, other=0.0)
+    m_i = -float("inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, T, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < T
+        offs_n64 = offs_n.to(tl.int64)
+        kv_rows, ktok = _rows(
+            kc_ptr, ks_ptr, kt_ptr, kc2_ptr, kl_ptr, b, h, offs_n64, mask_n, offs_d, mask_d,
+            kcs0, kcs1, kcs2, kss0, kss1, kss2, kc2s0, kc2s1, kc2s2, K_FMT, K_BITS, K_ROW, K_QMAX, D,
+        )  # fmt: skip
+        s = tl.sum(kv_rows * q[None, :], axis=1) * ktok
+        s = tl.where(mask_n, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp(m_i - m_new)  # 0 on the first block (m_i = -inf)
+        p = tl.exp(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        v_rows, vtok = _rows(
+            vc_ptr, vs_ptr, vt_ptr, vc2_ptr, vl_ptr, b, h, offs_n64, mask_n, offs_d, mask_d,
+            vcs0, vcs1, vcs2, vss0, vss1, vss2, vc2s0, vc2s1, vc2s2, V_FMT, V_BITS, V_ROW, V_QMAX, D,
+        )  # fmt: skip
+        acc = acc * alpha + tl.sum((p * vtok)[:, None] * v_rows, axis=0)
+        m_i = m_new
+    tl.store(m_ptr + pid, m_i)
+    tl.store(l_ptr + pid, l_i)
+    tl.store(acc_ptr + pid.to(tl.int64) * D + offs_d, acc, mask=mask_d)
+
+
+_ROWS_PY = _rows
+_KERNEL_PY = _decode_kernel
+
+
+def build_kernel() -> Any:
+    """The jitted kernel for the current ``TRITON_INTERPRET`` mode (built once per mode).
+
+    Also rebinds the module global ``_rows`` to the helper jitted for that mode (the kernel calls it
+    through the module's globals), so switching modes within one process works, though not from two
+    threads at once.
+    """
+    global tl
+    mode = triton_interpret()
+    with _lock:
+        if mode not in _kernels:
+            import triton
+            import triton.language
+
+            tl = triton.language
+            _kernels[mode] = (triton.jit(_ROWS_PY), triton.jit(_KERNEL_PY))
+        rows, kernel = _kernels[mode]
+        globals()["_rows"] = rows
+        return kernel

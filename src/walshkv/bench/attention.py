@@ -1,0 +1,160 @@
+"""``walshkv bench --part attention``: one decode step from packed codes against torch SDPA over float caches."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from walshkv.attention import cpu_supports, decode_attention, triton_supports
+from walshkv.bench.machine import interleaved_seconds, median_seconds
+from walshkv.codecs import CacheSpec, Packed, parse_cache_spec
+from walshkv.constants import Backend
+
+__all__ = ["DEFAULT_ATTENTION_CODECS", "DEFAULT_KV_LENS", "SDPA_DTYPES", "bench_attention"]
+
+DEFAULT_ATTENTION_CODECS: tuple[str, ...] = (
+    "rot+int4",
+    "int4",
+    "rot+int3",
+    "rot+int8",
+    "q4_0",
+    "q8_0",
+    "vht2:5,5,4,3",
+    "tq:4/tq:2.5",
+)
+DEFAULT_KV_LENS: tuple[int, ...] = (1024, 4096, 16384, 65536)
+SDPA_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+#: The suffix of the rows that time the pure-torch reference backend (``reference=True``).
+REFERENCE_SUFFIX = " (reference)"
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _check_device(device: str) -> None:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this torch has no CUDA device; use --device cpu")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
+
+
+@torch.inference_mode()
+def bench_attention(
+    kv_lens: Sequence[int] = DEFAULT_KV_LENS,
+    codecs: Sequence[str] = DEFAULT_ATTENTION_CODECS,
+    *,
+    head_dim: int = 64,
+    kv_heads: int = 3,
+    q_heads: int = 9,
+    batch: int = 1,
+    repeats: int = 7,
+    seed: int = 0,
+    device: str = "cpu",
+    reference: bool = False,
+    check: bool = False,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Time one decode step per method and kv_len (see :mod:`walshkv.bench`).
+
+    Random K/V ``[batch, kv_heads, kv_len, head_dim]`` and one query token ``[batch, q_heads, 1, head_dim]``
+    (GQA; the defaults are smollm2-135m's attention). ``device="cuda"`` times the same steps on a GPU
+    (SDPA on CUDA tensors against the Triton backend, which ``decode_attention`` picks for CUDA tensors;
+    codecs it does not read use the reference).
+
+    Args:
+        kv_lens: cached tokens per case.
+        codecs: cache specs to time.
+        head_dim, kv_heads, q_heads, batch: the attention's shape.
+        repeats: timed rounds at least (more while within the time budget).
+        seed: seed of the random K/V and queries.
+        device: ``cpu`` or ``cuda[:N]``.
+        reference: also time every codec on the pure-torch reference backend (rows ``SPEC (reference)``).
+        check: record each codec row's ``max_abs_err_vs_sdpa_on_decoded``: the largest difference between
+            its output and SDPA in float32 over the decoded cache.
+        progress: show a progress bar.
+
+    Returns:
+        Rows ``{"kv_len", "method", "seconds", "ms", "cache_bytes", "gb_per_s", "backend",
+        "speedup_vs_sdpa_fp16", "speedup_vs_sdpa_fp32", "rounds"}``; codec rows also ``encode_ms``, the
+        time to write one token's K and V (what every decode step adds).
+
+    Raises:
+        ValueError: an unknown device, CUDA without a CUDA device, or a spec that does not fit ``head_dim``.
+    """
+    _check_device(device)
+    cuda = device.startswith("cuda")
+    supports = triton_supports if cuda else cpu_supports
+    specs = {c: parse_cache_spec(c) for c in codecs}
+    for spec in specs.values():
+        spec.check_head_dim(head_dim)
+    gen = torch.Generator().manual_seed(seed)
+    rows: list[dict[str, Any]] = []
+    jobs = len(kv_lens) * (len(SDPA_DTYPES) + len(codecs) * (2 if reference else 1))
+    bar = tqdm(total=jobs, desc="bench attention", unit="case", disable=not progress)
+    for n in kv_lens:
+        k = torch.randn(batch, kv_heads, n, head_dim, generator=gen).to(device)
+        v = torch.randn(batch, kv_heads, n, head_dim, generator=gen).to(device)
+        q = torch.randn(batch, q_heads, 1, head_dim, generator=gen).to(device)
+        fns: dict[str, Callable[[], Any]] = {}
+        info: dict[str, tuple[int, str]] = {}  # method -> (cache bytes, backend)
+        for name, dt in SDPA_DTYPES.items():
+            kc, vc, qc = k.to(dt), v.to(dt), q.to(dt)
+            fns[f"sdpa-{name}"] = lambda qc=qc, kc=kc, vc=vc: _sdpa(qc, kc, vc)
+            info[f"sdpa-{name}"] = (2 * kc.numel() * kc.element_size(), "torch")
+        encode_ms: dict[str, float] = {}
+        errors: dict[str, float] = {}
+        for spec_name, spec in specs.items():
+            pk, pv = spec.k.encode(k), spec.v.encode(v)
+            fast = supports(spec.k, head_dim) and supports(spec.v, head_dim)
+            fns[spec_name] = _step(q, pk, pv, spec, "auto")
+            info[spec_name] = (pk.nbytes() + pv.nbytes(), ("triton" if cuda else "cpu") if fast else "reference")
+            if reference:
+                fns[spec_name + REFERENCE_SUFFIX] = _step(q, pk, pv, spec, "reference")
+                info[spec_name + REFERENCE_SUFFIX] = (info[spec_name][0], "reference")
+            if check:
+                want = _sdpa(q.float(), spec.k.decode(pk).float(), spec.v.decode(pv).float())
+                for method in (spec_name, spec_name + REFERENCE_SUFFIX) if reference else (spec_name,):
+                    errors[method] = float((fns[method]().float() - want).abs().max())
+            k1, v1 = k[:, :, -1:], v[:, :, -1:]  # writing one decode step's token (quantize on write)
+            encode_ms[spec_name] = 1e3 * median_seconds(
+                lambda s=spec, a=k1, b=v1: (s.k.encode(a), s.v.encode(b)), repeats, device=device
+            )
+        times = interleaved_seconds(fns, repeats, device=device)
+        for method, ts in times.items():
+            nbytes, backend = info[method]
+            row = _row(n, method, statistics.median(ts), nbytes, backend)
+            # paired ratios: each round times every method once, so a slow phase of a shared machine
+            # hits the baseline and the method alike; the median over rounds of the per-round ratio
+            row["speedup_vs_sdpa_fp16"] = statistics.median(b / t for b, t in zip(times["sdpa-fp16"], ts, strict=True))
+            row["speedup_vs_sdpa_fp32"] = statistics.median(b / t for b, t in zip(times["sdpa-fp32"], ts, strict=True))
+            row["rounds"] = len(ts)
+            if method in encode_ms:
+                row["encode_ms"] = encode_ms[method]
+            if method in errors:
+                row["max_abs_err_vs_sdpa_on_decoded"] = errors[method]
+            rows.append(row)
+            bar.update()
+    bar.close()
+    return rows
+
+
+def _step(q: torch.Tensor, pk: Packed, pv: Packed, spec: CacheSpec, backend: Backend) -> Callable[[], torch.Tensor]:
+    """One decode step over the packed cache on ``backend`` (``auto``: as the cache calls it)."""
+    return lambda: decode_attention(q, pk, pv, spec.k, spec.v, backend=backend)
+
+
+def _row(n: int, method: str, sec: float, nbytes: int, backend: str) -> dict[str, Any]:
+    return {
+        "kv_len": n,
+        "method": method,
+        "seconds": sec,
+        "ms": 1e3 * sec,
+        "cache_bytes": nbytes,
+        "gb_per_s": nbytes / sec / 1e9,
+        "backend": backend,
+    }

@@ -1,0 +1,226 @@
+"""``CompressedCache``: a transformers ``Cache`` whose layers store packed codes.
+
+The cache builds one layer per model layer from the model's config: :class:`CompressedLayer` for full
+attention, :class:`CompressedSlidingWindowLayer` for sliding-window attention (gemma3's local layers),
+:class:`KiviLayer` for KIVI codecs; each is bound to its layer's calibrated codecs. Its byte and bit
+accounting sums the layers' (full-precision windows and sink tokens included).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from walshkv.cache.fused import FUSED_ATTENTION
+from walshkv.cache.kivi import KiviLayer
+from walshkv.cache.layers import CompressedLayer, CompressedSlidingWindowLayer
+from walshkv.codecs.kivi import KiviCodec
+from walshkv.codecs.prerope import PreRope
+from walshkv.codecs.spec import CacheSpec, HFCacheSpec, LayeredCacheSpec, parse_cache_spec
+from walshkv.presets import resolve_preset
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from walshkv.codecs.calibration import Calibration
+
+__all__ = ["CompressedCache"]
+
+
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+class CompressedCache(Cache):
+    """A transformers ``Cache`` whose layers hold packed K/V codes.
+
+    Args:
+        spec: a cache spec (``"rot+int4"``, ``"rot+int4/int3"``, ...) or a :class:`CacheSpec`.
+        config: the model's config. With it, sliding-window layers (e.g. gemma3) keep
+            only their window and the head size is checked up front. Without it,
+            every layer is a full-attention layer created on first use.
+        residual: keep the most recent ``residual`` tokens of each layer in full
+            precision (default 0: every token is compressed before attention).
+        fused: attention reads the packed codes directly (no float copy of the cache): decode steps
+            through :func:`walshkv.attention.decode.decode_attention` (the fused CPU kernel where it reads
+            the codecs), prefill through :func:`walshkv.attention.chunked.chunked_attention`. Needs
+            ``enable_fused_attention(model)`` first (the model's attention then asks the cache). Same
+            quantization, so the same results as the default path up to float rounding. Layers whose
+            K codec is ``prerope+`` (K stored before RoPE) are not fused: they decode, then run SDPA.
+        max_cache_len: tokens to allocate in each full-attention layer's packed store on the first
+            write (e.g. prompt + new tokens), so that the store never grows by copying. Without it a
+            store grows by 1/8 whenever a write does not fit. Either way the cache holds only
+            packed codes; :meth:`reserved_nbytes` reports the allocation, :meth:`nbytes` the tokens held.
+
+    Example:
+        >>> cache = CompressedCache("rot+int4", config=model.config)  # doctest: +SKIP
+        >>> out = model.generate(**inputs, cache=cache, max_new_tokens=50)  # doctest: +SKIP
+        >>> cache.nbytes(), cache.bits_per_element()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        spec: str | CacheSpec = "rot+int4",
+        config: PretrainedConfig | None = None,
+        *,
+        residual: int = 0,
+        calibration: Calibration | None = None,
+        fused: bool = False,
+        max_cache_len: int | None = None,
+    ) -> None:
+        if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
+            raise ValueError(f"max_cache_len must be a positive number of tokens (or None), got {max_cache_len!r}")
+        self.max_cache_len = max_cache_len
+        parsed = parse_cache_spec(spec)
+        if isinstance(parsed, HFCacheSpec):
+            raise ValueError(
+                f"{parsed.spec} is Hugging Face's QuantizedCache, not a walshkv codec: build it with "
+                "walshkv.cache.make_cache(spec, config)"
+            )
+        self.cache_spec = parsed
+        self.residual = residual
+        self.calibration = calibration
+        self.fused = fused
+        if fused and (config is None or getattr(config, "_attn_implementation", None) != FUSED_ATTENTION):
+            raise ValueError(
+                "fused=True needs the model's attention to read the packed cache: call "
+                "walshkv.cache.enable_fused_attention(model) first and pass config=model.config"
+            )
+        if residual < 0:
+            raise ValueError(f"residual must be >= 0 tokens, got {residual}")
+        if self.cache_spec.needs_calibration and calibration is None:
+            self.cache_spec.bind(0, None)  # raises the message that names the fix
+        if config is None:
+            super().__init__(layer_class_to_replicate=self._next_layer)
+            return
+        text_config = config.get_text_config(decoder=True)
+        head_dim = getattr(text_config, "head_dim", None) or (
+            text_config.hidden_size // text_config.num_attention_heads
+        )
+        self.cache_spec.check_head_dim(head_dim)
+        if isinstance(self.cache_spec, LayeredCacheSpec):
+            self.cache_spec.check_layers(text_config.num_hidden_layers)
+        if calibration is not None:
+            calibration.check_matches(text_config.num_hidden_layers, text_config.num_key_value_heads, head_dim)
+        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
+        layers: list[CacheLayerMixin] = []
+        kivi = isinstance(self.cache_spec.k, KiviCodec)
+        for idx, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True)):
+            spec_i = self.cache_spec.bind(idx, calibration)
+            if kivi:
+                if layer_type != "full_attention":
+                    raise ValueError(f"{self.cache_spec.spec} supports full-attention layers only, not {layer_type!r}")
+                layers.append(KiviLayer(spec_i))
+            elif layer_type == "full_attention":
+                layers.append(CompressedLayer(spec_i, residual, self.cache_spec.sink))
+                # the kernels do not re-apply RoPE to keys stored before it: prerope+ layers decode, then SDPA
+                layers[-1].fused = fused and not isinstance(spec_i.k, PreRope)
+                layers[-1].reserve = max_cache_len or 0
+            elif layer_type in _SLIDING_TYPES:
+                layers.append(CompressedSlidingWindowLayer(spec_i, kwargs["sliding_window"], residual))
+            else:
+                raise ValueError(
+                    f"CompressedCache supports full_attention and {'/'.join(_SLIDING_TYPES)} layers; "
+                    f"this model has a {layer_type!r} layer"
+                )
+        super().__init__(layers=layers)
+
+    def _next_layer(self) -> CompressedLayer:
+        """Layers created on first use (no config): bound to their index in order."""
+        spec = self.cache_spec.bind(len(self.layers), self.calibration)
+        if isinstance(spec.k, KiviCodec):
+            return KiviLayer(spec)
+        layer = CompressedLayer(spec, self.residual, self.cache_spec.sink)
+        layer.reserve = self.max_cache_len or 0
+        return layer
+
+    @classmethod
+    def from_preset(
+        cls,
+        model: PreTrainedModel,
+        name: str = "walshkv:4.5",
+        *,
+        calibration: Calibration | None = None,
+        residual: int = 0,
+        fused: bool = False,
+        max_cache_len: int | None = None,
+    ) -> CompressedCache:
+        """A cache for ``model`` with the preset ``name`` (``walshkv:3``, ``walshkv:3.5``, ``walshkv:4.5``).
+
+        Args:
+            model: a transformers model (its ``config`` is used).
+            name: the preset.
+            calibration: what the preset needs, normally the file of ``walshkv calibrate --preset NAME``
+                (``walshkv.export.read_kv_mean_center(path)``) or ``collect_kv_stats(...)``; a file
+                written for this preset by ``walshkv recommend`` also chooses the spec.
+            residual: full-precision window of recent tokens (0: every token compressed).
+            fused: attention reads the packed codes (after :func:`enable_fused_attention`), as for
+                :class:`CompressedCache`.
+            max_cache_len: tokens to allocate per layer on the first write, as for :class:`CompressedCache`.
+
+        The resolved :class:`walshkv.presets.Preset` is kept as ``cache.preset``.
+        """
+        preset = resolve_preset(name, calibration)
+        cache = cls(
+            preset.spec,
+            config=model.config,
+            residual=residual,
+            calibration=calibration,
+            fused=fused,
+            max_cache_len=max_cache_len,
+        )
+        cache.preset = preset
+        return cache
+
+    @classmethod
+    def from_model(
+        cls, model: PreTrainedModel, spec: str | CacheSpec = "rot+int4", *, residual: int = 0
+    ) -> CompressedCache:
+        """Build a cache for ``model`` (uses ``model.config``)."""
+        return cls(spec, config=model.config, residual=residual)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"layer {layer_idx} ({self.cache_spec.spec}): {err}") from err
+
+    def _compressed_layers(self) -> list[CompressedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
+    def nbytes(self) -> int:
+        """Bytes actually held by every layer (packed fields and any full-precision window)."""
+        return sum(layer.nbytes() for layer in self._compressed_layers())
+
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated by every layer: :meth:`nbytes` plus unused store capacity (at most 1/9 of it
+        after growth; ``max_cache_len`` reserves its tokens up front)."""
+        return sum(layer.reserved_nbytes() for layer in self._compressed_layers())
+
+    def layout_nbytes(self) -> int:
+        """Bytes the codecs' layouts imply for the tokens held (should equal :meth:`nbytes`)."""
+        return sum(layer.layout_nbytes() for layer in self._compressed_layers())
+
+    def num_elements(self) -> int:
+        """K and V elements held, over all layers."""
+        return sum(layer.num_elements() for layer in self._compressed_layers())
+
+    def bits_per_element(self) -> float:
+        """Stored bits per K/V element, from the codecs' layouts (window included)."""
+        n = self.num_elements()
+        return 8.0 * self.layout_nbytes() / n if n else float("nan")
+
+    def bits_per_element_kv(self) -> tuple[float, float]:
+        """``(bits_k, bits_v)`` from each layer's codecs, averaged over the elements held."""
+        kb = ke = vb = ve = 0.0
+        for layer in self._compressed_layers():
+            a, b, c, d = layer.bit_counts()
+            kb, ke, vb, ve = kb + a, ke + b, vb + c, ve + d
+        return (kb / ke if ke else float("nan"), vb / ve if ve else float("nan"))
+
+    def fp16_nbytes(self) -> int:
+        """Bytes an fp16 cache would take for the same tokens (2 bytes per element)."""
+        return 2 * self.num_elements()

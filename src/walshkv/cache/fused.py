@@ -1,0 +1,155 @@
+"""Attention straight from the packed cache (``CompressedCache(..., fused=True)``).
+
+:func:`enable_fused_attention` registers :func:`fused_attention` with transformers under
+:data:`FUSED_ATTENTION`. A fused layer's ``update`` returns :func:`marker` tensors instead of decoded
+K/V; the attention function finds the layer through them and reads its packed codes with
+:func:`walshkv.attention.decode.decode_attention` (one query token) or
+:func:`walshkv.attention.chunked.chunked_attention` (prefill, padding). Anything else goes to torch SDPA.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from walshkv.attention.chunked import chunked_attention
+from walshkv.attention.decode import decode_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from walshkv.cache.layers import CompressedLayer
+
+__all__ = ["FUSED_ATTENTION", "enable_fused_attention", "fused_attention", "marker"]
+
+#: The attention implementation name :func:`enable_fused_attention` registers with transformers.
+FUSED_ATTENTION = "walshkv_fused"
+
+
+def marker(layer: CompressedLayer, like: torch.Tensor) -> torch.Tensor:
+    """An empty ``[batch, heads, 0, head_dim]`` tensor that tells :func:`fused_attention` which layer to read."""
+    out = like.new_empty((*like.shape[:2], 0, like.shape[-1]))
+    out.walshkv_layer = layer  # type: ignore[attr-defined]
+    return out
+
+
+def _all_visible(mask: torch.Tensor | None) -> bool:
+    if mask is None:
+        return True
+    return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
+
+
+def fused_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function that reads a fused :class:`CompressedLayer`'s packed codes.
+
+    ``key``/``value`` are the markers the layer's ``update`` returned; anything else (sliding-window
+    layers, other caches) goes to torch SDPA unchanged. One query token with nothing masked uses
+    :func:`walshkv.attention.decode.decode_attention`; otherwise (prefill, padding)
+    :func:`walshkv.attention.chunked.chunked_attention` with the model's mask.
+
+    Args:
+        query: ``[batch, num_q_heads, T, head_dim]``.
+
+    Returns:
+        ``([batch, T, num_q_heads, head_dim], None)``, as transformers' attention functions return.
+    """
+    layer = getattr(key, "walshkv_layer", None)
+    if layer is None:
+        return _sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise ValueError("fused attention does not apply logit soft-capping; use CompressedCache(..., fused=False)")
+    t = query.shape[2]
+    visible = _all_visible(attention_mask)
+    head_k, head_v = layer.sink_tokens(layer.keys.dtype)
+    if head_k and not (t == 1 and visible):
+        # sink tokens come first in position order, which the chunked kernel's causal offsets do not know:
+        # prefill (or a masked step) of a sink:N: cache decodes the layer and runs SDPA
+        k_all, v_all = layer.decoded()
+        return _sdpa(module, query, k_all, v_all, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    # one visible query token: order does not matter to softmax, so the sink joins the full-precision window
+    window_k = torch.cat([*head_k, layer.keys], dim=-2) if head_k else layer.keys
+    window_v = torch.cat([*head_v, layer.values], dim=-2) if head_v else layer.values
+    window_k = window_k if window_k.shape[-2] else None
+    window_v = window_v if window_v.shape[-2] else None
+    if t == 1 and visible:
+        out = decode_attention(
+            query,
+            layer.packed_k,
+            layer.packed_v,
+            layer.spec.k,
+            layer.spec.v,
+            scale=scaling,
+            window_k=window_k,
+            window_v=window_v,
+        )
+    else:
+        out = chunked_attention(
+            query,
+            layer.packed_k,
+            layer.packed_v,
+            layer.spec.k,
+            layer.spec.v,
+            offset=layer._stored_length() - t,
+            scale=scaling,
+            window_k=window_k,
+            window_v=window_v,
+            mask=None if visible else attention_mask,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """transformers' SDPA attention, with the causal mask :func:`_fused_mask` may have skipped."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None and 1 < q_len < kv_len:
+        # _fused_mask skipped the plain causal mask (fused layers apply it themselves); SDPA's is_causal
+        # would align it top-left, so build the cache-aware (bottom-right) one for this layer
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+
+def _fused_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """The mask function registered with :data:`FUSED_ATTENTION`: transformers' SDPA mask, except that the
+    plain causal mask without padding is not built (``None``): fused layers apply the causal rule
+    themselves, and a ``[chunk, context]`` mask per prefill chunk is memory that grows with the context."""
+    padding = kwargs.get("attention_mask")
+    if (
+        not args
+        and kwargs.get("mask_function") is causal_mask_function
+        and kwargs.get("allow_is_causal_skip", True)
+        and (padding is None or bool(padding.all()))
+    ):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def enable_fused_attention(model: PreTrainedModel) -> None:
+    """Register :func:`fused_attention` with transformers and make ``model`` use it.
+
+    Layers that are not fused compressed layers (sliding windows, other caches) still run torch SDPA,
+    so the model stays usable with any cache. Undo with ``model.set_attn_implementation("sdpa")``.
+    """
+    if FUSED_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(FUSED_ATTENTION, fused_attention)
+        AttentionMaskInterface.register(FUSED_ATTENTION, _fused_mask)
+    model.set_attn_implementation(FUSED_ATTENTION)

@@ -1,0 +1,101 @@
+"""The cache layer of KIVI codecs (``kivi2``, ``kivi4``): K quantized in groups of tokens.
+
+Tokens enter an fp16 window; once it holds ``R + G`` tokens its oldest ``G`` leave as one K group (and
+their V, per token) through the codec contract, ``codec.encode(x, start)`` with ``x`` whole groups. See
+:mod:`walshkv.codecs.kivi`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from walshkv.cache.layers import CompressedLayer
+from walshkv.cache.store import cat_packed, seq_len
+from walshkv.codecs.base import check_kv
+from walshkv.codecs.spec import CacheSpec
+
+__all__ = ["KiviLayer"]
+
+
+class KiviLayer(CompressedLayer):
+    """A full-attention layer for KIVI codecs (``kivi2``, ``kivi4``): token-grouped K.
+
+    ``packed_k`` holds K groups (its sequence dimension counts groups of G tokens, quantized per
+    channel); ``packed_v`` holds V per token; ``keys``/``values`` are the fp16 window of the most
+    recent ``R .. R+G-1`` tokens (counted in the bits). See :mod:`walshkv.codecs.kivi`.
+    """
+
+    is_croppable = False
+
+    def __init__(self, spec: CacheSpec | str) -> None:
+        super().__init__(spec, 0, sink=0)
+        self.kivi_k = self.spec.k.bind(0, "k")
+        self.kivi_v = self.spec.v.bind(0, "v")
+        self.group, self.window = self.kivi_k.group, self.kivi_k.residual
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.keys = self.keys.to(torch.float16)
+        self.values = self.values.to(torch.float16)
+
+    def _packed_tokens(self) -> int:
+        return 0 if self.packed_v is None else self.packed_v.seq_len
+
+    def _stored_length(self) -> int:
+        return self._packed_tokens() + seq_len(self.keys)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_block(key_states, value_states)
+        check_kv(key_states, "K")
+        check_kv(value_states, "V")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        out_dtype = key_states.dtype
+        window_k = torch.cat([self.keys, key_states.to(torch.float16)], dim=-2)
+        window_v = torch.cat([self.values, value_states.to(torch.float16)], dim=-2)
+        n_groups = max(0, window_k.shape[-2] - self.window) // self.group
+        n = n_groups * self.group
+        start = self._packed_tokens()  # position of the first token that leaves the window now
+        new_k = self.kivi_k.encode(window_k[:, :, :n].float(), start) if n else None
+        new_v = self.kivi_v.encode(window_v[:, :, :n].float(), start) if n else None
+        stored_k = ((self.packed_k, 0), (new_k, start))
+        stored_v = ((self.packed_v, 0), (new_v, start))
+        parts_k = [self.kivi_k.decode(p, at) for p, at in stored_k if p is not None]
+        parts_v = [self.kivi_v.decode(p, at) for p, at in stored_v if p is not None]
+        out_k = torch.cat([p.to(out_dtype) for p in parts_k] + [window_k[:, :, n:].to(out_dtype)], dim=-2)
+        out_v = torch.cat([p.to(out_dtype) for p in parts_v] + [window_v[:, :, n:].to(out_dtype)], dim=-2)
+        self.packed_k = cat_packed(self.packed_k, new_k)
+        self.packed_v = cat_packed(self.packed_v, new_v)
+        self.keys = window_k[:, :, n:].contiguous()
+        self.values = window_v[:, :, n:].contiguous()
+        self.cumulative_length += key_states.shape[-2]
+        return out_k, out_v
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise RuntimeError("KIVI caches cannot be cropped (K is quantized in groups of tokens); use a fresh cache")
+
+    def layout_nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        batch, heads, win, d = self.keys.shape
+        groups = 0 if self.packed_k is None else self.packed_k.seq_len
+        k_group = sum(f.nbytes for f in self.kivi_k.layout(d).values())
+        v_token = sum(f.nbytes for f in self.kivi_v.layout(d).values())
+        return batch * heads * (groups * k_group + self._packed_tokens() * v_token + 2 * win * d * 2)
+
+    def bit_counts(self) -> tuple[float, int, float, int]:
+        if not self.is_initialized:
+            return 0.0, 0, 0.0, 0
+        batch, heads, win, d = self.keys.shape
+        rows = batch * heads
+        groups = 0 if self.packed_k is None else self.packed_k.seq_len
+        k_group = sum(f.nbytes for f in self.kivi_k.layout(d).values())
+        v_token = sum(f.nbytes for f in self.kivi_v.layout(d).values())
+        elements = rows * self._stored_length() * d
+        k_bits = 8.0 * rows * (groups * k_group + win * d * 2)
+        v_bits = 8.0 * rows * (self._packed_tokens() * v_token + win * d * 2)
+        return k_bits, elements, v_bits, elements

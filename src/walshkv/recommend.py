@@ -1,0 +1,319 @@
+"""The preset search behind ``walshkv recommend``: rank the candidate specs of a budget on calibration text.
+
+``recommend`` takes a K mean from the first half of a calibration text and ranks the candidates of
+:func:`walshkv.presets.candidates_for` on its second half (never on an evaluation text); with
+``per_layer=True``, :func:`allocate_layers` then moves ``tq`` widths between layers. Specs travel as
+:class:`~walshkv.codecs.spec.CacheSpec` objects; their canonical strings appear only where a spec leaves the
+search: result rows, :class:`LayerPlan` (written to JSON), the chosen :class:`~walshkv.presets.Preset`.
+
+Example:
+    >>> rec = recommend(load_model(), load_text(), 3.5)  # doctest: +SKIP
+    >>> rec.preset.spec  # doctest: +SKIP
+    'center+tq:4/tq:2.5'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from walshkv.calibration import KVStats, collect_kv_stats
+from walshkv.codecs import parse_cache_spec, parse_codec
+from walshkv.codecs.base import Codec, Wrapper, unwrap, wrappers
+from walshkv.codecs.spec import CacheSpec, LayeredCacheSpec
+from walshkv.codecs.turbo import TQ_BITS, TurboQuant
+from walshkv.data import Text
+from walshkv.defaults import CALIB_TOKENS, CTX, RECOMMEND_WINDOWS
+from walshkv.eval import evaluate
+from walshkv.presets import Preset, candidates_for, preset_name_for_bits
+
+if TYPE_CHECKING:
+    from walshkv.constants import Kind
+    from walshkv.models import LoadedModel
+
+__all__ = [
+    "LayerPlan",
+    "Recommendation",
+    "allocate_layers",
+    "recommend",
+    "shift_codec",
+    "shift_width",
+    "split_text",
+]
+
+#: One result row as :func:`walshkv.eval.evaluate` returns it (``row["codec"]`` is the canonical spec).
+Row = dict[str, Any]
+
+
+def split_text(text: Text) -> tuple[Text, Text]:
+    """Cut a calibration text in two by characters: ``(T[calib], T[select])``.
+
+    ``recommend`` takes the K mean from the first half and ranks candidates on the second, so the
+    choice is never scored on the text its statistics came from (nor on any evaluation text).
+    """
+    half = len(text.content) // 2
+    return (
+        Text(f"{text.name}[calib]", text.source, text.content[:half]),
+        Text(f"{text.name}[select]", text.source, text.content[half:]),
+    )
+
+
+@dataclass
+class Recommendation:
+    """What :func:`recommend` measured and chose.
+
+    Attributes:
+        preset: the winner as a preset for this model.
+        rows: one result row per candidate (as :func:`walshkv.eval.evaluate` returns them), best first.
+        meta: the evaluation's meta (model, selection text, windows, ...).
+        stats: the K/V statistics of the calibration half (the K mean the file stores).
+        plan: the per-layer allocation (``per_layer=True``), else ``None``.
+    """
+
+    preset: Preset
+    rows: list[Row]
+    meta: dict[str, Any]
+    stats: KVStats
+    plan: LayerPlan | None = None
+
+
+def recommend(
+    lm: LoadedModel,
+    text: Text,
+    bits: float,
+    *,
+    windows: int = RECOMMEND_WINDOWS,
+    ctx: int = CTX,
+    calib_tokens: int = CALIB_TOKENS,
+    extra: Sequence[str] = (),
+    per_layer: bool = False,
+    progress: bool = True,
+) -> Recommendation:
+    """Run the candidate specs that fit ``bits`` on calibration text and pick the lowest mean KLD.
+
+    Args:
+        lm: the loaded model.
+        text: calibration text: its first half gives the K mean, its second half ranks the candidates.
+            Never pass the text you will evaluate on.
+        bits: the budget in bits per element (K and V together).
+        windows, ctx: selection windows of the second half.
+        calib_tokens: tokens of the first half for the statistics.
+        extra: more candidate specs (kept if they fit the budget).
+        per_layer: then move widths between layers (:func:`allocate_layers`, from the best uniform ``tq``
+            candidate, on the same selection windows), spending any bits it leaves unused, and keep the
+            result if it beats the uniform winner.
+        progress: progress bars.
+    """
+    names = candidates_for(bits, lm.shape.head_dim, extra, lm.shape.layers, ctx=ctx)
+    specs = {s.spec: s for s in (parse_cache_spec(n) for n in names)}  # canonical string -> spec, in order
+    calib, select = split_text(text)
+    stats = collect_kv_stats(lm, calib, tokens=calib_tokens, ctx=ctx, progress=progress)
+    result = evaluate(lm, select, list(specs.values()), ctx=ctx, windows=windows, calibration=stats, progress=progress)
+    rows = sorted(result.results, key=lambda r: (r["kld_mean"], r["bits_per_element"]))
+    winner, plan = rows[0]["codec"], None
+    if per_layer:  # from the best candidate whose widths can move (tq), which need not be the winner
+        movable = [specs[r["codec"]] for r in rows if _movable(specs[r["codec"]])]
+        if movable:
+            plan = allocate_layers(
+                lm, select, stats, movable[0], windows=windows, ctx=ctx, budget=bits, progress=progress
+            )
+        if plan is not None and plan.spec != plan.base:
+            rows = sorted([*rows, *(r for r in plan.rows if r["codec"] == plan.spec)], key=lambda r: r["kld_mean"])
+            winner = rows[0]["codec"]
+    preset = Preset(preset_name_for_bits(bits), bits, winner, source="recommend")
+    return Recommendation(preset, rows, result.meta, stats, plan)
+
+
+def _own_prefix(wrapper: Wrapper) -> str:
+    """``wrapper``'s own part of its spec: ``center+``, ``rot+``, ``rrot:3+``, ..."""
+    return wrapper.spec[: len(wrapper.spec) - len(wrapper.inner.spec)]
+
+
+def shift_codec(codec: Codec, delta: float) -> Codec | None:
+    """``codec`` with its ``tq`` width moved by ``delta`` bits: the same wrapper chain around a wider or
+    narrower :class:`~walshkv.codecs.turbo.TurboQuant` (same seed and codebook).
+
+    Returns:
+        The rebuilt (unbound) codec, or ``None`` if ``codec`` does not store with ``tq`` or the new width
+        is not a ``tq`` width (``TQ_BITS``: 1 to 8 in half bits).
+    """
+    store = unwrap(codec)
+    if not isinstance(store, TurboQuant):
+        return None
+    bits = store.bits + delta
+    if bits not in TQ_BITS:
+        return None
+    moved = TurboQuant(bits, store.seed, store.codebook)
+    return parse_codec("".join(_own_prefix(w) for w in wrappers(codec)) + moved.spec)
+
+
+def shift_width(codec_spec: str, delta: float) -> str | None:
+    """:func:`shift_codec` on a codec spec string: ``center+tq:4`` moved by 0.5 is ``center+tq:4.5``.
+
+    Returns:
+        The canonical spec, or ``None`` if the spec is not a (wrapped) ``tq:B`` or the new width is not a
+        ``tq`` width.
+    """
+    moved = shift_codec(parse_codec(codec_spec), delta)
+    return None if moved is None else moved.spec
+
+
+def _movable(spec: object) -> bool:
+    """A uniform (``sink:N:`` allowed) walshkv spec whose K and V both store with ``tq``."""
+    if not isinstance(spec, CacheSpec) or isinstance(spec, LayeredCacheSpec):
+        return False
+    return shift_codec(spec.k, 0) is not None and shift_codec(spec.v, 0) is not None
+
+
+@dataclass
+class LayerPlan:
+    """What :func:`allocate_layers` measured and chose (canonical spec strings: this is written to JSON).
+
+    Attributes:
+        spec: the chosen spec: a ``layers:...`` spec, or ``base`` if no move paid off.
+        base: the uniform spec the moves start from.
+        moves: one dict per measured single-layer move: ``layer``, ``kind`` (``k``/``v``), ``delta``
+            (bits), ``spec`` and ``kld_change`` (mean KLD of the move minus the base's).
+        chosen: the moves applied: pairs of a +step and a -step (the budget unchanged), then, with a
+            ``budget``, single raises that spend the bits the base left unused.
+        rows: the evaluation rows of the final check (base and chosen spec), best first.
+    """
+
+    spec: str
+    base: str
+    moves: list[dict[str, Any]]
+    chosen: list[dict[str, Any]]
+    rows: list[Row]
+
+
+def _layered(base: CacheSpec, widths: dict[int, tuple[Codec, Codec]], num_layers: int) -> CacheSpec:
+    """``base`` with per-layer (K, V) codecs: a ``layers:`` spec (``base`` itself if ``widths`` is empty).
+
+    Layers not in ``widths`` keep the base; layers whose codecs are the same objects share a part, in the
+    order of their first layer, and the base part comes last (the canonical ``layers:`` form).
+    """
+    groups: list[tuple[Codec, Codec, list[int]]] = []
+    for layer in range(num_layers):
+        k, v = widths.get(layer, (base.k, base.v))
+        for gk, gv, layers in groups:
+            if gk is k and gv is v:
+                layers.append(layer)
+                break
+        else:
+            groups.append((k, v, [layer]))
+    moved = [(CacheSpec(k, v), frozenset(layers)) for k, v, layers in groups if not (k is base.k and v is base.v)]
+    if not moved:
+        return base
+    parts = (*moved, (CacheSpec(base.k, base.v), None))
+    return LayeredCacheSpec(base.k, base.v, sink=base.sink, parts=parts)
+
+
+def allocate_layers(
+    lm: LoadedModel,
+    select: Text,
+    stats: KVStats,
+    base: str | CacheSpec,
+    *,
+    step: float = 0.5,
+    windows: int = RECOMMEND_WINDOWS,
+    ctx: int = CTX,
+    budget: float | None = None,
+    progress: bool = True,
+) -> LayerPlan | None:
+    """Per-layer widths at the same budget: move ``step`` bits from insensitive layers to sensitive ones.
+
+    For every layer and for K and V separately, the base spec is measured with that one layer's width
+    raised and lowered by ``step`` (``2 x 2 x layers`` runs on ``select``, the selection half of the
+    calibration text). Moves are then paired greedily, the largest KLD gain of a raise with the
+    smallest KLD loss of a lowering, while the gain exceeds the loss; each pair keeps the bits per
+    element unchanged (every layer holds the same number of elements). Assuming the layers' effects
+    add up, which the final check tests: the chosen spec and the base are evaluated together and the
+    better one is kept. With a ``budget``, the bits the base leaves unused (``tq``'s half-bit widths
+    rarely fill a budget exactly, and a ``sink:N:`` base counts its fp16 tokens over ``ctx``) go to the
+    remaining raises that gained most, as many as fit.
+
+    Args:
+        lm: the loaded model.
+        select: selection text (never the evaluation text).
+        stats: calibration statistics for ``center+`` (from the other half of the calibration text).
+        base: a uniform spec whose K and V are (wrapped) ``tq:B`` codecs, e.g. ``center+tq:4/tq:2.5``
+            (``sink:N:`` allowed: every spec built from it keeps the sink).
+        step: bits per move.
+        windows, ctx: selection windows.
+        budget: bits per element the result may use (at ``ctx`` tokens); ``None``: only paired moves.
+        progress: progress bars.
+
+    Returns:
+        The plan, or ``None`` if ``base`` has no ``tq`` widths to move.
+    """
+    parsed = parse_cache_spec(base)
+    if not _movable(parsed):
+        return None
+    assert isinstance(parsed, CacheSpec)
+    uniform = CacheSpec(parsed.k, parsed.v, parsed.sink)
+    num_layers = lm.shape.layers
+    # each (layer, kind) moves at most once: one rebuilt codec per (kind, delta), shared by every spec using it
+    shifted: dict[tuple[Kind, float], Codec | None] = {
+        (kind, delta): shift_codec(own, delta)
+        for kind, own in (("k", uniform.k), ("v", uniform.v))
+        for delta in (step, -step)
+    }
+
+    def build(applied: list[dict[str, Any]]) -> CacheSpec:
+        widths: dict[int, list[Codec]] = {}
+        for m in applied:
+            pair = widths.setdefault(m["layer"], [uniform.k, uniform.v])
+            i = 0 if m["kind"] == "k" else 1
+            pair[i] = shifted[m["kind"], m["delta"]] or pair[i]
+        return _layered(uniform, {layer: (k, v) for layer, (k, v) in widths.items()}, num_layers)
+
+    moves: list[dict[str, Any]] = []
+    candidates: list[CacheSpec] = [uniform]
+    for layer in range(num_layers):
+        for kind in ("k", "v"):
+            for delta in (step, -step):
+                if shifted[kind, delta] is None:
+                    continue
+                move = {"layer": layer, "kind": kind, "delta": delta}
+                spec = build([move])
+                candidates.append(spec)
+                moves.append({**move, "spec": spec.spec})
+    result = evaluate(lm, select, candidates, ctx=ctx, windows=windows, calibration=stats, progress=progress)
+    kld = [r["kld_mean"] for r in result.results]  # in the order of candidates
+    for m, value in zip(moves, kld[1:], strict=True):
+        m["kld_change"] = value - kld[0]
+    ups = sorted((m for m in moves if m["delta"] > 0), key=lambda m: m["kld_change"])  # most negative first
+    downs = sorted((m for m in moves if m["delta"] < 0), key=lambda m: m["kld_change"])  # smallest loss first
+    used: set[tuple[int, str]] = set()
+    chosen: list[dict[str, Any]] = []
+    di = 0
+    for up in ups:
+        if (up["layer"], up["kind"]) in used:
+            continue
+        while di < len(downs) and (downs[di]["layer"], downs[di]["kind"]) in used | {(up["layer"], up["kind"])}:
+            di += 1
+        if di >= len(downs) or -up["kld_change"] <= downs[di]["kld_change"]:
+            break
+        down = downs[di]
+        di += 1
+        chosen += [up, down]
+        used |= {(up["layer"], up["kind"]), (down["layer"], down["kind"])}
+
+    if budget is not None:  # spend what the base leaves unused on the best remaining raises
+        head_dim = lm.shape.head_dim
+        for up in ups:
+            if up["kld_change"] >= 0:
+                break
+            if (up["layer"], up["kind"]) in used:
+                continue
+            if build([*chosen, up]).bits_at(head_dim, ctx, num_layers) <= budget + 1e-9:
+                chosen.append(up)
+                used.add((up["layer"], up["kind"]))
+    plan = build(chosen)
+    rows = list(result.results[:1])
+    if plan.spec != uniform.spec:
+        check = evaluate(lm, select, [plan], ctx=ctx, windows=windows, calibration=stats, progress=progress)
+        rows = sorted([*rows, *check.results], key=lambda r: r["kld_mean"])
+    spec = plan.spec if rows[0]["codec"] == plan.spec else uniform.spec
+    return LayerPlan(spec, uniform.spec, moves, chosen, rows)
