@@ -12,15 +12,20 @@ result is the K projection's output after any K normalisation (gemma3's ``k_norm
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
 from walshkv.data import make_windows
+from walshkv.defaults import CTX
 from walshkv.eval.rd import capture_window
 from walshkv.export.kv_mean_center import to_llamacpp_channel_order
 from walshkv.ops.rope import rope_tables, undo_rope
+
+if TYPE_CHECKING:
+    from walshkv.data import Text
+    from walshkv.models import LoadedModel
 
 __all__ = ["CHANNEL_ORDERS", "KVCapture", "capture_kv", "unrotate_keys"]
 
@@ -67,7 +72,13 @@ CHANNEL_ORDERS = ("hf", "llamacpp")
 
 @torch.inference_mode()
 def capture_kv(
-    lm: Any, text: Any, *, tokens: int = 2048, ctx: int = 512, channel_order: str = "hf", progress: bool = True
+    lm: LoadedModel,
+    text: Text,
+    *,
+    tokens: int = 2048,
+    ctx: int = CTX,
+    channel_order: str = "hf",
+    progress: bool = True,
 ) -> KVCapture:
     """Run ``tokens // ctx`` windows of ``text`` and keep every layer's K (post and pre RoPE) and V.
 

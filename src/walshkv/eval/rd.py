@@ -100,7 +100,7 @@ DEFAULT_RD_CODECS: tuple[str, ...] = (
 
 @torch.inference_mode()
 def capture_window(
-    lm: Any, ids: torch.Tensor, queries: bool = True
+    lm: LoadedModel, ids: torch.Tensor, queries: bool = True
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
     """Run one window and return per-layer K, V (``[1, kv_heads, T, head_dim]``, float32, post-RoPE K)
     and, when ``queries`` and possible, the queries ``[1, q_heads, T, head_dim]`` (else ``None``)."""

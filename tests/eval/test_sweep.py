@@ -28,7 +28,7 @@ from walshkv.eval.sweep import (
 from walshkv.models import LoadedModel, _describe
 
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(2000)))
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "sweep.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "sweep.md"
 FAST = {"ctx": 32, "windows": 1, "progress": False}
 
 
