@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "walshkv._version",
         "walshkv.constants",
         "walshkv.defaults",
+        "walshkv.fileio",
     ),  # names and protocol defaults: imports nothing of walshkv
     ("walshkv.ops",),  # pure math on tensors
     ("walshkv.codecs",),  # codecs, wrappers, registry, spec grammar, the calibration protocol

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from walshkv.constants import Keys
+from walshkv.export.gguf_file import gguf_writer
 
 __all__ = [
     "CONVENTIONS",
@@ -228,24 +229,20 @@ def write_rope_freqs(
     divisor = f if convention == "divide" else 1.0 / f
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), arch=Keys.Rope.FREQS_ARCH)
-    writer.add_string(Keys.Rope.CONVENTION, convention)
-    writer.add_string(Keys.Rope.TENSOR_MEANING, "llama.cpp divides the angle of pair i by rope_freqs[i]")
-    for key, value in (meta or {}).items():
-        name = Keys.Rope.PREFIX + key
-        if isinstance(value, bool) or value is None:
-            writer.add_string(name, str(value))
-        elif isinstance(value, int):
-            writer.add_int64(name, value)
-        elif isinstance(value, float):
-            writer.add_float64(name, value)
-        else:
-            writer.add_string(name, str(value))
-    writer.add_tensor(_TENSOR, divisor.to(torch.float32).numpy().astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with gguf_writer(path, Keys.Rope.FREQS_ARCH) as writer:  # an error or a full disk leaves an old file as it was
+        writer.add_string(Keys.Rope.CONVENTION, convention)
+        writer.add_string(Keys.Rope.TENSOR_MEANING, "llama.cpp divides the angle of pair i by rope_freqs[i]")
+        for key, value in (meta or {}).items():
+            name = Keys.Rope.PREFIX + key
+            if isinstance(value, bool) or value is None:
+                writer.add_string(name, str(value))
+            elif isinstance(value, int):
+                writer.add_int64(name, value)
+            elif isinstance(value, float):
+                writer.add_float64(name, value)
+            else:
+                writer.add_string(name, str(value))
+        writer.add_tensor(_TENSOR, divisor.to(torch.float32).numpy().astype(np.float32))
     return path
 
 

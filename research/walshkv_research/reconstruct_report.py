@@ -15,6 +15,7 @@ from typing import Any
 from tabulate import tabulate
 
 from walshkv.eval.report import agg_figure, describe_run, write_result_files
+from walshkv.fileio import save_figure_atomic
 from walshkv_research.reconstruct_run import SIGNAL_LABELS
 
 __all__ = [
@@ -101,7 +102,7 @@ def plot_reconstruction(rows: Sequence[dict[str, Any]], path: Path, title: str) 
     axes[0][0].legend(fontsize=7)
     fig.suptitle(textwrap.fill(title, 160), fontsize=8)
     fig.tight_layout()
-    fig.savefig(str(path), dpi=110)
+    save_figure_atomic(fig, path, dpi=110)
 
 
 def describe_reconstruct_run(meta: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 from tabulate import tabulate
 
 from walshkv.eval.report import agg_figure, describe_run, write_result_files
+from walshkv.fileio import save_figure_atomic
 from walshkv_research.rope_sweep import NONE, RopeSweepResult
 
 __all__ = ["describe_rope_run", "format_rope_table", "plot_rope", "write_rope_outputs"]
@@ -108,7 +109,7 @@ def plot_rope(rows: Sequence[dict[str, Any]], path: str | Path, title: str) -> N
     axes[1].legend(fontsize=7)
     fig.suptitle(textwrap.fill(title, 160), fontsize=8)
     fig.tight_layout()
-    fig.savefig(str(path), dpi=110)
+    save_figure_atomic(fig, path, dpi=110)
 
 
 def write_rope_outputs(result: RopeSweepResult, out_dir: str | Path, plot: bool = True) -> list[Path]:

@@ -14,6 +14,7 @@ from typing import Any
 from tabulate import tabulate
 
 from walshkv.eval.report import agg_figure, describe_run, write_result_files
+from walshkv.fileio import save_figure_atomic
 from walshkv_research.spectrum import KIND_LABELS, SPECTRUM_ORDERS, SpectrumResult
 
 __all__ = ["describe_spectrum_run", "format_spectrum_table", "plot_spectrum", "write_spectrum_outputs"]
@@ -67,7 +68,7 @@ def plot_spectrum(result: SpectrumResult, out: Path) -> list[Path]:
     fig.colorbar(im, ax=axes, shrink=0.8, label="share of energy")
     fig.suptitle(textwrap.fill(describe_spectrum_run(result.meta), 160), fontsize=8)
     heat = out / "spectrum.png"
-    fig.savefig(str(heat), dpi=110)
+    save_figure_atomic(fig, heat, dpi=110)
     fig = agg_figure(figsize=(12, 4.2))
     axes = fig.subplots(1, len(SPECTRUM_ORDERS))
     for ax, order in zip(axes, SPECTRUM_ORDERS, strict=True):
@@ -80,7 +81,7 @@ def plot_spectrum(result: SpectrumResult, out: Path) -> list[Path]:
     fig.suptitle(textwrap.fill(describe_spectrum_run(result.meta), 160), fontsize=8)
     fig.tight_layout()
     curves = out / "spectrum-coefficients.png"
-    fig.savefig(str(curves), dpi=110)
+    save_figure_atomic(fig, curves, dpi=110)
     return [heat, curves]
 
 

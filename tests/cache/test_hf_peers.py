@@ -86,7 +86,12 @@ def test_bytes_held_match_the_layout(tiny_llama, spec, module):
     out_k, _ = cache.update(k[:, :, :1], v[:, :, :1], 0)
     assert out_k.shape[-2] == 129
     err = (out_k[:, :, :128] - k).abs().mean().item()
-    assert 0 < err < {8: 0.1, 4: 0.3, 3: 0.5, 2: 1.0}[parsed.bits]
+    # rounding to the nearest level errs by step/4 on average; min-max over a group of 64 draws of N(0, 1)
+    # spans about 4.8, so step = 4.8 / (2^B - 1); fp8 (e4m3, 3 mantissa bits): step/4 relative to |x| in
+    # [1, 2) of a binade, about 0.8 x 2^-3 / 6 for E|x| = 0.8. Measured within 10% of each (quanto:4 -3%,
+    # quanto:2 -4%, hqq:4 -8%, hqq:3 -7%, hqq:8 -9%, fp8 +10%); neighbouring widths differ by 2x or more.
+    expected = 0.8 * 2**-3 / 6 if parsed.backend == "fp8" else 4.8 / (2**parsed.bits - 1) / 4
+    assert err == pytest.approx(expected, rel=0.15)
 
 
 def test_window_is_counted_in_the_bytes(tiny_llama):

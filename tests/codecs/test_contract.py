@@ -194,3 +194,43 @@ def test_wrappers_out_of_order_name_the_spec_written_in_order(outer: str, inner:
     fixed = re.search(r"[\w:.+]+\+int4", str(info.value).partition("write")[2])  # the first spec after "write"
     assert fixed is not None, str(info.value)
     assert parse_codec(fixed[0]).spec == fixed[0]
+
+
+# ---- every method refuses the head sizes encode refuses; encoding ignores the memory layout ---------------
+
+
+def test_every_method_refuses_the_head_sizes_encode_refuses(entry: Entry) -> None:
+    codec = _codec(entry)
+    for bad in (0, -4, entry.bad_head_dim):
+        if bad is None:
+            continue
+        with pytest.raises(ValueError, match="head_dim") as refused:
+            codec.check_head_dim(bad)
+        for method in (codec.layout, codec.bytes_per_vector, codec.bits_per_element):
+            with pytest.raises(ValueError, match="head_dim") as got:
+                method(bad)
+            assert str(got.value) == str(refused.value), method.__name__
+        if bad > 0:
+            with pytest.raises(ValueError, match="head_dim") as got:
+                codec.encode(_x(entry, head_dim=bad), START)
+            assert str(got.value) == str(refused.value)
+
+
+def _ties(entry: Entry) -> torch.Tensor:
+    """Values on a coarse grid (many exact ties in rounding and in sorts), laid out [b, h, head_dim, tokens]."""
+    gen = torch.Generator().manual_seed(3)
+    return torch.randint(-4, 5, (BATCH, HEADS, entry.head_dim, entry.tokens), generator=gen).float() / 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_view_encodes_to_the_same_bytes_as_its_contiguous_copy(entry: Entry, dtype: torch.dtype) -> None:
+    codec = _codec(entry)
+    one = _ties(entry)[:, :, :, :1].transpose(-1, -2)
+    views = [x.to(dtype).transpose(-1, -2) for x in (_ties(entry), torch.randn_like(_ties(entry)))]
+    views.append(one.to(dtype).expand(BATCH, HEADS, entry.tokens, entry.head_dim))  # one vector, stride 0
+    for view in views:  # [b, h, tokens, head_dim], none of them contiguous
+        assert not view.is_contiguous()
+        a, b = codec.encode(view, START), codec.encode(view.contiguous(), START)
+        assert a.tensors.keys() == b.tensors.keys()
+        for name in a.tensors:
+            assert torch.equal(a.tensors[name], b.tensors[name]), name

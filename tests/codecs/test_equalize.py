@@ -11,6 +11,7 @@ from transformers import DynamicCache
 from conftest import ToyTokenizer, logits_in_splits
 from walshkv.cache import CompressedCache, enable_fused_attention
 from walshkv.calibration import MergedCalibration, collect_kv_stats
+from walshkv.codecs.equalize import Equalized
 from walshkv.codecs.spec import parse_cache_spec, parse_codec
 from walshkv.data import Text
 from walshkv.export import read_kv_mean_center, write_kv_mean_center
@@ -310,3 +311,65 @@ def test_gemma3_sliding_layers_calibrate_and_run(tiny_gemma3):
     ref = _logits(tiny_gemma3, DynamicCache(config=tiny_gemma3.config), ids, [20])
     cache = CompressedCache("center+eq+fp32", config=tiny_gemma3.config, calibration=stats)
     assert (_logits(tiny_gemma3, cache, ids, [12, 20]) - ref).abs().max() < 1e-3
+
+
+# ---- transforms are validated where they are read --------------------------------------------------------
+
+
+def _write_eq_file(path: Path, matrices: list[torch.Tensor]) -> None:
+    """A calibration file holding these K transforms ``[kv_heads, d, d]``, one per layer (written with gguf-py
+    directly, so that the file can hold what walshkv's writer would refuse)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch="kv_mean_center")
+    writer.add_bool("kv_mean_center.k_rot", False)
+    for il, m in enumerate(matrices):
+        writer.add_tensor(f"kv_bar.blk.{il}.k", np.zeros((m.shape[0], m.shape[-1]), dtype=np.float32))
+        writer.add_tensor(f"walshkv.k_eq.blk.{il}", m.to(torch.float32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _bad_transforms() -> dict[str, tuple[torch.Tensor, str]]:
+    good = _spd(8, 1, spread=0.5)
+    good = good / torch.linalg.det(good) ** (1 / 8)
+    singular = good.clone()
+    singular[3] = 0.0
+    skewed = good @ torch.diag(torch.logspace(0, 8, 8, dtype=torch.float64))
+    skewed = skewed / torch.linalg.det(skewed).abs() ** (1 / 8)
+    return {
+        "near zero": (1e-6 * good, "near zero"),
+        "huge": (1e6 * good, "near zero or huge"),
+        "singular": (singular, "singular"),
+        "ill conditioned": (skewed, "condition number"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_transforms()))
+def test_a_bad_transform_in_a_file_is_refused_by_name(tmp_path: Path, case: str):
+    bad, message = _bad_transforms()[case]
+    good = torch.eye(8, dtype=torch.float64)
+    path = tmp_path / "eq.gguf"
+    _write_eq_file(path, [torch.stack([good, good]), torch.stack([good, bad])])
+    with pytest.raises(ValueError, match=rf"walshkv\.k_eq\.blk\.1.*head 1.*{message}.*recalibrate") as refused:
+        read_kv_mean_center(path)
+    assert not isinstance(refused.value, torch.linalg.LinAlgError)
+    _write_eq_file(path, [torch.stack([good, good]), torch.stack([good, good])])  # the same file, healthy
+    assert torch.equal(read_kv_mean_center(path).k_equalizer(1), torch.eye(8).expand(2, 8, 8).double())
+
+
+@pytest.mark.parametrize("case", list(_bad_transforms()))
+def test_a_bad_transform_is_refused_by_the_codec(case: str):
+    bad, message = _bad_transforms()[case]
+    with pytest.raises(ValueError, match=rf"eq\+tq:4.*head 0.*{message}.*recalibrate") as refused:
+        Equalized(parse_codec("tq:4"), bad[None])
+    assert not isinstance(refused.value, torch.linalg.LinAlgError)
+
+
+def test_calibrated_transforms_pass_the_checks(tiny_lm, stats):
+    for layer in range(tiny_lm.config.num_hidden_layers):
+        codec = parse_codec("eq+tq:4").bind(layer, "k", stats)
+        assert codec.inverse is not None

@@ -137,16 +137,23 @@ def test_a_lossless_prerope_cache_is_the_reference(tiny_llama, stats):
 
 
 def test_real_prerope_caches_stay_near_the_reference_and_count_their_bytes(tiny_llama, stats):
-    """Quantized for real (tq:3): KLD small, bits per element equal to the bytes held."""
+    """Quantized for real (tq:3): KLD small; the bytes held are the inner codec's layout, nothing more."""
     ids = torch.randint(3, 96, (1, 48))
     with torch.inference_mode():
         ref = tiny_llama(input_ids=ids).logits.log_softmax(-1)
-    for spec in ("prerope+center+tq:3/tq:3", "sink:1:prerope+center+eq+tq:3/tq:3"):
+    # bytes per (layer, kv head, token) of K and V: what tq:3 stores at head_dim 16 (prerope+ adds nothing)
+    per_token = parse_codec("center+tq:3").bytes_per_vector(16) + parse_codec("tq:3").bytes_per_vector(16)
+    rows = 2 * 2  # layers x kv heads, batch 1
+    for spec, sink in (("prerope+center+tq:3/tq:3", 0), ("sink:1:prerope+center+eq+tq:3/tq:3", 1)):
         cache = CompressedCache(spec, config=tiny_llama.config, calibration=stats)
         got = logits_in_splits(tiny_llama, cache, ids, [20, 21, 48]).log_softmax(-1)
         kl = torch.nn.functional.kl_div(got, ref, log_target=True, reduction="none").sum(-1).mean()
-        assert float(kl) < 0.5
-        assert cache.bits_per_element() == pytest.approx(cache.layout_nbytes() * 8 / cache.num_elements())
+        # measured 1.3e-4 (plain) and 8.0e-5 (sink, eq+), the same as these codecs after RoPE; 3-bit V
+        # dominates on this model (K alone at 3 bits: 8e-8), 2 bits on both sides give 5.8e-4 (int2: 1.6e-3)
+        assert 0 < float(kl) < 3e-4, spec
+        held = rows * ((48 - sink) * per_token + sink * 2 * 16 * 2)  # sink tokens: K and V in fp16
+        assert cache.nbytes() == cache.layout_nbytes() == held, spec
+        assert cache.bits_per_element() == 8 * held / (rows * 48 * 2 * 16)
 
 
 def test_sliding_layers_keep_their_positions(tiny_gemma3):

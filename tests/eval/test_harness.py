@@ -7,6 +7,10 @@ import json
 import pytest
 import torch
 
+import walshkv.models
+from walshkv.cache import CompressedCache
+from walshkv.cli import main
+from walshkv.codecs import parse_cache_spec
 from walshkv.data import Text
 from walshkv.eval import compare_logits, evaluate, make_windows, scored_positions
 from walshkv.eval.report import format_table, write_csv, write_json, write_markdown
@@ -64,10 +68,11 @@ def test_evaluate_on_tiny_model(tiny_lm):
     mixed = rows["rot+int4/int3"]
     assert mixed["bits_k"] == 4 + 16 / 16 and mixed["bits_v"] == 3 + 16 / 16
     assert mixed["bits_per_element"] == pytest.approx((mixed["bits_k"] + mixed["bits_v"]) / 2)
-    # kv_bytes (measured) agrees with the layout's bits for one window
+    # kv_bytes (the tensors held after one window) is exactly the spec's layout: every row is fixed-size
     elements = 2 * 64 * 2 * 16 * 2  # layers x tokens x kv_heads x head_dim x (K, V)
     for r in res.results:
-        assert r["kv_bytes"] == pytest.approx(r["bits_per_element"] * elements / 8, rel=0.005)
+        assert r["kv_bytes"] == parse_cache_spec(r["codec"]).bits_per_element(16) * elements / 8, r["codec"]
+        assert r["kv_bytes"] * 8 == pytest.approx(r["bits_per_element"] * elements, rel=1e-12)
         assert r["kv_bytes_fp16"] == elements * 2
     meta = res.meta
     assert meta["ctx"] == 64 and meta["windows"] == 3 and meta["scored_tokens"] == 93
@@ -81,7 +86,10 @@ def test_evaluate_score_all_and_residual(tiny_lm):
     row = res.results[0]
     assert row["scored_tokens"] == 2 * 31
     assert res.meta["residual"] == 8
-    assert row["bits_per_element"] > 2.0 + 16 / 16  # the float window is counted
+    # after a window of 32 tokens: 24 packed at int2's 3 bits (2-bit codes, one fp16 scale per 16 values)
+    # and the 8 most recent in the model's float32, counted as held
+    assert row["bits_per_element"] == (24 * 3 + 8 * 32) / 32
+    assert row["kv_bytes"] == 2 * 2 * 2 * (24 * 6 + 8 * 16 * 4)  # layers x kv heads x (K, V) x bytes per row
 
 
 def test_evaluate_rejects_bad_codec_before_running(tiny_lm):
@@ -101,3 +109,39 @@ def test_reports(tmp_path, tiny_lm):
     write_markdown(tmp_path / "r.md", res.meta, res.results, "walshkv eval --codec int8")
     md = (tmp_path / "r.md").read_text()
     assert "| codec" in md and "walshkv eval --codec int8" in md and "tiny-llama" in md
+
+
+def test_kivi_rows_carry_their_fp_share(tiny_lm, tmp_path):
+    """KIVI keeps its newest tokens in fp16: its rows say so and measure it, like the hf-* rows."""
+    res = evaluate(tiny_lm, TEXT, ["kivi4:g=8:r=4", "int8"], ctx=64, windows=2, progress=False)
+    kivi, int8 = res.results
+    assert kivi["quantize_on_write"] is False and kivi["fp_window"] == 4 and "decode_chunk" not in kivi
+    # one forward writes 64 tokens: (64 - 4) // 8 = 7 groups (56 tokens) quantized, 56..63 in fp16; scored
+    # positions 32..62 see positions 56..p in full precision, and 32..56 no earlier fp16 one (25 of 31)
+    fp = [max(0, p + 1 - 56) / (p + 1) for p in range(32, 63)]
+    assert kivi["fp_context_mean"] == pytest.approx(sum(fp) / len(fp), rel=1e-12)
+    assert kivi["scored_quantized_context_share"] == 25 / 31
+    assert int8["quantize_on_write"] is True and "fp_context_mean" not in int8 and "fp_window" not in int8
+    assert res.meta["quantize_on_write"] == "per row (kivi: no, its newest r to r+g-1 tokens stay in fp16)"
+    write_markdown(tmp_path / "r.md", res.meta, res.results, "walshkv eval --codec kivi4:g=8:r=4")
+    md = (tmp_path / "r.md").read_text()
+    assert "| kivi4:g=8:r=4 ‡" in md and "| int8 " in md and "†" not in md
+    assert "\n‡ not quantized on write: KIVI" in md and "kivi4:g=8:r=4: full-precision window 4 tokens, " in md
+
+
+def test_residual_with_kivi_is_refused_naming_its_own_window(tiny_lm, tiny_llama, monkeypatch, capsys, tmp_path):
+    message = (
+        r"kivi2 keeps its newest tokens in its own fp16 window \(r=32: 32 to 63 tokens\), so residual=8 .*kivi2:r=8"
+    )
+    with pytest.raises(ValueError, match=message):
+        CompressedCache("kivi2", config=tiny_llama.config, residual=8)
+    with pytest.raises(ValueError, match=message):  # before any forward
+        evaluate(tiny_lm, TEXT, ["int8", "kivi2"], ctx=64, windows=1, residual=8, progress=False)
+    assert CompressedCache("kivi2:r=8", config=tiny_llama.config).layers[0].window == 8
+    monkeypatch.setattr(walshkv.models, "load_model", lambda name, progress=True: tiny_lm)
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT.content)
+    argv = ["eval", "--codec", "kivi2", "--residual", "8", "--text", str(text), "--ctx", "64", "--windows", "1"]
+    assert main([*argv, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "kivi2:r=8" in err and "no --residual" in err

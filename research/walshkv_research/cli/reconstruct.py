@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from walshkv import models
+from walshkv.cli.common import require_at_least
 from walshkv.data import load_text
 from walshkv.eval.capture import capture_kv
 from walshkv.eval.report import command_line
-from walshkv.models import load_model
 from walshkv_research.bases import make_basis
 from walshkv_research.cli.common import capture_meta, capture_parents
 from walshkv_research.reconstruct import SYNTHETIC_KINDS, synthetic_signals
@@ -35,8 +36,9 @@ def _floats(text: str) -> list[float]:
 
 def _cmd_reconstruct(args: argparse.Namespace) -> int:
     bases = [b.strip() for b in args.basis.split(",")] if args.basis else None
+    require_at_least(args, vectors=1, synthetic=1, lll_bits=1, lll_rows=1, lll_blocks=1)
     text = load_text(args.text)
-    lm = load_model(args.model, progress=not args.quiet)
+    lm = models.load_model(args.model, progress=not args.quiet)
     d = lm.shape.head_dim
     for b in bases or []:
         make_basis(b, d)  # bad names fail before the capture

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
+from walshkv import models
 from walshkv.cli.common import (
     MODEL_HELP,
     calibration_from_args,
@@ -22,7 +23,6 @@ from walshkv.codecs import parse_cache_spec
 from walshkv.data import load_text
 from walshkv.defaults import DEFAULT_MODEL
 from walshkv.eval.report import command_line
-from walshkv.models import load_model
 from walshkv_research.primepe import (
     CONVENTIONS,
     GENERATORS,
@@ -59,7 +59,7 @@ def _names(allowed: Sequence[str]) -> Callable[[str], list[str]]:
 
 
 def _cmd_factors(args: argparse.Namespace) -> int:
-    lm = load_model(args.model, progress=not args.quiet)
+    lm = models.load_model(args.model, progress=not args.quiet)
     tables = rotary_tables(lm.model)
     rows = []
     chosen = None
@@ -73,7 +73,8 @@ def _cmd_factors(args: argparse.Namespace) -> int:
             rows.append([qual, i, f"{float(theta[i]):.6g}", f"{float(f[i]):.6g}", f"{float(new[i]):.6g}"])
     print(tabulate(rows, headers=["table", "pair", "theta", "factor", f"theta after ({args.convention})"]))
     if args.output:
-        assert chosen is not None
+        if chosen is None:
+            raise ValueError(f"{lm.name} has no rotary frequency table: there are no factors to write to {args.output}")
         qual, theta, f = chosen
         meta = {
             "generator": args.generator,
@@ -94,7 +95,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     for c in codecs:
         parse_cache_spec(c)  # fail before loading anything
     text = load_text(args.text)
-    lm = load_model(args.model, progress=not args.quiet)
+    lm = models.load_model(args.model, progress=not args.quiet)
     calibration = calibration_from_args(lm, codecs, args, text) if codecs else None
     command = command_line(args)
     result = measure_rope_sweep(

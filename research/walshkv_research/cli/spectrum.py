@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from walshkv import models
 from walshkv.data import load_text
 from walshkv.eval.capture import capture_kv
 from walshkv.eval.report import command_line
-from walshkv.models import load_model
 from walshkv_research.cli.common import capture_meta, capture_parents
 from walshkv_research.spectrum import measure_spectrum
 from walshkv_research.spectrum_report import describe_spectrum_run, format_spectrum_table, write_spectrum_outputs
@@ -18,7 +18,7 @@ __all__ = ["add_spectrum_parser"]
 
 def _cmd_spectrum(args: argparse.Namespace) -> int:
     text = load_text(args.text)
-    lm = load_model(args.model, progress=not args.quiet)
+    lm = models.load_model(args.model, progress=not args.quiet)
     d = lm.shape.head_dim
     if args.bands < 1 or d % args.bands:
         raise ValueError(f"--bands must divide head_dim {d}, got {args.bands}")

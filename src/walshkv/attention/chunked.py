@@ -4,7 +4,8 @@ For a block of ``T`` new queries at positions ``offset .. offset+T-1`` over ``n`
 tokens, then an optional full-precision window), the queries are processed ``q_block`` at a time and
 the keys ``kv_chunk`` at a time: each key chunk is decoded from its packed codes, scored, masked
 (causal: key ``j`` is visible to query ``i`` when ``j <= offset + i``; plus the model's own mask, if
-given), and folded into an online softmax. Extra memory is about
+given), and folded into an online softmax; a query that sees no key at all (a padding position) gets zeros,
+as torch SDPA gives. Extra memory is about
 ``batch * num_q_heads * q_block * kv_chunk`` scores plus one decoded chunk, whatever the cache length:
 never a float copy of the whole cache.
 """
@@ -119,5 +120,6 @@ def chunked_attention(
             den = den * corr + p.sum(dim=-1, keepdim=True)
             acc = acc * corr + torch.einsum("bhgtk,bhkd->bhgtd", p, v)
             m = m_new
-        out[:, :, :, q0:q1] = acc / den
+        # a row that sees no key (a left-padding query) has den = acc = 0: zeros, as torch SDPA gives, not NaN
+        out[:, :, :, q0:q1] = acc / torch.where(den > 0, den, torch.ones_like(den))
     return out.reshape(b, hq, t, d).to(q.dtype)

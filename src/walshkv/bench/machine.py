@@ -7,41 +7,36 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from walshkv.eval.provenance import cpu_meta, proc_line
 from walshkv.eval.report import library_versions
 
 __all__ = ["copy_bandwidth", "interleaved_seconds", "machine_description", "median_seconds"]
 
 
-def _proc_field(path: str, prefix: str) -> str | None:
-    """The first line of ``path`` (a ``/proc`` file) that starts with ``prefix``; ``None``: no such file or line."""
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(prefix):
-                return line
-    except OSError:
-        pass
-    return None
-
-
 def machine_description() -> dict[str, Any]:
-    """CPU model, cores visible to torch, memory, library versions."""
-    cpu = platform.processor() or platform.machine()
-    if (line := _proc_field("/proc/cpuinfo", "model name")) is not None:
-        cpu = line.split(":", 1)[1].strip()
+    """CPU model and flags, cores visible to torch, memory, the code's version and commit, library versions.
+
+    ``cpu`` is the model name; ``cpu_flags`` and ``cpu_capability`` as in
+    :func:`walshkv.eval.provenance.cpu_meta` (the CPU every result file's meta records).
+    """
+    cpu = cpu_meta()
     mem = None
-    if (line := _proc_field("/proc/meminfo", "MemTotal")) is not None:
+    if (line := proc_line("/proc/meminfo", "MemTotal")) is not None:
         mem = int(line.split()[1]) * 1024
     versions = library_versions()
     return {
-        "cpu": cpu,
+        "cpu": cpu["model"],
+        "cpu_flags": cpu["flags"],
+        "cpu_capability": cpu["capability"],
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_bytes": mem,
+        "walshkv": versions["walshkv"],
+        "commit": versions["commit"],
         "torch": versions["torch"],
         "python": versions["python"],
         "platform": platform.platform(),

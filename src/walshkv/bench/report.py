@@ -9,6 +9,7 @@ from typing import Any
 from tabulate import tabulate
 
 from walshkv.eval.report import agg_figure
+from walshkv.fileio import save_figure_atomic
 
 __all__ = ["bench_markdown", "format_attention_table", "format_generation_table", "plot_bench", "targets"]
 
@@ -116,7 +117,7 @@ def plot_bench(result: dict[str, Any], path: Path) -> list[Path]:
     m = result["meta"]["machine"]
     fig.suptitle(f"{m['cpu']}, {m['torch_threads']} torch threads", fontsize=8)
     fig.tight_layout()
-    fig.savefig(str(path), dpi=110)
+    save_figure_atomic(fig, path, dpi=110)
     return [path]
 
 

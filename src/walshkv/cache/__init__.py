@@ -18,7 +18,8 @@ Modules, bottom up:
 * :mod:`~walshkv.cache.fused`: attention straight from the packed codes (:func:`enable_fused_attention`);
 * :mod:`~walshkv.cache.layers`: :class:`CompressedLayer`, :class:`CompressedSlidingWindowLayer`;
 * :mod:`~walshkv.cache.kivi`: :class:`KiviLayer` (KIVI's token groups);
-* :mod:`~walshkv.cache.compressed`: :class:`CompressedCache` (``from_preset``, ``from_model``);
+* :mod:`~walshkv.cache.persist`: saved caches (:meth:`CompressedCache.save`, :meth:`CompressedCache.load`);
+* :mod:`~walshkv.cache.compressed`: :class:`CompressedCache` (``from_preset``, ``from_model``, ``save``, ``load``);
 * :mod:`~walshkv.cache.hf`: Hugging Face's ``QuantizedCache`` as a peer (:func:`make_hf_cache`,
   :func:`hf_cache_nbytes`);
 * :mod:`~walshkv.cache.factory`: :func:`make_cache` (either kind) and :func:`context_state`;
@@ -33,10 +34,12 @@ from walshkv.cache.fused import FUSED_ATTENTION, enable_fused_attention, fused_a
 from walshkv.cache.hf import hf_cache_nbytes, make_hf_cache
 from walshkv.cache.kivi import KiviLayer
 from walshkv.cache.layers import CompressedLayer, CompressedSlidingWindowLayer
+from walshkv.cache.persist import CacheFileError, load_cache, save_cache
 from walshkv.cache.recording import RecordingCache
 
 __all__ = [
     "FUSED_ATTENTION",
+    "CacheFileError",
     "CompressedCache",
     "CompressedLayer",
     "CompressedSlidingWindowLayer",
@@ -46,6 +49,8 @@ __all__ = [
     "enable_fused_attention",
     "fused_attention",
     "hf_cache_nbytes",
+    "load_cache",
     "make_cache",
     "make_hf_cache",
+    "save_cache",
 ]

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from walshkv.cache.fused import FUSED_ATTENTION
+from walshkv.cache.fused import FUSED_ATTENTION, Marker
 from walshkv.cache.kivi import KiviLayer
-from walshkv.cache.layers import CompressedLayer, CompressedSlidingWindowLayer
+from walshkv.cache.layers import Checkpoint, CompressedLayer, CompressedSlidingWindowLayer
+from walshkv.cache.persist import load_cache, save_cache
 from walshkv.codecs.kivi import KiviCodec
 from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, LayeredCacheSpec, parse_cache_spec
@@ -78,10 +79,19 @@ class CompressedCache(Cache):
                 f"{parsed.spec} is Hugging Face's QuantizedCache, not a walshkv codec: build it with "
                 "walshkv.cache.make_cache(spec, config)"
             )
+        if residual and isinstance(parsed.k, KiviCodec):
+            kivi = KiviCodec(parsed.k.bits, parsed.k.group, residual)
+            raise ValueError(
+                f"{parsed.spec} keeps its newest tokens in its own fp16 window (r={parsed.k.residual}: "
+                f"{parsed.k.residual} to {parsed.k.residual + parsed.k.group - 1} tokens), so residual={residual} "
+                f"does not apply: set the window in the spec ({kivi.spec}) and pass residual=0 (CLI: no --residual)"
+            )
         self.cache_spec = parsed
+        self._step: dict[int, Checkpoint] = {}  # the current step's layers, as they were before it
         self.residual = residual
         self.calibration = calibration
         self.fused = fused
+        self.model_config = config  # the model's identity, recorded by save()
         if fused and (config is None or getattr(config, "_attn_implementation", None) != FUSED_ATTENTION):
             raise ValueError(
                 "fused=True needs the model's attention to read the packed cache: call "
@@ -183,10 +193,50 @@ class CompressedCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one layer's block; a refusal undoes the whole step (the model's forward) in every layer.
+
+        A step starts when a layer is written a second time (layer 0 of the next forward); each layer's
+        state before its write is kept (:meth:`CompressedLayer.checkpoint`) until the next step, so that a
+        refusal in layer ``i`` (NaN, overflow, a fused cache read by another attention) leaves layers
+        ``0..i-1`` as they were: a step is stored in every layer or in none.
+        """
+        if self.layer_class_to_replicate is not None:
+            while len(self.layers) <= layer_idx:
+                self.layers.append(self.layer_class_to_replicate())
+        if layer_idx in self._step:
+            self._step = {}
+        layer = self.layers[layer_idx]
+        if isinstance(layer, CompressedLayer):
+            self._step[layer_idx] = layer.checkpoint()
         try:
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        except (ValueError, TypeError) as err:
-            raise type(err)(f"layer {layer_idx} ({self.cache_spec.spec}): {err}") from err
+            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except Exception as err:
+            undone = self.rollback_step()
+            if isinstance(err, (ValueError, TypeError)):
+                held = self.layers[0].get_seq_length()
+                raise type(err)(
+                    f"layer {layer_idx} ({self.cache_spec.spec}): {err} (the step was rolled back in layers "
+                    f"{undone}: every layer holds the {held} tokens it held before it)"
+                ) from err
+            raise
+        for out in (keys, values):
+            if isinstance(out, Marker):
+                out.walshkv_misread = self.rollback_step
+        return keys, values
+
+    def rollback_step(self) -> list[int]:
+        """Undo the current step in every layer it wrote; returns their indices."""
+        undone = sorted(self._step)
+        for idx in undone:
+            self.layers[idx].rollback(self._step[idx])  # type: ignore[union-attr]
+        self._step = {}
+        return undone
+
+    #: ``cache.save(path)``: write the cache to ``path`` (safetensors, atomically), see :func:`save_cache`.
+    save = save_cache
+    #: ``CompressedCache.load(path, model, calibration, *, spec=None, fused=None)``: a cache :meth:`save` wrote,
+    #: bit-exact (same packed bytes, ``nbytes()``, next-token logits); refusals name the reason, see :func:`load_cache`.
+    load = classmethod(load_cache)
 
     def _compressed_layers(self) -> list[CompressedLayer]:
         return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]

@@ -5,11 +5,15 @@
 K/V; the attention function finds the layer through them and reads its packed codes with
 :func:`walshkv.attention.decode.decode_attention` (one query token) or
 :func:`walshkv.attention.chunked.chunked_attention` (prefill, padding). Anything else goes to torch SDPA.
+Any other reader of a marker (SDPA or eager attention after ``model.set_attn_implementation(...)``, another
+model) fails on its first tensor operation with :data:`MISREAD`, and the cache undoes the step, instead of
+attending over no tokens.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from transformers import AttentionInterface
@@ -24,16 +28,60 @@ if TYPE_CHECKING:
 
     from walshkv.cache.layers import CompressedLayer
 
-__all__ = ["FUSED_ATTENTION", "enable_fused_attention", "fused_attention", "marker"]
+__all__ = ["FUSED_ATTENTION", "MISREAD", "Marker", "enable_fused_attention", "fused_attention", "marker"]
 
 #: The attention implementation name :func:`enable_fused_attention` registers with transformers.
 FUSED_ATTENTION = "walshkv_fused"
 
+#: The error of any attention but :func:`fused_attention` that reads a fused layer's K/V.
+MISREAD = (
+    "this CompressedCache was built with fused=True: its layers hand attention no K/V, the fused attention reads "
+    "the packed codes itself, but the model now runs another attention (e.g. after "
+    "model.set_attn_implementation('sdpa'), or the cache was passed to another model). Call "
+    "walshkv.cache.enable_fused_attention(model) on the model that uses this cache, or build the cache with "
+    "fused=False; the step was not stored"
+)
 
-def marker(layer: CompressedLayer, like: torch.Tensor) -> torch.Tensor:
-    """An empty ``[batch, heads, 0, head_dim]`` tensor that tells :func:`fused_attention` which layer to read."""
-    out = like.new_empty((*like.shape[:2], 0, like.shape[-1]))
-    out.walshkv_layer = layer  # type: ignore[attr-defined]
+
+class Marker(torch.Tensor):
+    """What a fused layer's ``update`` returns for K and V: an empty ``[batch, heads, 0, head_dim]`` tensor that
+    names the layer (``walshkv_layer``) for :func:`fused_attention`. Any tensor operation on it but reading its
+    shape, dtype or device raises ``RuntimeError(MISREAD)`` after calling ``walshkv_misread`` (the cache's
+    rollback of the step), so no other attention can read it as an empty cache."""
+
+    walshkv_layer: CompressedLayer
+    walshkv_misread: Callable[[], None] | None = None
+    _METADATA: ClassVar[frozenset[Any]] = frozenset(
+        {
+            torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
+            torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
+            torch.Tensor.device.__get__,  # type: ignore[attr-defined]
+            torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
+            torch.Tensor.dim,
+            torch.Tensor.size,
+        }
+    )
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in cls._METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        for a in (*args, *(kwargs or {}).values()):
+            if isinstance(a, Marker) and a.walshkv_misread is not None:
+                a.walshkv_misread()
+                break
+        raise RuntimeError(MISREAD)
+
+    def __repr__(self) -> str:  # torch's repr would run tensor operations
+        return f"Marker(fused layer, shape={tuple(self.shape)})"
+
+
+def marker(layer: CompressedLayer, like: torch.Tensor) -> Marker:
+    """An empty ``[batch, heads, 0, head_dim]`` :class:`Marker` that tells :func:`fused_attention` which layer to
+    read."""
+    out = like.new_empty((*like.shape[:2], 0, like.shape[-1])).as_subclass(Marker)
+    out.walshkv_layer = layer
     return out
 
 
@@ -66,10 +114,12 @@ def fused_attention(
     Returns:
         ``([batch, T, num_q_heads, head_dim], None)``, as transformers' attention functions return.
     """
-    layer = getattr(key, "walshkv_layer", None)
-    if layer is None:
+    if not isinstance(key, Marker):
         return _sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    layer = key.walshkv_layer
     if kwargs.get("softcap") is not None:
+        if key.walshkv_misread is not None:
+            key.walshkv_misread()  # the step is stored in no layer
         raise ValueError("fused attention does not apply logit soft-capping; use CompressedCache(..., fused=False)")
     t = query.shape[2]
     visible = _all_visible(attention_mask)

@@ -13,10 +13,12 @@ import torch
 
 from walshkv.cache.layers import CompressedLayer
 from walshkv.cache.store import cat_packed, seq_len
-from walshkv.codecs.base import check_kv
+from walshkv.codecs.floats import FloatCodec
 from walshkv.codecs.spec import CacheSpec
 
 __all__ = ["KiviLayer"]
+
+_FP16 = FloatCodec("fp16")  # the window: its encode refuses NaN/Inf and values fp16 cannot hold
 
 
 class KiviLayer(CompressedLayer):
@@ -40,9 +42,6 @@ class KiviLayer(CompressedLayer):
         self.keys = self.keys.to(torch.float16)
         self.values = self.values.to(torch.float16)
 
-    def _packed_tokens(self) -> int:
-        return 0 if self.packed_v is None else self.packed_v.seq_len
-
     def _stored_length(self) -> int:
         return self._packed_tokens() + seq_len(self.keys)
 
@@ -50,18 +49,20 @@ class KiviLayer(CompressedLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_block(key_states, value_states)
-        check_kv(key_states, "K")
-        check_kv(value_states, "V")
+        new_k16 = _FP16.encode(key_states).tensors["values"]  # checked before anything changes
+        new_v16 = _FP16.encode(value_states).tensors["values"]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         out_dtype = key_states.dtype
-        window_k = torch.cat([self.keys, key_states.to(torch.float16)], dim=-2)
-        window_v = torch.cat([self.values, value_states.to(torch.float16)], dim=-2)
+        window_k = torch.cat([self.keys, new_k16], dim=-2)
+        window_v = torch.cat([self.values, new_v16], dim=-2)
         n_groups = max(0, window_k.shape[-2] - self.window) // self.group
         n = n_groups * self.group
         start = self._packed_tokens()  # position of the first token that leaves the window now
-        new_k = self.kivi_k.encode(window_k[:, :, :n].float(), start) if n else None
-        new_v = self.kivi_v.encode(window_v[:, :, :n].float(), start) if n else None
+        # an fp16 model reads fp16: encoding the fp16 window as is makes the codec refuse what decodes past 65504
+        enc = torch.float16 if out_dtype == torch.float16 else torch.float32
+        new_k = self.kivi_k.encode(window_k[:, :, :n].to(enc), start) if n else None
+        new_v = self.kivi_v.encode(window_v[:, :, :n].to(enc), start) if n else None
         stored_k = ((self.packed_k, 0), (new_k, start))
         stored_v = ((self.packed_v, 0), (new_v, start))
         parts_k = [self.kivi_k.decode(p, at) for p, at in stored_k if p is not None]

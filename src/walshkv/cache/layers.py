@@ -19,12 +19,16 @@ from transformers.cache_utils import CacheLayerMixin
 
 from walshkv.cache.fused import marker
 from walshkv.cache.store import GROWTH, append_packed, is_prefix, seq_len
-from walshkv.codecs.base import Packed
+from walshkv.codecs.base import Packed, check_kv
 from walshkv.codecs.center import Centered
 from walshkv.codecs.floats import FloatCodec
 from walshkv.codecs.spec import CacheSpec, parse_cache_spec
 
-__all__ = ["CompressedLayer", "CompressedSlidingWindowLayer"]
+__all__ = ["Checkpoint", "CompressedLayer", "CompressedSlidingWindowLayer"]
+
+#: A layer's state before a write (:meth:`CompressedLayer.checkpoint`): its attributes, and for layers that
+#: only append, the packed tokens (K, V) held, instead of views that would keep a grown store's old allocation.
+Checkpoint = tuple[dict[str, Any], tuple[int, int] | None]
 
 _FP16 = FloatCodec("fp16")  # sink tokens: its encode refuses NaN/Inf and values fp16 cannot hold
 
@@ -114,6 +118,8 @@ class CompressedLayer(CacheLayerMixin):
             taken from the full-precision window), ``[batch, num_kv_heads, seq, head_dim]``.
         """
         self._check_block(key_states, value_states)
+        check_kv(key_states, "K")  # every token, the window's and the sink's too, before anything changes
+        check_kv(value_states, "V")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n_tokens = key_states.shape[-2]
@@ -174,6 +180,31 @@ class CompressedLayer(CacheLayerMixin):
         parts_k = [self.spec.k.decode(self.packed_k, start).to(dtype)] if self.packed_k is not None else []
         parts_v = [self.spec.v.decode(self.packed_v, start).to(dtype)] if self.packed_v is not None else []
         return torch.cat([*head_k, *parts_k, self.keys], dim=-2), torch.cat([*head_v, *parts_v, self.values], dim=-2)
+
+    def checkpoint(self) -> Checkpoint:
+        """The state :meth:`rollback` returns to: taken by :class:`CompressedCache` before each layer's write.
+
+        References only (the window, sink and packed views are replaced, never written, by a write); a layer
+        that only appends keeps the packed token counts instead of its views.
+        """
+        state = dict(vars(self))
+        if self.is_sliding:  # drops its oldest tokens: the views themselves (one window's worth)
+            return state, None
+        for name in ("packed_k", "packed_v", "_store_k", "_store_v"):
+            del state[name]
+        return state, (0 if self.packed_k is None else self.packed_k.seq_len, self._packed_tokens())
+
+    def rollback(self, checkpoint: Checkpoint) -> None:
+        """Undo every write since ``checkpoint`` was taken (tokens, window, sink, positions)."""
+        state, held = checkpoint
+        now_k, now_v = self.packed_k, self.packed_v
+        self.__dict__.update(state)
+        if held is not None:  # the held tokens are a prefix of what is held now (appends only)
+            self.packed_k = now_k.slice_seq(0, held[0]) if held[0] and now_k is not None else None
+            self.packed_v = now_v.slice_seq(0, held[1]) if held[1] and now_v is not None else None
+
+    def _packed_tokens(self) -> int:
+        return 0 if self.packed_v is None else self.packed_v.seq_len
 
     def _after_update(self) -> None:
         """Hook for sliding layers to drop tokens that left the window."""

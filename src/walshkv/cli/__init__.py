@@ -19,8 +19,11 @@ The entry point loads a callable ``add_parsers(sub: argparse._SubParsersAction) 
 subcommands with ``sub.add_parser(NAME, ...)`` (it may use the parents of :mod:`walshkv.cli.common`) and
 sets ``func`` on each: ``parser.set_defaults(func=handler)``, where ``handler(args: argparse.Namespace) -> int``
 returns the exit status. :func:`main` runs the handler with ``args.argv`` (the command line, for
-:func:`walshkv.eval.report.command_line`) and ``--windows 0`` turned into ``None``; a ``ValueError``,
-``RuntimeError`` or ``TypeError`` it raises is printed as ``walshkv NAME: error: ...`` with status 2.
+:func:`walshkv.eval.report.command_line`) and ``--windows 0`` turned into ``None``, after refusing output paths
+that cannot be written (:func:`~walshkv.cli.common.check_outputs`: ``--json``, ``--csv``, ``--markdown``,
+``-o/--output``, ``--out``). Any error the handler raises (``ValueError``, ``OSError`` such as a full disk or a
+missing folder, and any other exception) is printed as ONE line ``walshkv NAME: error: ...`` naming the path
+and the fix, with status 2; ``WALSHKV_TRACEBACK=1`` re-raises it instead (for bug reports). Ctrl-C exits 130.
 Plugins are added after the core commands, in entry-point name order; a name a command already has is
 refused. A plugin that fails to load or to register is skipped with a warning on stderr: the other
 commands keep working.
@@ -29,14 +32,16 @@ commands keep working.
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
 from walshkv.cli import bench, calibrate, codecs, eval, models, rd, recommend, sweep
-from walshkv.cli.common import calibration_from_args
+from walshkv.cli.common import calibration_from_args, check_outputs
 
-__all__ = ["COMMANDS", "PLUGIN_GROUP", "build_parser", "calibrate_if_needed", "main"]
+__all__ = ["COMMANDS", "PLUGIN_GROUP", "build_parser", "calibrate_if_needed", "error_line", "main"]
 
 #: The entry-point group command plugins register in.
 PLUGIN_GROUP = "walshkv.commands"
@@ -106,6 +111,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: What to do about an OS error, by errno (the message names the path and this fix).
+_OS_FIXES = {
+    errno.ENOSPC: "the disk is full: free space or write elsewhere (an existing file there is unchanged)",
+    errno.EDQUOT: "the disk quota is exceeded: free space or write elsewhere (an existing file there is unchanged)",
+    errno.EFBIG: "the file-size limit (ulimit -f) was reached: raise it or write elsewhere (an existing file there "
+    "is unchanged)",
+    errno.EACCES: "permission denied: fix the permissions or choose another path",
+    errno.EPERM: "operation not permitted: fix the permissions or choose another path",
+    errno.EROFS: "the file system is read-only: choose another path",
+    errno.ENOENT: "no such file or directory: check the path (an output's directory must exist)",
+    errno.EISDIR: "it is a directory: give a file path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: choose another path",
+    errno.EEXIST: "it exists and is in the way (a file where a folder is needed?): choose another path",
+    errno.ENAMETOOLONG: "the name is too long: choose a shorter path",
+}
+
+
+def error_line(err: BaseException) -> str:
+    """One line for an error: OS errors as ``PATH: what happened; the fix``, others as their message.
+
+    Args:
+        err: The exception a command raised.
+
+    Returns:
+        The message, newlines folded, without the ``walshkv NAME: error:`` prefix.
+    """
+    if isinstance(err, OSError) and err.errno is not None:
+        where = " -> ".join(repr(str(f)) for f in (err.filename, err.filename2) if f is not None)
+        fix = _OS_FIXES.get(err.errno, f"{err.strerror or type(err).__name__}: check the path")
+        text = f"{where}: {fix}" if where else f"{fix} ({err.strerror})"
+    elif isinstance(err, ValueError | RuntimeError | TypeError | OSError | LookupError):
+        text = str(err) or type(err).__name__
+    else:  # an assertion or arithmetic error is walshkv's bug, not the user's
+        text = (
+            f"internal error {type(err).__name__}: {err} (please report it with the command line; "
+            "WALSHKV_TRACEBACK=1 shows where)"
+        )
+    return " ".join(text.split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``walshkv ARGV``; return the exit status (2 for a usage or input error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -118,9 +163,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "windows", None) == 0:
         args.windows = None
     try:
+        check_outputs(args)  # refuse first: no output path is found unwritable after the work
         return int(args.func(args))
-    except (ValueError, RuntimeError, TypeError) as err:
-        print(f"walshkv {args.command}: error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"walshkv {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if os.environ.get("WALSHKV_TRACEBACK"):
+            raise
+        print(f"walshkv {args.command}: error: {error_line(err)}", file=sys.stderr)
         return 2
 
 

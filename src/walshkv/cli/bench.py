@@ -27,7 +27,26 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Refuse counts below 1 and a CUDA device that is not there, before anything runs."""
+    for flag, value in (("--repeats", args.repeats), ("--new-tokens", args.new_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk must be at least 1 token, got {args.prefill_chunk}")
+    if args.part in ("all", "attention") and args.device.startswith("cuda"):
+        index = torch.device(args.device).index or 0
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if index >= count:
+            seen = f"{count} CUDA device(s) (cuda:0 .. cuda:{count - 1})" if count else "no CUDA device"
+            raise ValueError(
+                f"--device {args.device}: torch sees {seen} here; use --device cpu or an existing GPU "
+                "(a CUDA build of torch: pip install 'walshkv[gpu]')"
+            )
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
+    _check(args)
     meta: dict[str, Any] = {
         "machine": bench.machine_description(),
         "command": command_line(args),

@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING, get_args
 import torch
 
 from walshkv import calibration, data, models
-from walshkv.cli.common import CALIB_MODEL_HELP, CALIB_TEXT_HELP, model_parent, output_parent, windows_parent
+from walshkv.cli.common import (
+    CALIB_MODEL_HELP,
+    CALIB_TEXT_HELP,
+    model_parent,
+    output_parent,
+    require_at_least,
+    windows_parent,
+)
 from walshkv.constants import Basis
 from walshkv.defaults import CALIB_TOKENS
 from walshkv.export import write_kv_mean_center
@@ -43,6 +50,7 @@ def _print_eq_gains(stats: KVStats, eq: torch.Tensor, v_eq: torch.Tensor | None)
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.basis not in get_args(Basis):
         raise ValueError(f"--basis must be plain or rot, got {args.basis!r}")
+    require_at_least(args, ctx=4, tokens=1)
     # an unknown preset name fails before anything is loaded
     preset = resolve_preset(args.preset) if args.preset else None
     text = data.load_text(args.text)

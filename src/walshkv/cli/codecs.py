@@ -39,6 +39,8 @@ def _rows(head_dim: int) -> list[list[str]]:
 
 
 def _cmd_codecs(args: argparse.Namespace) -> int:
+    if args.head_dim < 1:
+        raise ValueError(f"--head-dim must be a positive number of channels (e.g. 64 or 128), got {args.head_dim}")
     print(
         tabulate(
             _rows(args.head_dim),

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from walshkv.data import TEXTS, Text
 from walshkv.defaults import CALIB_TOKENS, CTX, DEFAULT_MODEL, DEFAULT_TEXT, WINDOWS
 from walshkv.eval.calibrated import calibration_for
+from walshkv.fileio import check_output_dir, check_output_path
 from walshkv.models import MODELS
 
 if TYPE_CHECKING:
@@ -27,12 +29,16 @@ __all__ = [
     "CALIB_MODEL_HELP",
     "CALIB_TEXT_HELP",
     "MODEL_HELP",
+    "OUTPUT_DIRS",
+    "OUTPUT_FILES",
     "SHOW_DEFAULT",
     "TEXT_HELP",
     "calibration_from_args",
     "calibration_parent",
+    "check_outputs",
     "model_parent",
     "output_parent",
+    "require_at_least",
     "windows_parent",
 ]
 
@@ -46,6 +52,43 @@ CALIB_MODEL_HELP = "model name or path, as for eval"
 CALIB_TEXT_HELP = "calibration text (not the text you evaluate on)"
 #: Appended to a help text by commands whose formatter does not show defaults itself.
 SHOW_DEFAULT = " (default %(default)s)"
+#: Options (``argparse`` dest -> flag) that name an output file: checked by :func:`check_outputs`.
+OUTPUT_FILES = {"json": "--json", "csv": "--csv", "markdown": "--markdown", "output": "-o/--output"}
+#: Options that name an output folder (created if missing); ``None`` there means a default folder in the cwd.
+OUTPUT_DIRS = {"out": "--out"}
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any work, output paths a command could not write (:func:`walshkv.main` runs it).
+
+    Every option of :data:`OUTPUT_FILES` given as a path must name a file in an existing, writable directory
+    (not a directory); every option of :data:`OUTPUT_DIRS` a folder that exists or can be created and is
+    writable, or, when left out, a writable current directory (the commands' default folders go there).
+
+    Raises:
+        OSError: the first unwritable output, named with its option and the fix.
+    """
+    for dest, flag in OUTPUT_FILES.items():
+        value = getattr(args, dest, None)
+        if isinstance(value, str | Path):  # ``models --json`` is a switch, not a path
+            check_output_path(value, what=flag)
+    for dest, flag in OUTPUT_DIRS.items():
+        if hasattr(args, dest):
+            value = getattr(args, dest)
+            what = flag if value is not None else f"{flag} (not given: a default folder in the current directory)"
+            check_output_dir(Path.cwd() if value is None else value, what=what)
+
+
+def require_at_least(args: argparse.Namespace, **minimums: int) -> None:
+    """Refuse integer options below their minimum: ``require_at_least(args, ctx=4, tokens=1)``.
+
+    Raises:
+        ValueError: naming the first option (as ``--flag``), its minimum and the value given.
+    """
+    for dest, low in minimums.items():
+        value = getattr(args, dest)
+        if value is not None and value < low:
+            raise ValueError(f"--{dest.replace('_', '-')} must be at least {low}, got {value}")
 
 
 def model_parent(model_help: str = MODEL_HELP, text_help: str = TEXT_HELP) -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from walshkv import data, models
@@ -13,10 +14,12 @@ from walshkv.cli.common import (
     calibration_parent,
     model_parent,
     output_parent,
+    require_at_least,
     windows_parent,
 )
 from walshkv.defaults import RECOMMEND_WINDOWS
 from walshkv.eval.report import format_table, write_json
+from walshkv.fileio import check_output_dir
 from walshkv.presets import candidates_for, k_pre_rope, preset_name_for_bits, write_preset_file
 from walshkv.recommend import recommend
 
@@ -25,12 +28,15 @@ __all__ = ["add_parsers"]
 
 def _cmd_recommend(args: argparse.Namespace) -> int:
     name = preset_name_for_bits(args.bits)  # validates the budget before loading anything
+    require_at_least(args, ctx=4, windows=1, calib_tokens=1)
+    if args.output is None:  # the default file is named after the model: its folder is checked now
+        check_output_dir(Path.cwd(), what="-o (not given: MODEL-walshkv-B.gguf in the current directory)")
     text = data.load_text(args.text)
     lm = models.load_model(args.model, progress=not args.quiet)
     n = len(candidates_for(args.bits, lm.shape.head_dim, args.candidate or (), lm.shape.layers, ctx=args.ctx))
     print(
         f"{lm.name}: {n} candidate specs within {args.bits:g} bits per element at head_dim {lm.shape.head_dim}; "
-        f"K mean from the first half of {text.name}, ranked on {args.windows} windows of {args.ctx} tokens of "
+        f"K mean from the first half of {text.name}, ranked on {args.windows or 'all'} windows of {args.ctx} tokens of "
         "its second half",
         file=sys.stderr,
     )

@@ -11,16 +11,17 @@ vector, and :meth:`Codec.bits_per_element` is computed from that layout, never t
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 import torch
 
-from walshkv.ops.quant import check_finite
+from walshkv.ops.quant import FP16_MAX, check_finite
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
@@ -41,6 +42,12 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: float16 blocks with a larger ``|x|`` are decoded once on encode to check that they stay within the fp16
+#: range: a codec's scales round up, and ``rot+`` spreads a vector's norm, so decoded values can pass 65504
+#: although the input did not. Below it no codec comes near (decoded ``|x|`` stays under 32 times the
+#: input's, which tests/codecs/test_fp16_range.py checks on every matrix entry), so healthy K/V pay nothing.
+FP16_TRIAL_ABOVE = FP16_MAX / 32
 
 
 @dataclass(frozen=True)
@@ -148,9 +155,17 @@ class Codec(ABC):
     #: Canonical spec string, e.g. ``"rot+int4"``.
     spec: str = ""
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """Every ``layout`` (and so ``bytes_per_vector``, ``bits_per_element``) refuses, with the same error as
+        ``encode``, the head sizes :meth:`check_head_dim` refuses: no method answers for a size encode refuses."""
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("layout")
+        if own is not None and not getattr(own, "checks_head_dim", False):
+            cls.layout = _checking_head_dim(own)  # type: ignore[method-assign]
+
     @abstractmethod
     def layout(self, head_dim: int) -> dict[str, Field]:
-        """Stored fields per vector of ``head_dim`` values."""
+        """Stored fields per vector of ``head_dim`` values (``ValueError`` for a size the codec refuses)."""
 
     #: True if :meth:`bind` needs calibration statistics (e.g. ``vht2`` with ``order=variance``).
     needs_calibration: bool = False
@@ -187,9 +202,23 @@ class Codec(ABC):
         check_kv(x)
         self.check_head_dim(x.shape[-1])
         check_start(start)
+        x = x.contiguous()  # the same bytes for a view and its copy (matmul and rounding follow the strides)
         packed = self._encode_at(x, start)
         packed.dtype = x.dtype
+        if x.dtype == torch.float16 and x.numel() and float(x.abs().amax()) > FP16_TRIAL_ABOVE:
+            self._check_fp16_range(x, packed, start)
         return packed
+
+    def _check_fp16_range(self, x: torch.Tensor, packed: Packed, start: int) -> None:
+        """Refuse a float16 block whose decoded values would round to ±Inf in float16 (nothing is stored yet)."""
+        peak = float(self._decode_at(packed, start).to(torch.float32).abs().amax())
+        if peak < FP16_MAX + 16:  # float16 rounds values below 65520 to 65504, from 65520 to Inf
+            return
+        raise ValueError(
+            f"{self.spec} would decode this float16 block (|x| up to {float(x.abs().amax()):.6g}) to values up to "
+            f"{peak:.6g}, past the float16 maximum 65504: its scales round up near the top of the range. Run the "
+            "model (and so the cache) in bfloat16 or float32, or use a codec that keeps the range (fp16, fp32)"
+        )
 
     def decode(self, packed: Packed, start: int = 0) -> torch.Tensor:
         """Decompress to ``[batch, num_kv_heads, seq_len, head_dim]`` in the encoded dtype.
@@ -219,6 +248,18 @@ class Codec(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+
+def _checking_head_dim(
+    layout: Callable[[Codec, int], dict[str, Field]],
+) -> Callable[[Codec, int], dict[str, Field]]:
+    @functools.wraps(layout)
+    def checked(self: Codec, head_dim: int) -> dict[str, Field]:
+        self.check_head_dim(head_dim)
+        return layout(self, head_dim)
+
+    checked.checks_head_dim = True  # type: ignore[attr-defined]
+    return checked
 
 
 #: The order wrappers nest in, outermost first (``prerope+center+eq+rot+SPEC``); ``rrot`` takes ``rot``'s slot.

@@ -25,7 +25,65 @@ if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
     from walshkv.constants import Kind
 
-__all__ = ["Equalized"]
+__all__ = ["MAX_TRANSFORM_COND", "TRANSFORM_SCALE_RANGE", "Equalized", "checked_inverse"]
+
+#: Largest condition number of a transform read or bound (calibration caps it at 100,
+#: :data:`walshkv.ops.equalize.MAX_COND`; past 1e6 ``A⁻¹`` amplifies the codec's error a millionfold in some
+#: direction, and in float32 loses the digits that the inverse check needs).
+MAX_TRANSFORM_COND = 1e6
+#: A transform's scale, the geometric mean of its singular values (``|det A|^(1/head_dim)``), must lie within
+#: this factor of 1: calibration writes determinant 1, and a near-zero ``A`` makes the codec store (fp16)
+#: values that underflow, so that every decoded vector is 0.
+TRANSFORM_SCALE_RANGE = 100.0
+_FIX = "recalibrate (walshkv calibrate --eq ... -o FILE, or the --preset / recommend command that wrote it)"
+
+
+def checked_inverse(m: torch.Tensor, what: str, fix: str = _FIX) -> torch.Tensor:
+    """Validate ``eq+`` transforms and return their inverses.
+
+    Args:
+        m: ``[kv_heads, head_dim, head_dim]``.
+        what: the transforms' name in messages (a file's tensor, ``walshkv.k_eq.blk.N``, or a codec spec).
+        fix: what to do about a bad one.
+
+    Returns:
+        ``A⁻¹``, ``[kv_heads, head_dim, head_dim]`` float64, with ``A A⁻¹ = I`` checked.
+
+    Raises:
+        ValueError: a wrong shape, NaN/Inf, a singular or ill-conditioned head (condition number over
+            :data:`MAX_TRANSFORM_COND`), a near-zero or huge head (scale outside :data:`TRANSFORM_SCALE_RANGE`),
+            or an inverse that does not check; the message names the tensor, the head and ``fix``.
+    """
+    if m.dim() != 3 or m.shape[-1] != m.shape[-2]:
+        raise ValueError(f"{what}: the transform must be [kv_heads, head_dim, head_dim], got {tuple(m.shape)}")
+    m = m.to(torch.float64)
+    if not bool(torch.isfinite(m).all()):
+        raise ValueError(f"{what}: the transform has NaN/Inf values; {fix}")
+    sv = torch.linalg.svdvals(m)  # [kv_heads, head_dim], descending
+    cond = sv[:, 0] / sv[:, -1]  # inf for a singular head
+    scale = sv.log().mean(-1).exp()  # |det|^(1/head_dim); 0 for a singular head
+    bad_cond = ~(cond <= MAX_TRANSFORM_COND)
+    bad_scale = ~((scale >= 1 / TRANSFORM_SCALE_RANGE) & (scale <= TRANSFORM_SCALE_RANGE))
+    if bool(bad_cond.any()):
+        h = int(bad_cond.nonzero()[0])
+        raise ValueError(
+            f"{what}: head {h} is singular or ill-conditioned (condition number {float(cond[h]):.3g}, at most "
+            f"{MAX_TRANSFORM_COND:.0e} allowed): decoding divides by it; {fix}"
+        )
+    if bool(bad_scale.any()):
+        h = int(bad_scale.nonzero()[0])
+        raise ValueError(
+            f"{what}: head {h} is near zero or huge (scale |det|^(1/head_dim) = {float(scale[h]):.3g}, allowed "
+            f"{1 / TRANSFORM_SCALE_RANGE:g}..{TRANSFORM_SCALE_RANGE:g}; calibration writes 1): the codec would store "
+            f"values that vanish or overflow; {fix}"
+        )
+    inverse, info = torch.linalg.inv_ex(m)
+    eye = torch.eye(m.shape[-1], dtype=torch.float64)
+    residual = (m @ inverse - eye).abs().amax(dim=(-1, -2))
+    if bool(info.any()) or not bool((residual <= 1e-6).all()):
+        h = int((info != 0).logical_or(~(residual <= 1e-6)).nonzero()[0])
+        raise ValueError(f"{what}: head {h} has no accurate inverse (|A A^-1 - I| = {float(residual[h]):.3g}); {fix}")
+    return inverse
 
 
 class Equalized(Wrapper):
@@ -47,15 +105,8 @@ class Equalized(Wrapper):
         self.matrix: torch.Tensor | None = None
         self.inverse: torch.Tensor | None = None
         if matrix is not None:
-            m = matrix.to(torch.float64)
-            if m.dim() != 3 or m.shape[-1] != m.shape[-2]:
-                raise ValueError(
-                    f"{self.spec}: the transform must be [kv_heads, head_dim, head_dim], got {tuple(m.shape)}"
-                )
-            if not bool(torch.isfinite(m).all()):
-                raise ValueError(f"{self.spec}: the transform has NaN/Inf values; recalibrate")
-            self.matrix = m.to(torch.float32)
-            self.inverse = torch.linalg.inv(m).to(torch.float32)
+            self.inverse = checked_inverse(matrix, self.spec).to(torch.float32)
+            self.matrix = matrix.to(torch.float32)
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]

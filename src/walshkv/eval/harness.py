@@ -13,7 +13,8 @@ Hugging Face's ``QuantizedCache`` (``hf-quanto:B``, ``hf-hqq:B``, ``hf-fp8``) re
 first write unquantized, so one forward per window would measure nothing. Those caches are
 fed as in generation (``feed="decode"``): the unscored prefix in one forward, then every
 scored token in its own forward. Each such row records how much of the context its scored
-tokens saw in full precision.
+tokens saw in full precision. So does each KIVI row (``kivi2``, ``kivi4``): KIVI keeps its newest tokens
+in an fp16 window, so those rows are not quantize-on-write either.
 
 Scored logits (see :func:`~walshkv.data.scored_positions`) are compared in
 float64 over the full vocabulary.
@@ -31,6 +32,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from walshkv.cache import CompressedCache, context_state, hf_cache_nbytes, make_cache
+from walshkv.codecs.kivi import KiviCodec
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, parse_cache_spec
 from walshkv.constants import Feed, Score
 from walshkv.data import describe_scored, make_windows, scored_positions
@@ -91,6 +93,24 @@ def _decode(
             states.append((cached + j + 1, earlier + exact, earlier))
         rows.append(forward_logits(model, ids[:, p : p + n], cache, n))
     return torch.cat(rows), states
+
+
+def _window_states(cache: Any, first: int, last: int) -> list[tuple[int, int, int]]:
+    """:func:`_decode`'s per-token states for positions ``first..last-1`` of a window written in one forward.
+
+    Attention read the tokens as the cache held them after the write (:func:`~walshkv.cache.context_state`
+    of layer 0): the last ``window`` of them in full precision (KIVI's fp16 window), the rest quantized.
+    """
+    cached, window, _ = context_state(cache)
+    quantized = cached - window  # positions 0..quantized-1 were read quantized
+    return [(p + 1, max(0, p + 1 - quantized), max(0, p - quantized)) for p in range(first, last)]
+
+
+def _fp_window(spec: CacheSpec | HFCacheSpec) -> int | None:
+    """The full-precision window a spec keeps by design (``hf-*``: ``r=``; KIVI: ``r=``), else ``None``."""
+    if isinstance(spec, HFCacheSpec):
+        return spec.residual
+    return spec.k.residual if isinstance(spec.k, KiviCodec) else None
 
 
 def _feed_for(spec: CacheSpec | HFCacheSpec, feed: Feed) -> Feed:
@@ -167,7 +187,10 @@ def evaluate(
     kv_bytes: dict[str, int] = {}
     layout_bits: dict[str, float] = {}
     kv_bits: dict[str, tuple[float, float]] = {}
-    fp_context: dict[str, list[tuple[int, int, int]]] = {s.spec: [] for s in specs if feeds[s.spec] == "decode"}
+    fp_windows = {s.spec: _fp_window(s) for s in specs}
+    fp_context: dict[str, list[tuple[int, int, int]]] = {
+        s.spec: [] for s in specs if feeds[s.spec] == "decode" or fp_windows[s.spec] is not None
+    }
     seconds = dict.fromkeys(metrics, 0.0)
     model = lm.model
     device = next(model.parameters()).device
@@ -188,6 +211,8 @@ def evaluate(
                 fp_context[spec.spec].extend(states)
             else:
                 logits = forward_logits(model, ids, cache, keep)[: last - first]
+                if spec.spec in fp_context:  # KIVI: its newest tokens stayed in fp16
+                    fp_context[spec.spec].extend(_window_states(cache, first, last))
             seconds[spec.spec] += time.perf_counter() - t0
             if w == 0:
                 if isinstance(spec, HFCacheSpec):
@@ -219,16 +244,17 @@ def evaluate(
             "kv_bytes_fp16": fp16_bytes,
             "seconds": seconds[spec.spec],
             "feed": feeds[spec.spec],
-            "quantize_on_write": not isinstance(spec, HFCacheSpec),
+            "quantize_on_write": fp_windows[spec.spec] is None,
         }
         states = fp_context.get(spec.spec)
-        if states:  # decode-fed rows: how much of what attention read was full precision
+        if states:  # decode-fed and KIVI rows: how much of what attention read was full precision
             row["fp_context_mean"] = sum(fp / seen for seen, fp, _ in states) / len(states)
             # every earlier position it attended to was quantized (the token itself may be exact)
             row["scored_quantized_context_share"] = sum(earlier == 0 for _, _, earlier in states) / len(states)
-            row["decode_chunk"] = decode_chunk
-        if isinstance(spec, HFCacheSpec):
-            row["fp_window"] = spec.residual
+            if feeds[spec.spec] == "decode":
+                row["decode_chunk"] = decode_chunk
+        if fp_windows[spec.spec] is not None:
+            row["fp_window"] = fp_windows[spec.spec]
         results.append(row)
     meta = run_meta(
         lm,
@@ -245,9 +271,7 @@ def evaluate(
         residual=residual,
         calibration=calibration_meta(calibration),
         reference=f"same model, uncompressed DynamicCache at {next(model.parameters()).dtype!s}",
-        quantize_on_write=(
-            True if all(not isinstance(s, HFCacheSpec) for s in specs) else "per row (hf-* caches: no, by design)"
-        ),
+        quantize_on_write=_quantize_on_write(specs),
         feed={
             "window": "one forward per window; every token compressed on write before attention reads it",
             "decode": f"tokens 0..{first - 1} in one forward, then {decode_chunk} scored position(s) per forward"
@@ -258,6 +282,16 @@ def evaluate(
         started=started,
     )
     return EvalResult(meta, results)
+
+
+def _quantize_on_write(specs: Sequence[CacheSpec | HFCacheSpec]) -> bool | str:
+    """The meta's ``quantize_on_write``: ``True``, or which rows are not (``hf-*`` and KIVI, by design)."""
+    kinds = []
+    if any(isinstance(s, HFCacheSpec) for s in specs):
+        kinds.append("hf-* caches: no, by design")
+    if any(isinstance(s, CacheSpec) and isinstance(s.k, KiviCodec) for s in specs):
+        kinds.append("kivi: no, its newest r to r+g-1 tokens stay in fp16")
+    return f"per row ({'; '.join(kinds)})" if kinds else True
 
 
 def _fp16_bytes(lm: LoadedModel, ctx: int) -> int:

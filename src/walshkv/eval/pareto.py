@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from walshkv.eval.metrics import is_finite_number
 from walshkv.eval.report import agg_figure
+from walshkv.fileio import save_figure_atomic
 
 __all__ = ["pareto_front", "plot_pareto"]
 
@@ -107,4 +108,4 @@ def plot_pareto(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str)
     ax.legend(loc="upper right", fontsize=8.5)
     if hidden:
         fig.text(0.01, 0.005, "not on the log axis (KLD 0 or missing): " + ", ".join(hidden), fontsize=8)
-    fig.savefig(path, dpi=150)
+    save_figure_atomic(fig, path, dpi=150)

@@ -18,6 +18,7 @@ from tabulate import tabulate
 
 from walshkv.eval.metrics import is_finite_number
 from walshkv.eval.report import agg_figure, describe_run, write_result_files
+from walshkv.fileio import save_figure_atomic
 from walshkv.ops.lloyd_max import lloyd_max
 
 __all__ = [
@@ -195,7 +196,7 @@ def plot_rd(rows: Sequence[dict[str, Any]], path: str | Path, title: str) -> Non
         ax.set_title("K: logit shrinkage (below 1) or inflation (above 1)")
         ax.legend(fontsize=8, loc="lower right")
     fig.suptitle(title, fontsize=11)
-    fig.savefig(str(path), dpi=110)
+    save_figure_atomic(fig, path, dpi=110)
 
 
 _CSV_KEYS = (

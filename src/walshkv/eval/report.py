@@ -4,8 +4,9 @@ One set of builders for all of walshkv's measuring commands (``eval``, ``sweep``
 research commands):
 
 * the run's description: :func:`run_meta` (model, text, the command's own fields, duration, date,
-  versions), :func:`describe_run` (that meta in one paragraph), :func:`calibration_meta` and
-  :func:`describe_calibration`, :func:`library_versions`, :func:`command_line`;
+  versions with the code's commit, CPU: :mod:`walshkv.eval.provenance`), :func:`describe_run` (that meta
+  in one paragraph), :func:`calibration_meta` and :func:`describe_calibration`, :func:`library_versions`,
+  :func:`command_line`;
 * the files: :func:`write_result_files` (``<stem>.json``, ``<stem>.csv``, ``<stem>.md`` and the plots), and
   for ``walshkv eval``'s rows :func:`format_table`, :func:`write_json`, :func:`write_csv`,
   :func:`write_markdown`;
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
-import json
 import platform
 import shlex
 import sys
@@ -31,8 +31,9 @@ import torch
 import transformers
 from tabulate import tabulate
 
-from walshkv._version import __version__
+from walshkv.eval.provenance import code_version, cpu_meta
 from walshkv.eval.rows import ResultRow
+from walshkv.fileio import atomic_write, write_json_atomic, write_text_atomic
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -72,9 +73,10 @@ PLOT_HINT = "pip install 'walshkv[plot]'"
 
 
 def library_versions() -> dict[str, str]:
-    """Versions recorded in every result file."""
+    """Versions recorded in every result file; ``commit`` is the code's :func:`~walshkv.eval.provenance.code_commit`
+    (``git describe --always --dirty`` of a source checkout, else the package version)."""
     return {
-        "walshkv": __version__,
+        **code_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -115,7 +117,7 @@ def run_meta(
     started: float | None = None,
     **fields: Any,
 ) -> dict[str, Any]:
-    """The ``meta`` of a result file: model, text, the command's own ``fields``, duration, date, versions.
+    """The ``meta`` of a result file: model, text, the command's own ``fields``, duration, date, versions, CPU.
 
     Args:
         lm: the model that ran.
@@ -126,7 +128,8 @@ def run_meta(
         **fields: the command's own keys, in the order they should appear (``ctx``, ``windows``, ...).
 
     Returns:
-        ``{"model", "text", **fields, ["seconds_total"], "date", "versions"}``.
+        ``{"model", "text", **fields, ["seconds_total"], "date", "versions", "cpu"}``: ``versions`` with the
+        code's commit (:func:`library_versions`), ``cpu`` as :func:`~walshkv.eval.provenance.cpu_meta`.
     """
     meta: dict[str, Any] = {"model": model_meta(lm), "text": text_meta(text, text_tokens, chars=text_chars)}
     meta.update(fields)
@@ -134,6 +137,7 @@ def run_meta(
         meta["seconds_total"] = time.perf_counter() - started
     meta["date"] = timestamp()
     meta["versions"] = library_versions()
+    meta["cpu"] = cpu_meta()
     return meta
 
 
@@ -255,8 +259,8 @@ def _cells(results: Sequence[ResultRow]) -> list[list[str]]:
         row = []
         for key, _, fmt in TABLE_COLUMNS:
             text = fmt.format(r[key])  # type: ignore[literal-required]
-            if key == "codec" and r.get("feed") == "decode":
-                text += " †"
+            if key == "codec" and (mark := _mark(r)):
+                text += f" {mark}"
             row.append(text[:-1] if key == "top1_agreement" else text)
         rows.append(row)
     return rows
@@ -267,30 +271,44 @@ def format_table(results: Sequence[ResultRow], fmt: str = "simple") -> str:
     return tabulate(_cells(results), headers=[h for _, h, _ in TABLE_COLUMNS], tablefmt=fmt, disable_numparse=True)
 
 
-def decode_note(results: Sequence[ResultRow]) -> str:
-    """A footnote for rows marked † (fed token by token), or ``""`` when there are none."""
-    rows = [r for r in results if r.get("feed") == "decode"]
-    if not rows:
-        return ""
-    parts = []
-    for r in rows:
-        window = f"full-precision window {r['fp_window']} tokens, " if "fp_window" in r else ""
-        parts.append(
-            f"{r['codec']}: {window}{r['fp_context_mean']:.1%} of attended positions in full precision "
-            f"on average, {r['scored_quantized_context_share']:.1%} of scored tokens saw only quantized "
-            "earlier context"
-        )
+def _mark(row: ResultRow) -> str:
+    """``†``: fed token by token; ``‡``: fed a window at once but its newest tokens kept in fp16 (KIVI)."""
+    return "†" if row.get("feed") == "decode" else "‡" if "fp_context_mean" in row else ""
+
+
+def _fp_share(row: ResultRow) -> str:
+    """How much of what attention read was full precision, for one row of a footnote."""
+    window = f"full-precision window {row['fp_window']} tokens, " if "fp_window" in row else ""
     return (
-        "† fed as in generation: the unscored prefix in one forward, then one forward per scored token "
-        "(Hugging Face's QuantizedCache returns its first write unquantized, so one forward per window "
-        "would measure nothing). Bits per element are measured from the bytes held after the window, "
-        "scales, zero points and the full-precision window counted at 16 bits. " + "; ".join(parts) + "."
+        f"{row['codec']}: {window}{row['fp_context_mean']:.1%} of attended positions in full precision "
+        f"on average, {row['scored_quantized_context_share']:.1%} of scored tokens saw only quantized "
+        "earlier context"
     )
 
 
+def decode_note(results: Sequence[ResultRow]) -> str:
+    """The footnotes of rows marked † (fed token by token) and ‡ (KIVI's fp16 window), or ``""``."""
+    notes = []
+    if fed := [r for r in results if _mark(r) == "†"]:
+        notes.append(
+            "† fed as in generation: the unscored prefix in one forward, then one forward per scored token "
+            "(Hugging Face's QuantizedCache returns its first write unquantized, so one forward per window "
+            "would measure nothing). Bits per element are measured from the bytes held after the window, "
+            "scales, zero points and the full-precision window included (hf-* rows count floats as an fp16 "
+            "model holds them). " + "; ".join(map(_fp_share, fed)) + "."
+        )
+    if kept := [r for r in results if _mark(r) == "‡"]:
+        notes.append(
+            "‡ not quantized on write: KIVI keeps its newest tokens in an fp16 window (r to r+g-1 tokens; once "
+            f"it holds r+g, the oldest g leave as one quantized group), counted in the bits per element. "
+            f"{'; '.join(map(_fp_share, kept))}."
+        )
+    return "\n\n".join(notes)
+
+
 def write_json(path: str | Path, payload: Mapping[str, Any]) -> None:
-    """``payload`` as indented JSON, with a final newline."""
-    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+    """``payload`` as indented JSON, with a final newline (atomically: an old file survives any error)."""
+    write_json_atomic(path, payload)
 
 
 def write_csv(path: str | Path, results: Sequence[Mapping[str, Any]]) -> None:
@@ -298,7 +316,7 @@ def write_csv(path: str | Path, results: Sequence[Mapping[str, Any]]) -> None:
     keys: list[str] = []
     for r in results:
         keys.extend(k for k in r if k not in keys)
-    with open(path, "w", newline="") as fh:
+    with atomic_write(path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=keys)
         writer.writeheader()
         writer.writerows(results)
@@ -310,7 +328,7 @@ def write_markdown(path: str | Path, meta: Mapping[str, Any], results: Sequence[
     body = f"{describe_run(meta)}\n\nProduced by `{command}`.\n\n{format_table(results, 'github')}\n"
     if note:
         body += f"\n{note}\n"
-    Path(path).write_text(body)
+    write_text_atomic(path, body)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -345,17 +363,17 @@ def write_result_files(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{stem}.json"
-    path.write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    write_json_atomic(path, payload)
     written = [path]
     path = out / f"{stem}.csv"
-    with path.open("w", newline="", encoding="utf-8") as fh:
+    with atomic_write(path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(csv_keys), extrasaction="ignore")
         writer.writeheader()
         for r in rows:
             writer.writerow({k: r.get(k) for k in csv_keys})
     written.append(path)
     path = out / f"{stem}.md"
-    path.write_text("\n".join(markdown), encoding="utf-8")
+    write_text_atomic(path, "\n".join(markdown))
     written.append(path)
     if plot is not None:
         try:

@@ -47,11 +47,12 @@ class ResultRow(MetricSummary):
     seconds: float
     #: how the window was fed: ``"window"`` or ``"decode"`` (never ``"auto"``, which picks one of them).
     feed: Feed
-    #: whether every token was compressed before attention read it (not so for Hugging Face ``hf-*``).
+    #: whether every token was compressed before attention read it (not so for Hugging Face ``hf-*`` and KIVI).
     quantize_on_write: bool
-    # decode-fed rows only:
+    # decode-fed and KIVI rows only:
     fp_context_mean: NotRequired[float]
     scored_quantized_context_share: NotRequired[float]
+    # decode-fed rows only:
     decode_chunk: NotRequired[int]
-    # Hugging Face ``hf-*`` rows only: their full-precision window.
+    # Hugging Face ``hf-*`` and KIVI rows only: their full-precision window (``r=``; KIVI holds r to r+g-1).
     fp_window: NotRequired[int]

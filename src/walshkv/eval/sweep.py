@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -38,6 +37,7 @@ from walshkv.eval.grids import (
 from walshkv.eval.harness import evaluate
 from walshkv.eval.metrics import is_finite_number
 from walshkv.eval.pareto import pareto_front, plot_pareto
+from walshkv.eval.provenance import code_version
 from walshkv.eval.report import (
     PLOT_HINT,
     decode_note,
@@ -48,6 +48,7 @@ from walshkv.eval.report import (
     write_csv,
 )
 from walshkv.eval.rows import ResultRow
+from walshkv.fileio import write_json_atomic, write_text_atomic
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
@@ -95,7 +96,11 @@ def _calibration_key(calibration: CalibrationLike | None) -> dict[str, Any] | No
 
 
 def _finished_row(path: Path, spec: str, settings: dict[str, Any]) -> dict[str, Any] | None:
-    """The stored ``{"meta", "result"}`` of a finished row, or ``None`` if it must be (re)run."""
+    """The stored ``{"meta", "result"}`` of a finished row, or ``None`` if it must be (re)run.
+
+    A row whose settings match except the code that measured it (``settings["code"]``) is returned too:
+    the caller re-runs it and says so.
+    """
     if not path.is_file():
         return None
     try:
@@ -106,16 +111,16 @@ def _finished_row(path: Path, spec: str, settings: dict[str, Any]) -> dict[str, 
         return None
     if not isinstance(result, dict) or sweep.get("spec") != spec or result.get("codec") != spec:
         return None
-    if any(sweep.get(k) != v for k, v in settings.items()):
+    if any(sweep.get(k) != v for k, v in settings.items() if k != "code"):
         return None
     return record
 
 
-def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write through a temporary file, so an interrupted sweep never leaves a half-written row."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
+def _describe_code(code: Any) -> str:
+    """A row's ``sweep["code"]`` in words (``walshkv 0.1.0 at 27d800a``; rows from before it was kept: unknown)."""
+    if not isinstance(code, dict):
+        return "code of unknown version"
+    return f"walshkv {code.get('walshkv')} at {code.get('commit')}"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -150,8 +155,9 @@ def run_sweep(
     """Evaluate every spec not already finished in ``out_dir``, then write the combined outputs.
 
     A row is finished when ``OUT/rows/<slug>-<hash>.json`` exists and its ``meta["sweep"]`` matches this
-    run's settings (model, text name and content hash, ctx, windows, score, residual, and for calibrated
-    specs the calibration's model, text and token count); anything else is (re)run. Pending specs go
+    run's settings (model, text name and content hash, ctx, windows, score, residual, the code's version and
+    commit, and for calibrated specs the calibration's model, text and token count); anything else is
+    (re)run, a row measured by other code with a line that says so. Pending specs go
     through :func:`walshkv.eval.evaluate` ``chunk`` at a time (one reference forward per window per
     chunk), and each row's JSON is written as soon as its chunk finishes.
 
@@ -201,7 +207,7 @@ def run_sweep(
         )
     out = Path(out_dir)
     (out / "rows").mkdir(parents=True, exist_ok=True)
-    base = run_settings(lm, text, ctx, windows, score, residual)
+    base = {**run_settings(lm, text, ctx, windows, score, residual), "code": code_version()}
     settings = {s: {**base, "calibration": _calibration_key(calibration) if s in calibrated else None} for s in canon}
     for s in canon:  # Hugging Face caches are fed token by token, decode_chunk tokens per forward
         if s.startswith("hf-"):
@@ -209,12 +215,21 @@ def run_sweep(
 
     records: dict[str, dict[str, Any]] = {}
     pending: list[str] = []
+    other_code: dict[str, list[str]] = {}  # rows measured by other code, by what measured them
     for spec in canon:
         record = _finished_row(row_path(out, spec), spec, settings[spec])
+        if record is not None and (stored := record["meta"]["sweep"].get("code")) != base["code"]:
+            other_code.setdefault(_describe_code(stored), []).append(spec)
+            record = None
         if record is None:
             pending.append(spec)
         else:
             records[spec] = record
+    for old, specs_of in other_code.items():
+        now = _describe_code(base["code"])
+        _say(
+            progress, f"sweep: {len(specs_of)} rows were measured by {old}, not {now}: re-running {', '.join(specs_of)}"
+        )
     total = len(canon)
     _say(progress, f"sweep: {total} rows, {len(records)} already finished in {out}, {len(pending)} to run")
 
@@ -240,7 +255,7 @@ def run_sweep(
         for spec, row in zip(part, result.results, strict=True):
             meta = {**result.meta, "sweep": {**settings[spec], "spec": spec, "evaluated_with": part}}
             record = {"meta": meta, "result": row}
-            _write_json_atomic(row_path(out, spec), record)
+            write_json_atomic(row_path(out, spec), record)  # an interrupted sweep leaves no half-written row
             records[spec] = record
 
     rows: list[ResultRow] = sorted(
@@ -301,4 +316,4 @@ def _write_outputs(
     )
     if plotted:
         paras.append("![mean KLD against bits per element](pareto.png)")
-    (out / "results.md").write_text("\n\n".join(paras) + "\n")
+    write_text_atomic(out / "results.md", "\n\n".join(paras) + "\n")

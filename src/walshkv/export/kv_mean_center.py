@@ -35,7 +35,9 @@ import numpy as np
 import torch
 
 from walshkv._version import __version__
+from walshkv.codecs.equalize import checked_inverse
 from walshkv.constants import Keys
+from walshkv.export.gguf_file import gguf_writer
 from walshkv.ops.hadamard import hadamard_transform
 from walshkv.ops.rope import RopeTable
 
@@ -248,37 +250,6 @@ def write_kv_mean_center(
     data = to_llamacpp_channel_order(plain_mean.to(torch.float64), arch)
     if basis == "rot":
         data = hadamard_transform(data)
-    writer = gguf.GGUFWriter(str(path), arch=Keys.KvMeanCenter.ARCH)
-    writer.add_bool(Keys.KvMeanCenter.K_ROT, basis == "rot")
-    for key, value in (
-        (Keys.General.ARCHITECTURE, arch),
-        (Keys.General.MODEL, model),
-        (Keys.General.TEXT, text),
-        (Keys.General.VERSION, __version__),
-        (Keys.General.CHANNEL_ORDER, "llama.cpp"),
-        *(((Keys.General.K_BASIS, "pre-rope"),) if rope is not None else ()),
-        *(extra or {}).items(),
-    ):
-        if not key.startswith(Keys.General.PREFIX):
-            raise ValueError(f"extra metadata keys live under {Keys.General.PREFIX!r}, got {key!r}")
-        writer.add_string(key, value)
-    for key, value in (
-        (Keys.General.LAYER_COUNT, layers),
-        (Keys.General.HEAD_DIM, head_dim),
-        (Keys.General.N_HEAD_KV, heads),
-        (Keys.General.TOKENS, tokens),
-    ):
-        writer.add_uint32(key, int(value))
-    for il in range(layers):
-        # numpy [n_head_kv, head_dim] -> GGUF ne [head_dim, n_head_kv], channel fastest
-        writer.add_tensor(_TENSOR.format(il), data[il].to(torch.float32).numpy().astype(np.float32))
-    if k_equalizer is not None:
-        eq = _permute_matrix(k_equalizer.to(torch.float64), arch, to_llamacpp=True)
-        for il in range(layers):
-            writer.add_tensor(_EQ_TENSOR["k"].format(il), eq[il].to(torch.float32).numpy().astype(np.float32))
-    if v_equalizer is not None:
-        for il in range(layers):
-            writer.add_tensor(_EQ_TENSOR["v"].format(il), v_equalizer[il].to(torch.float32).numpy().astype(np.float32))
     if rope is not None:
         inv_freq, scaling = rope
         if tuple(inv_freq.shape) != (layers, head_dim // 2) or tuple(scaling.shape) != (layers,):
@@ -286,12 +257,45 @@ def write_kv_mean_center(
                 f"the RoPE tables must be [layers, head_dim/2] = {(layers, head_dim // 2)} and [layers], got "
                 f"{tuple(inv_freq.shape)} and {tuple(scaling.shape)}"
             )
-        writer.add_tensor(Keys.Rope.INV_FREQ, inv_freq.to(torch.float32).numpy().astype(np.float32))
-        writer.add_tensor(Keys.Rope.SCALING, scaling.to(torch.float32).numpy().astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    for key in extra or {}:
+        if not key.startswith(Keys.General.PREFIX):
+            raise ValueError(f"extra metadata keys live under {Keys.General.PREFIX!r}, got {key!r}")
+    # Through a temporary file: an error or a full disk leaves an existing file at ``path`` as it was.
+    with gguf_writer(path, Keys.KvMeanCenter.ARCH) as writer:
+        writer.add_bool(Keys.KvMeanCenter.K_ROT, basis == "rot")
+        for key, value in (
+            (Keys.General.ARCHITECTURE, arch),
+            (Keys.General.MODEL, model),
+            (Keys.General.TEXT, text),
+            (Keys.General.VERSION, __version__),
+            (Keys.General.CHANNEL_ORDER, "llama.cpp"),
+            *(((Keys.General.K_BASIS, "pre-rope"),) if rope is not None else ()),
+            *(extra or {}).items(),
+        ):
+            writer.add_string(key, value)
+        for key, value in (
+            (Keys.General.LAYER_COUNT, layers),
+            (Keys.General.HEAD_DIM, head_dim),
+            (Keys.General.N_HEAD_KV, heads),
+            (Keys.General.TOKENS, tokens),
+        ):
+            writer.add_uint32(key, int(value))
+        for il in range(layers):
+            # numpy [n_head_kv, head_dim] -> GGUF ne [head_dim, n_head_kv], channel fastest
+            writer.add_tensor(_TENSOR.format(il), data[il].to(torch.float32).numpy().astype(np.float32))
+        if k_equalizer is not None:
+            eq = _permute_matrix(k_equalizer.to(torch.float64), arch, to_llamacpp=True)
+            for il in range(layers):
+                writer.add_tensor(_EQ_TENSOR["k"].format(il), eq[il].to(torch.float32).numpy().astype(np.float32))
+        if v_equalizer is not None:
+            for il in range(layers):
+                writer.add_tensor(
+                    _EQ_TENSOR["v"].format(il), v_equalizer[il].to(torch.float32).numpy().astype(np.float32)
+                )
+        if rope is not None:
+            inv_freq, scaling = rope
+            writer.add_tensor(Keys.Rope.INV_FREQ, inv_freq.to(torch.float32).numpy().astype(np.float32))
+            writer.add_tensor(Keys.Rope.SCALING, scaling.to(torch.float32).numpy().astype(np.float32))
 
 
 def _field(reader: Any, key: str) -> Any:
@@ -422,6 +426,6 @@ def _read_eq(
             )
         arrays.append(arr.reshape(heads, head_dim, head_dim))
     eq = torch.from_numpy(np.stack(arrays)).to(torch.float64)
-    if not bool(torch.isfinite(eq).all()):
-        raise ValueError(f"{path}: the eq+ transforms hold NaN/Inf values; recalibrate")
+    for i in range(layers):  # finite, well conditioned, not near zero, inverse checked: named, before any use
+        checked_inverse(eq[i], f"{path}: {pattern.format(i)}", f"recalibrate, {fix}")
     return eq
