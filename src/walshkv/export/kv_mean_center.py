@@ -322,8 +322,9 @@ def read_kv_mean_center(path: str | Path, model_arch: str | None = None) -> KMea
     """
     path = Path(path)
     fix = "rewrite it with `walshkv calibrate ... -o FILE`"
-    if not path.is_file():
-        raise ValueError(f"K bias file {path} does not exist")
+    if not path.is_file():  # a FIFO is refused here too: opening one to read would block
+        what = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
+        raise ValueError(f"K bias file {path} {what}; pass the .gguf file `walshkv calibrate ... -o FILE` wrote")
     with open(path, "rb") as fh:
         if fh.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (bad magic); {fix}")
@@ -394,6 +395,8 @@ def read_kv_mean_center(path: str | Path, model_arch: str | None = None) -> KMea
                     f"{path} is written for K before RoPE but its {name} tensor is missing or misshapen; {fix}"
                 )
             rope[i] = torch.from_numpy(np.asarray(t.data, dtype=np.float32).reshape(layers, -1).copy())
+            if not bool(torch.isfinite(rope[i]).all()) or (i == 1 and not bool((rope[i] > 0).all())):
+                raise ValueError(f"{path}: {name} holds NaN/Inf values or a scaling <= 0; recalibrate, {fix}")
         assert rope[1] is not None
         rope[1] = rope[1].reshape(layers)
     return KMeanBias(plain, basis, arch, str(path), meta, k_eq, v_eq, k_basis, rope[0], rope[1])
