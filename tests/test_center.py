@@ -14,7 +14,8 @@ from transformers import DynamicCache
 from conftest import ToyTokenizer
 from walshkv import CompressedCache
 from walshkv.calibration import KVStats, MergedCalibration, collect_kv_stats
-from walshkv.cli import calibrate_if_needed, main
+from walshkv.cli import main
+from walshkv.cli.common import calibration_from_args as calibrate_if_needed
 from walshkv.codecs.center import Centered
 from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.spec import parse_cache_spec, parse_codec

@@ -39,18 +39,15 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 
 from walshkv.cli import bench, calibrate, codecs, eval, models, rd, recommend, sweep
-from walshkv.cli.common import calibration_from_args, check_outputs
+from walshkv.cli.common import check_outputs
 
-__all__ = ["COMMANDS", "PLUGIN_GROUP", "build_parser", "calibrate_if_needed", "error_line", "main"]
+__all__ = ["COMMANDS", "PLUGIN_GROUP", "build_parser", "error_line", "main"]
 
 #: The entry-point group command plugins register in.
 PLUGIN_GROUP = "walshkv.commands"
 
 #: The core commands, in the order ``walshkv --help`` lists them.
 COMMANDS = (eval, calibrate, recommend, models, codecs, sweep, rd, bench)
-
-#: The name callers and tests have used for the calibration of a command's specs (``calibration_from_args``).
-calibrate_if_needed = calibration_from_args
 
 _EPILOG = """\
 examples:

@@ -26,13 +26,13 @@ from walshkv.eval.calibrated import only_centering
 from walshkv.eval.report import command_line, format_table
 from walshkv.eval.sweep import (
     PRESETS,
-    _slug,
     canonical_specs,
     grid_files_hint,
     load_grid,
     needs_calibration,
     pareto_front,
     run_sweep,
+    slug,
     substitute_head_dim,
 )
 from walshkv.presets import resolve_specs
@@ -106,7 +106,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if not args.quiet:
         for spec, preset in preset_of.items():
             print(f"{preset} = {spec}", file=sys.stderr, flush=True)
-    out = Path(args.out or f"sweep-{_slug(name)}-{_slug(lm.name)}")
+    out = Path(args.out or f"sweep-{slug(name)}-{slug(lm.name)}")
     rows = run_sweep(
         lm,
         text,

@@ -67,6 +67,7 @@ __all__ = [
     "resolve_grid",
     "row_path",
     "run_sweep",
+    "slug",
     "substitute_head_dim",
 ]
 
@@ -75,7 +76,7 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _slug(text: str, limit: int = 80) -> str:
+def slug(text: str, limit: int = 80) -> str:
     """``text`` made safe for a file name (at most ``limit`` characters)."""
     return re.sub(r"[^A-Za-z0-9.=-]+", "_", text).strip("_.")[:limit] or "spec"
 
@@ -83,7 +84,7 @@ def _slug(text: str, limit: int = 80) -> str:
 def row_path(out_dir: str | Path, spec: str) -> Path:
     """Where the row of ``spec`` (canonical) lives: ``OUT/rows/<slug>-<hash8>.json``."""
     digest = hashlib.sha256(spec.encode()).hexdigest()[:8]
-    return Path(out_dir) / "rows" / f"{_slug(spec)}-{digest}.json"
+    return Path(out_dir) / "rows" / f"{slug(spec)}-{digest}.json"
 
 
 def _calibration_key(calibration: CalibrationLike | None) -> dict[str, Any] | None:
