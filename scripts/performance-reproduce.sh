@@ -1,20 +1,56 @@
 #!/usr/bin/env bash
-# Every figure in docs/performance.md: `walshkv bench` (decode attention against torch SDPA, then
-# generation with smollm2-135m against DynamicCache), pasted into the page. Ratios are measured within
-# one run; on a shared machine, run it when the machine is otherwise idle. About 30 minutes on 2 cores
-# (the 32k-token contexts take most of it). CTX="1024,8192" for a shorter run.
+# Every figure in docs/performance.md: `walshkv bench` (decode attention against torch SDPA, then end-to-end
+# generation with smollm2-135m: DynamicCache in fp32 and bf16 against the compressed caches rot+int4, q4_0 and
+# the model's walshkv:3.5 preset with its shipped file), pasted into the page. Ratios are measured within one
+# run; on a shared machine, run it when the machine is otherwise idle.
+#
+# Contexts: the longest each model supports. smollm2-135m was trained on max_position_embeddings = 8192
+# positions, so its longest context is 8192 - NEW_TOKENS (8176 tokens with the default 16 new tokens); the
+# 32k-token runs need a model trained on 32k positions: qwen2.5-1.5b (32768), the opt-in last step (QWEN_CTX).
+#
+# Expected time on 2 idle cores (AVX2, 2 threads): about 45 minutes without the qwen step. The attention part
+# takes about 5 minutes; the generation part about 25: at 8176 tokens each row takes 1-3 minutes (prefill
+# 35 s for DynamicCache fp32, about 100 s for the compressed caches), except DynamicCache bf16 (about
+# 5 minutes: bf16 matmuls are emulated on AVX2, prefill is about 7x slower than fp32); the glibc step about
+# 8 and the tq attention step a few. CTX="1024" for a shorter run (a few minutes).
+# QWEN_CTX=4096: adds qwen2.5-1.5b's walshkv:3.5 preset against DynamicCache fp32/bf16 and rot+int4 (about
+# 25 minutes more); QWEN_CTX=32768 runs the issue's 32k context (several hours on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+new="${NEW_TOKENS:-16}"
+smol_longest=$((8192 - new))
+presets=docs/results/presets
+smol_preset=(--gen-codec walshkv:3.5 --kv-mean-center "$presets/smollm2-135m/walshkv-3.5.gguf")
 out=docs/results/bench
-walshkv bench --kv-len "${KV_LEN:-1024,4096,16384,65536}" --ctx "${CTX:-1024,8192,32768}" --decoded \
-  --new-tokens "${NEW_TOKENS:-16}" --quiet --out "$out"
+# decode attention (the presets' codecs bound to layer 3 of the shipped file, rot+int4, q4_0, ... against SDPA over
+# fp16/bf16/fp32 caches), then generation (DynamicCache fp32 and bf16 against the fused compressed caches)
+walshkv bench --kv-len "${KV_LEN:-1024,4096,16384,65536}" --ctx "${CTX:-1024,$smol_longest}" \
+  --codec rot+int4 --codec rot+int3 --codec q4_0 --codec q8_0 --codec tq:4/tq:2.5 --codec walshkv:3.5 \
+  --gen-codec rot+int4 --gen-codec q4_0 "${smol_preset[@]}" --new-tokens "$new" --quiet --out "$out"
 python scripts/update_readme.py "$out/bench.md" docs/performance.md
-# the same generation runs under glibc's default allocator settings, at 1k and 8k (a few minutes)
-walshkv bench --part generation --ctx "${CTX_GLIBC:-1024,8192}" --malloc-mmap-threshold 0 \
-  --new-tokens "${NEW_TOKENS:-16}" --quiet --no-plot --out docs/results/bench-glibc-default
+# the same generation runs under glibc's default allocator settings (the peak-memory target must hold there
+# too), DynamicCache fp32 only (about 8 minutes)
+walshkv bench --part generation --ctx "${CTX_GLIBC:-1024,$smol_longest}" --malloc-mmap-threshold 0 \
+  --gen-codec rot+int4 "${smol_preset[@]}" --dynamic-dtype float32 --new-tokens "$new" --quiet --no-plot \
+  --out docs/results/bench-glibc-default
 python scripts/update_readme.py docs/results/bench-glibc-default/bench.md docs/performance.md glibc
-# the presets' codec (tq, TurboQuant-class Lloyd-Max codes) in the fused kernel, against rot+int4 and SDPA
-# in the same run (a few minutes)
-walshkv bench --part attention --kv-len "${KV_LEN_TQ:-4096,16384,65536}" --codec rot+int4 --codec tq:4/tq:2.5 \
-  --codec tq:3.5 --codec tq:5/tq:3.5 --quiet --no-plot --out docs/results/bench-tq
+# smollm2-135m's other shipped preset (walshkv:4.5: sink:1:center+rot+iq4_nl/tq:4) and tq variants in the fused
+# kernel, against rot+int4 and SDPA in the same run (a few minutes)
+walshkv bench --part attention --kv-len "${KV_LEN_TQ:-4096,16384,65536}" --codec rot+int4 --codec walshkv:4.5 \
+  --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" --codec tq:4/tq:2.5 --codec tq:3.5 \
+  --codec tq:5/tq:3.5 --quiet --no-plot --out docs/results/bench-tq
 python scripts/update_readme.py docs/results/bench-tq/bench.md docs/performance.md tq
+# opt-in: qwen2.5-1.5b (max_position_embeddings 32768) with its walshkv:3.5 preset; pasted where the page has
+# a <!-- results:qwen:start --> ... <!-- results:qwen:end --> block
+if [[ -n "${QWEN_CTX:-}" ]]; then
+  walshkv bench --part generation --model qwen2.5-1.5b --ctx "$QWEN_CTX" --gen-codec rot+int4 \
+    --gen-codec walshkv:3.5 --kv-mean-center "$presets/qwen2.5-1.5b/walshkv-3.5.gguf" --new-tokens "$new" \
+    --quiet --no-plot --out docs/results/bench-qwen
+  if grep -q "<!-- results:qwen:start -->" docs/performance.md; then
+    python scripts/update_readme.py docs/results/bench-qwen/bench.md docs/performance.md qwen
+  else
+    echo "docs/results/bench-qwen/bench.md written; docs/performance.md has no results:qwen block to paste it into"
+  fi
+else
+  echo "skipped qwen2.5-1.5b (QWEN_CTX=4096 or QWEN_CTX=4096,32768 to run it)"
+fi

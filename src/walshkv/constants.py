@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["Backend", "Basis", "Feed", "KBasis", "Keys", "Kind", "Score"]
+__all__ = ["Backend", "Basis", "Feed", "KBasis", "Keys", "Kind", "Prefill", "Score"]
 
 #: Which half of the cache a codec serves.
 Kind = Literal["k", "v"]
@@ -16,6 +16,9 @@ Basis = Literal["plain", "rot"]
 KBasis = Literal["post-rope", "pre-rope"]
 #: How the harness feeds a window to a compressed cache.
 Feed = Literal["auto", "window", "decode"]
+#: What a multi-token forward (a prompt) attends to: its own K/V as stored (``"quantized"``, quantize on write,
+#: the default) or as computed (``"exact"``, serving-engine style: stored compressed all the same).
+Prefill = Literal["quantized", "exact"]
 #: Which positions of a window are scored.
 Score = Literal["half", "all"]
 #: Where decode attention runs.

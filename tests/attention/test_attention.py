@@ -432,7 +432,7 @@ def test_other_errors(small_cache) -> None:
     q = torch.randn(2, 4, 1, 64)
     with pytest.raises(ValueError, match="auto, reference, cpu"):
         decode_attention(q, pk, pv, codec, codec, backend="cuda")
-    with pytest.raises(ValueError, match=r"does not read 'vzc'.*int2\.\.int8, q4_0, q8_0, vht2"):
+    with pytest.raises(ValueError, match=r"does not read 'vzc'.*int2\.\.int8, q4_0, q8_0, iq4_nl, vht2"):
         vc = parse_codec("vzc")
         decode_attention(q, pk, vc.encode(torch.randn(2, 2, 10, 64)), codec, vc, backend="cpu")
     with pytest.raises(ValueError, match="does not match codec 'rot\\+int3'"):

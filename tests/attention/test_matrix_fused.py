@@ -37,9 +37,12 @@ from walshkv.codecs.registry import parse_codec
 
 KV_HEADS = 2  # CalibrationStub's kv heads: the eq+ transforms are per kv head
 
-#: The core codecs the kernels document (CPU_SUPPORTED, TRITON_SUPPORTED) and the wrappers they peel.
+#: The core codecs the kernels document (CPU_SUPPORTED, TRITON_SUPPORTED) and the wrappers they read through.
 KERNEL_CODECS = {"int2", "int3", "int4", "int5", "int6", "int7", "int8", "q4_0", "q8_0", "vht2", "tq"}
 PEELED = {"rot", "rrot", "center", "eq"}
+#: What one kernel reads beyond those.
+EXTRA_CODECS = {"cpu": {"iq4_nl"}, "triton": set()}
+EXTRA_WRAPPERS = {"cpu": {"prerope"}, "triton": {"prerope"}}
 #: Shapes of spec the matrix must keep at least one kernel-read entry of.
 SHAPES = {
     "intB": r"int[2-8]",
@@ -50,6 +53,7 @@ SHAPES = {
     "tq": r"tq:.*",
     "center+": r"center\+.*",
     "eq+": r"(center\+)?eq\+.*",
+    "prerope+": r"prerope\+.*",
 }
 
 # (atol, rtol): test_codecs_match_sdpa and its kin; test_center_wrapper_is_peeled; test_eq_wrapper_maps_...
@@ -69,15 +73,25 @@ def _family(entry: Entry) -> str:
     return "eq" if "eq" in wraps else "center" if "center" in wraps else "plain"
 
 
-def _documented(entry: Entry) -> bool:
+def _documented(entry: Entry, kernel: str = "cpu") -> bool:
     *wraps, base = entry.spec.split("+")
-    return base.split(":")[0] in KERNEL_CODECS and all(w.split(":")[0] in PEELED for w in wraps)
+    codecs, peeled = KERNEL_CODECS | EXTRA_CODECS[kernel], PEELED | EXTRA_WRAPPERS[kernel]
+    return base.split(":")[0] in codecs and all(w.split(":")[0] in peeled for w in wraps)
 
 
-def _cache(entry: Entry, b: int, t: int, seed: int) -> tuple[Codec, Packed, Packed]:
+def _v_codec(entry: Entry, k_codec: Codec) -> Codec:
+    """The V codec paired with an entry: the entry's own, or for a K-only (prerope+) entry its core on V."""
+    if not entry.positional:
+        return k_codec
+    spec = entry.spec.split("prerope+", 1)[1].replace("center+", "")
+    return parse_codec(spec).bind(1, "v", CalibrationStub(entry.head_dim, KV_HEADS))
+
+
+def _cache(entry: Entry, b: int, t: int, seed: int) -> tuple[Codec, Codec, Packed, Packed]:
     codec = _codec(entry)
+    v_codec = _v_codec(entry, codec)
     k, v = _kv(b, KV_HEADS, t, entry.head_dim, seed)
-    return codec, codec.encode(k), codec.encode(v)
+    return codec, v_codec, codec.encode(k), v_codec.encode(v)
 
 
 @pytest.fixture
@@ -97,13 +111,13 @@ TRITON_ENTRIES = [e for e in MATRIX if triton_supports(_codec(e), e.head_dim)]
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: the CPU kernel cannot be built")
 @pytest.mark.parametrize("entry", CPU_ENTRIES, ids=lambda e: e.id)
 def test_cpu_kernel_matches_the_reference(entry: Entry, forbid_reference) -> None:
-    codec, pk, pv = _cache(entry, 2, 300, seed=31)  # 300 tokens: nine whole tiles of 32 and a partial one
+    codec, v_codec, pk, pv = _cache(entry, 2, 300, seed=31)  # 300 tokens: nine whole tiles of 32 and a partial one
     q = _query(2, 3 * KV_HEADS, entry.head_dim)
-    want = decode_attention(q, pk, pv, codec, codec, backend="reference")
+    want = decode_attention(q, pk, pv, codec, v_codec, backend="reference")
     forbid_reference()
     atol, rtol = CPU_TOL[_family(entry)]
     for backend in ("cpu", "auto"):  # auto must pick the kernel too
-        out = decode_attention(q, pk, pv, codec, codec, backend=backend)
+        out = decode_attention(q, pk, pv, codec, v_codec, backend=backend)
         assert out.shape == q.shape and out.dtype == q.dtype
         torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
 
@@ -111,26 +125,28 @@ def test_cpu_kernel_matches_the_reference(entry: Entry, forbid_reference) -> Non
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("entry", TRITON_ENTRIES, ids=lambda e: e.id)
 def test_triton_kernel_matches_the_reference(entry: Entry, forbid_reference, monkeypatch: pytest.MonkeyPatch) -> None:
-    codec, pk, pv = _cache(entry, 1, 37, seed=32)  # tiny: the interpreter is slow
+    codec, v_codec, pk, pv = _cache(entry, 1, 37, seed=32)  # tiny: the interpreter is slow
     q = _query(1, 2 * KV_HEADS, entry.head_dim)
-    want = decode_attention(q, pk, pv, codec, codec, backend="reference")
+    want = decode_attention(q, pk, pv, codec, v_codec, backend="reference")
     forbid_reference()
     calls: list[int] = []
-    triton = attn.fused_decode_triton
-    monkeypatch.setattr(attn, "fused_decode_triton", lambda *args, **kwargs: calls.append(1) or triton(*args, **kwargs))
-    out = decode_attention(q, pk, pv, codec, codec, backend="triton")
+    for name in ("fused_decode_triton", "fused_decode_triton_prerope"):
+        kernel = getattr(attn, name)
+        monkeypatch.setattr(attn, name, lambda *a, _k=kernel, **kw: calls.append(1) or _k(*a, **kw))
+    out = decode_attention(q, pk, pv, codec, v_codec, backend="triton")
     assert calls, "backend='triton' did not run the Triton kernel"
     torch.testing.assert_close(out, want, atol=TRITON_TOL[0], rtol=TRITON_TOL[1])
 
 
 def test_the_kernels_read_every_codec_they_document() -> None:
     """An entry whose codec the kernels document must be read by them, not sent to the reference."""
-    documented = [e for e in MATRIX if _documented(e)]
     for name, kernel in (("cpu", cpu_supports), ("triton", triton_supports)):
+        documented = [e for e in MATRIX if _documented(e, name)]
         got = {e.id for e in MATRIX if kernel(_codec(e), e.head_dim)}
         missing = [e.id for e in documented if e.id not in got]
         assert not missing, f"{name}_supports is False for {missing}: these would silently run on the reference"
         extra = sorted(got - {e.id for e in documented})
         assert not extra, f"{name}_supports reads {extra}: add them to KERNEL_CODECS/PEELED (and the docs)"
+    documented = [e for e in MATRIX if _documented(e, "cpu")]
     shapes = [s for s, pattern in SHAPES.items() if not any(re.fullmatch(pattern, e.spec) for e in documented)]
     assert not shapes, f"tests/codecs/matrix.py has no kernel-read entry of the form {shapes}"

@@ -89,10 +89,14 @@ def test_cli_attention(tmp_path, capsys):
 
 @pytest.mark.model
 def test_generation_rows(smollm2):
-    rows = bench_generation("smollm2-135m", [96], "rot+int4", new_tokens=2, prefill_chunk=64, progress=False)
+    rows = bench_generation(
+        "smollm2-135m", [96], "rot+int4", dynamic_dtypes=["float32"], new_tokens=2, prefill_chunk=64, progress=False
+    )
     assert [r["cache"] for r in rows] == ["dynamic", "fused"]
     dyn, fused = rows
     assert dyn["speedup_vs_dynamic"] == 1.0 and fused["decode_tokens_per_s"] > 0
+    assert dyn["label"] == "DynamicCache fp32" and fused["label"] == "fused rot+int4" and fused["preset"] is None
+    assert dyn["update_ms"] > 0 and fused["attn_ms"] > 0 and fused["cpu_capability"]
     assert 0 < fused["cache_bytes"] < dyn["cache_bytes"] / 3  # packed 4-bit codes against an fp32 cache
     assert fused["peak_rss"] >= fused["rss_after_load"] > fused["weights_bytes"]
 

@@ -172,7 +172,11 @@ def test_post_and_pre_rope_statistics_are_not_mixed(tiny_llama, stats):
         CompressedCache("center+tq:3/tq:3", config=tiny_llama.config, calibration=stats.pre_rope())
 
 
-def test_a_fused_cache_reads_prerope_layers_through_the_reference_path(tiny_llama, stats):
+def test_a_fused_cache_reads_prerope_layers_in_the_kernel(tiny_llama, stats, monkeypatch):
+    """Fused prerope+ layers give the decoding path's logits and never decode the whole layer."""
+    from walshkv.attention import decode as attn
+    from walshkv.cache.layers import CompressedLayer
+
     spec = "sink:1:prerope+center+eq+tq:3/tq:3"
     ids = torch.randint(3, 96, (2, 30))
     splits = [20, 21, 22, 30]
@@ -181,7 +185,13 @@ def test_a_fused_cache_reads_prerope_layers_through_the_reference_path(tiny_llam
     enable_fused_attention(tiny_llama)
     try:
         cache = CompressedCache(spec, config=tiny_llama.config, calibration=stats, fused=True)
-        assert not any(layer.fused for layer in cache.layers)
+        assert all(layer.fused for layer in cache.layers)
+
+        def forbidden(*args, **kwargs):
+            raise AssertionError("a fused prerope+ layer took a decode-everything path")
+
+        monkeypatch.setattr(CompressedLayer, "decoded", forbidden)
+        monkeypatch.setattr(attn, "reference_partial", forbidden)
         got = logits_in_splits(tiny_llama, cache, ids, splits)
     finally:
         tiny_llama.set_attn_implementation("sdpa")
@@ -216,3 +226,32 @@ def test_a_preset_file_for_prerope_round_trips_and_is_refused_elsewhere(tmp_path
     merged = MergedCalibration(stats, read_kv_mean_center(post, "llama"))
     with pytest.raises(ValueError, match="after RoPE"):
         CompressedCache(spec, config=tiny_llama.config, calibration=merged)
+
+
+def test_a_fused_preset_cache_with_left_padding_matches_the_decoding_path(tiny_llama, stats):
+    """A left-padded batch: prefill with the model's padding mask, then decode steps; fused == decoding path."""
+    spec = "sink:1:layers:prerope+center+eq+tq:3.5/tq:3@0;prerope+center+eq+tq:3/tq:2.5"
+    ids = torch.randint(3, 96, (2, 26))
+    mask = torch.ones(2, 26, dtype=torch.long)
+    mask[1, :4] = 0  # row 1: four padding tokens first
+
+    def run(fused: bool) -> torch.Tensor:
+        cache = CompressedCache(spec, config=tiny_llama.config, calibration=stats, fused=fused)
+        outs = []
+        with torch.inference_mode():
+            outs.append(tiny_llama(input_ids=ids[:, :20], attention_mask=mask[:, :20], cache=cache).logits)
+            for t in range(20, 26):
+                outs.append(
+                    tiny_llama(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache).logits
+                )
+        return torch.cat(outs, dim=1)
+
+    tiny_llama.set_attn_implementation("sdpa")
+    ref = run(False)
+    enable_fused_attention(tiny_llama)
+    try:
+        got = run(True)
+    finally:
+        tiny_llama.set_attn_implementation("sdpa")
+    keep = mask.bool()  # padding positions' logits are garbage in both
+    assert torch.allclose(ref[keep], got[keep], atol=1e-4)

@@ -145,3 +145,18 @@ def test_residual_with_kivi_is_refused_naming_its_own_window(tiny_lm, tiny_llama
     assert main([*argv, "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "kivi2:r=8" in err and "no --residual" in err
+
+
+def test_an_exact_prefill_is_measured_as_serving_engines_run_it(tiny_lm):
+    """--prefill exact: the prefix attends exactly, the scored tokens decode compressed; named in rows and meta."""
+    q = evaluate(tiny_lm, TEXT, ["int3"], ctx=32, windows=2, feed="decode", progress=False)
+    e = evaluate(tiny_lm, TEXT, ["int3"], ctx=32, windows=2, prefill="exact", progress=False)
+    qrow, erow = q.results[0], e.results[0]
+    assert erow["feed"] == "decode" and erow["prefill"] == "exact" and erow["quantize_on_write"] is False
+    assert qrow["prefill"] == "quantized" and qrow["quantize_on_write"] is True
+    assert 0 < erow["kld_mean"] < qrow["kld_mean"]  # an exact prompt's K/V carry less error into the scored part
+    assert e.meta["quantize_on_write"] == "no: prefill='exact'" and "serving-engine" in e.meta["prefill"]
+    with pytest.raises(ValueError, match="feed='decode'"):
+        evaluate(tiny_lm, TEXT, ["int3"], ctx=32, windows=1, prefill="exact", feed="window", progress=False)
+    with pytest.raises(ValueError, match="quantized, exact"):
+        evaluate(tiny_lm, TEXT, ["int3"], ctx=32, windows=1, prefill="fast", progress=False)

@@ -103,6 +103,7 @@ from walshkv.attention.cpu_formats import (
     KernelFormat,
     cpu_supports,
 )
+from walshkv.attention.keys import key_transform, rope_half_tables
 from walshkv.codecs.base import Packed
 from walshkv.ops.packing import packed_nbytes
 
@@ -268,17 +269,52 @@ def _codes_field(
     return codes, ptr, tuple(st), end
 
 
+def _kpost(plan: CpuPlan, kv: int, start: int, t: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The kernel's ``prerope+`` descriptor (see ``make_kpost`` in the .cpp) and the tensors it points into."""
+    parts = plan.prerope
+    assert parts is not None
+    key = (id(plan), kv)
+    arrays = _KPOST.get(key)
+    if arrays is None:
+        tr = key_transform(parts, plan.k.basis, kv, 0)
+        d = tr.mu.shape[-1]
+        ld = -(-d // (2 * _lanes())) * 2 * _lanes()  # the kernel's row length (make_kpost): two vectors a block
+        mt = torch.zeros(kv, plan.k.length, ld)
+        mt[..., :d] = tr.mt
+        mu = torch.zeros(kv, ld)
+        mu[:, :d] = tr.mu
+        if len(_KPOST) >= 256:
+            _KPOST.clear()
+        arrays = _KPOST[key] = (mt.contiguous(), mu.contiguous(), plan)  # (the plan: its id stays unique)
+    mt, mu = arrays[0], arrays[1]
+    cos, sin = rope_half_tables(parts.table, start + t)
+    d = parts.table.head_dim
+    desc = [mt.data_ptr(), mu.data_ptr(), cos.data_ptr(), sin.data_ptr(), start, cos.shape[0], d, plan.k.length]
+    return desc, [mt, mu, cos, sin]
+
+
+_KPOST: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, CpuPlan]] = {}
+
+
+def _lanes() -> int:
+    kernel = load_kernel()
+    return int(kernel.vector_lanes) if kernel is not None else 16
+
+
 def fused_decode_cpu(
-    q: torch.Tensor, plan: CpuPlan, packed_k: Packed, packed_v: Packed
+    q: torch.Tensor, plan: CpuPlan, packed_k: Packed, packed_v: Packed, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Unnormalised attention of one query step over packed K/V, with the C++ kernel.
 
-    Rotation wrappers are applied to the query (once) and to the output (once), never to the cache.
+    Rotation wrappers are applied to the query (once) and to the output (once), never to the cache. Keys
+    stored before RoPE (``plan.prerope``) are turned into the model's keys row by row in the kernel
+    (:mod:`walshkv.attention.keys`): the query stays in the model's basis.
 
     Args:
         q: float32 ``[batch, kv_heads, group, head_dim]``, unscaled, in the model's basis.
         plan: :func:`cpu_plan` of the K and V codecs at this head_dim and softmax scale.
         packed_k, packed_v: CPU fields ``[batch, kv_heads, seq_len, ...]`` written by those codecs.
+        start: position of packed token 0 (``prerope+`` only; sink tokens come before it).
 
     Returns:
         ``(m, l, acc)``: running max ``[batch, kv_heads, group]`` of the scaled scores, softmax denominator
@@ -291,15 +327,21 @@ def fused_decode_cpu(
     b, h, g, d = q.shape
     kdesc, keep_k = _desc(packed_k, plan.k, d, "K", kernel.FORMATS[plan.k.fmt])
     vdesc, keep_v = _desc(packed_v, plan.v, d, "V", kernel.FORMATS[plan.v.fmt])
+    t = packed_k.seq_len
+    kpost: list[int] = []
+    keep_p: list[torch.Tensor] = []
+    if plan.prerope is not None:
+        kpost, keep_p = _kpost(plan, h, int(start), t)
     qb = (q @ plan.q_map if plan.q_map is not None else q * plan.scale).contiguous()
     m = torch.empty(b, h, g)
     l_sum = torch.empty(b, h, g)
     acc = torch.empty(b, h, g, plan.v.length)
-    t = packed_k.seq_len
     threads = torch.get_num_threads()
     nsplit = 1 if threads <= 1 else max(1, min(math.ceil(4 * threads / (b * h)), math.ceil(t / _MIN_SPLIT_TOKENS)))
-    kernel.run(kdesc, vdesc, qb.data_ptr(), m.data_ptr(), l_sum.data_ptr(), acc.data_ptr(), b, h, g, t, nsplit, threads)
-    del keep_k, keep_v
+    kernel.run(
+        kdesc, vdesc, kpost, qb.data_ptr(), m.data_ptr(), l_sum.data_ptr(), acc.data_ptr(), b, h, g, t, nsplit, threads
+    )
+    del keep_k, keep_v, keep_p
     if plan.out_map is not None:
         acc = acc @ plan.out_map
     return m, l_sum, acc

@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from walshkv.attention.keys import PreRopeParts, split_prerope
 from walshkv.attention.peeling import core_codec, peel
 from walshkv.codecs.base import Codec
 from walshkv.codecs.ggml import QK, GGMLCodec
@@ -37,11 +38,11 @@ __all__ = [
 ]
 
 #: Human-readable list of the (inner) codecs the fused CPU kernel reads.
-CPU_SUPPORTED = "int2..int8, q4_0, q8_0, vht2, tq (each also under rot+, rrot+, center+ and eq+)"
+CPU_SUPPORTED = "int2..int8, q4_0, q8_0, iq4_nl, vht2, tq (each also under rot+, rrot+, center+, eq+ and prerope+)"
 
 #: The kernel's decode paths, by the names of its ``FORMATS`` (``int_generic``: int3, int5, int6, int7;
 #: ``banded``: vht2; ``tq``: Lloyd-Max codes in one or two segments, own tensors, one fp16 norm).
-FormatName = Literal["int4", "int8", "int_generic", "q4_0", "q8_0", "int2", "banded", "tq"]
+FormatName = Literal["int4", "int8", "int_generic", "q4_0", "q8_0", "int2", "banded", "tq", "iq4_nl"]
 FORMAT_NAMES: tuple[FormatName, ...] = get_args(FormatName)
 #: Most vht2 bands one row may have; the compiled module's ``MAX_BANDS`` (checked when it loads).
 MAX_BANDS = 32
@@ -136,10 +137,10 @@ def cpu_format(core: Codec, head_dim: int) -> KernelFormat | None:
             fmt = KernelFormat(kind, bits, nb, planes * nb, qmax, "codes", "scale", _position_basis(pos, planes * nb))
         else:
             fmt = KernelFormat("int_generic", bits, nb, head_dim, qmax, "codes", "scale", None)
-    elif type(core) is GGMLCodec and core.name in ("q4_0", "q8_0") and head_dim >= QK and head_dim % QK == 0:
-        kind = "q4_0" if core.name == "q4_0" else "q8_0"
+    elif type(core) is GGMLCodec and core.name in ("q4_0", "q8_0", "iq4_nl") and head_dim >= QK and head_dim % QK == 0:
+        kind = {"q4_0": "q4_0", "q8_0": "q8_0", "iq4_nl": "iq4_nl"}[core.name]
         nbytes = head_dim // QK * core.block_bytes
-        fmt = KernelFormat(kind, 4 if kind == "q4_0" else 8, nbytes, head_dim, 0, "blocks", None, None)
+        fmt = KernelFormat(kind, 8 if kind == "q8_0" else 4, nbytes, head_dim, 0, "blocks", None, None)
     elif type(core) is VHT2Codec:
         fmt = _vht2_format(core, head_dim)
         if core._perm is not None:  # a calibrated (bound) codec: its spec names the layer, but do not cache
@@ -151,8 +152,18 @@ def cpu_format(core: Codec, head_dim: int) -> KernelFormat | None:
 
 
 def cpu_supports(codec: Codec, head_dim: int) -> bool:
-    """True if the fused kernel reads ``codec``'s packed rows (after peeling rotations and centering)."""
-    return cpu_format(core_codec(codec), head_dim) is not None
+    """True if the fused kernel reads ``codec``'s packed rows (after peeling rotations and centering; keys stored
+    before RoPE, ``prerope+``, through their core codec)."""
+    parts = split_prerope(codec) if _bound_prerope(codec) else None
+    return cpu_format(parts.core if parts is not None else core_codec(codec), head_dim) is not None
+
+
+def _bound_prerope(codec: Codec) -> bool:
+    """A ``prerope+`` codec bound to a layer (an unbound one has no table and no mean to read through)."""
+    try:
+        return split_prerope(codec) is not None
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,7 @@ class CpuPlan:
     scale: float
     q_map: torch.Tensor | None  # [d, L_k]: scale, K's rotations and buffer order in one matmul (None: q * scale)
     out_map: torch.Tensor | None  # [L_v, d]: V's buffer order back and its unrotation (None: identity)
+    prerope: PreRopeParts | None = None  # K stored before RoPE: the kernel turns each row into the key (q_map None)
 
 
 _PLANS: dict[tuple[Any, ...], tuple[CpuPlan | None, Codec, Codec]] = {}
@@ -181,7 +193,8 @@ def _rotation_matrix(rots: list[Rotated], d: int, inverse: bool) -> torch.Tensor
 
 
 def _make_plan(k_codec: Codec, v_codec: Codec, d: int, scale: float) -> CpuPlan | None:
-    k_rots, k_core = peel(k_codec)
+    parts = split_prerope(k_codec) if _bound_prerope(k_codec) else None
+    k_rots, k_core = peel(k_codec) if parts is None else ([], parts.core)
     v_rots, v_core = peel(v_codec)
     fk, fv = cpu_format(k_core, d), cpu_format(v_core, d)
     if fk is None or fv is None:
@@ -196,6 +209,8 @@ def _make_plan(k_codec: Codec, v_codec: Codec, d: int, scale: float) -> CpuPlan 
     if rot_v is not None or fv.basis is not None:
         basis_t = fv.basis.T if fv.basis is not None else torch.eye(d)
         out_map = basis_t @ (rot_v if rot_v is not None else torch.eye(d))
+    if parts is not None:  # the query stays in the model's basis; the kernel maps each key row (KeyTransform)
+        return CpuPlan(fk, fv, scale, None, out_map, parts)
     return CpuPlan(fk, fv, scale, q_map, out_map)
 
 
@@ -217,5 +232,7 @@ def cpu_plan(k_codec: Codec, v_codec: Codec, head_dim: int, scale: float) -> Cpu
 
 
 def _calibrated(codec: Codec) -> bool:
+    if _bound_prerope(codec):  # its RoPE table, mean and eq+ transform are the layer's
+        return True
     core = peel(codec)[1]
     return isinstance(core, VHT2Codec) and core._perm is not None

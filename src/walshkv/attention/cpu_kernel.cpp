@@ -38,7 +38,7 @@ typedef float v4f __attribute__((vector_size(16)));
 
 enum Fmt : int {
   FMT_INT4 = 0, FMT_INT8 = 1, FMT_INT_GENERIC = 2, FMT_Q4_0 = 3, FMT_Q8_0 = 4, FMT_INT2 = 5, FMT_BANDED = 6,
-  FMT_TQ = 7
+  FMT_TQ = 7, FMT_IQ4_NL = 8
 };
 static constexpr int MAX_BANDS = 32;
 static constexpr int MAX_SEGS = 2;
@@ -65,7 +65,15 @@ static inline float h2f(const uint8_t* p) {
 #endif
 }
 
-static inline vf splat(float x) { return vf{} + x; }
+static inline vf splat(float x) {  // one broadcast (vf{} + x costs an extra add that keeps -0.0 exact)
+#if defined(__AVX512F__) && WK_VW == 16
+  return (vf)_mm512_set1_ps(x);
+#elif defined(__AVX__) && WK_VW == 8
+  return (vf)_mm256_set1_ps(x);
+#else
+  return vf{} + x;
+#endif
+}
 
 static inline v8f half8(vf v) {
 #if WK_VW == 16
@@ -137,6 +145,88 @@ struct Src {
   const float* seg_levels[MAX_SEGS];  // max(2^bits, 32) floats (zero padded: whole-vector permutes)
   float row_mul;                      // FMT_TQ: the row factor is norm * row_mul (1 / sqrt(d))
 };
+
+// Keys stored before RoPE (prerope+, see walshkv/attention/keys.py): each decoded K row b (row factor rs) becomes
+// z = rs * (b @ mt[h]) + mu[h], rotated to its position p: [z1 c - z2 s, z2 c + z1 s] (c, s: cos/sin[p][d/2]).
+// mt: [H][L][ld] floats (zero columns from d to ld), mu: [H][ld], cos/sin: [positions][d/2].
+struct KPost {
+  bool on = false;
+  const float* mt = nullptr;
+  const float* mu = nullptr;
+  const float* cs = nullptr;
+  const float* sn = nullptr;
+  int64_t pos0 = 0, npos = 0;
+  int d = 0, L = 0;
+  int64_t ld = 0;
+};
+
+static KPost make_kpost(const std::vector<int64_t>& a, int64_t H, int64_t T) {
+  KPost k;
+  if (a.empty()) return k;
+  if (a.size() != 8) throw std::invalid_argument("walshkv decode attention: bad prerope descriptor");
+  k.on = true;
+  k.mt = reinterpret_cast<const float*>(a[0]);
+  k.mu = reinterpret_cast<const float*>(a[1]);
+  k.cs = reinterpret_cast<const float*>(a[2]);
+  k.sn = reinterpret_cast<const float*>(a[3]);
+  k.pos0 = a[4];
+  k.npos = a[5];
+  k.d = (int)a[6];
+  k.L = (int)a[7];
+  k.ld = (k.d + 2 * VW - 1) / (2 * VW) * (2 * VW);  // two output vectors per register block
+  if (k.d < 2 || k.d % 2 || k.pos0 < 0 || k.pos0 + T > k.npos || H < 1)
+    throw std::invalid_argument("walshkv decode attention: prerope positions outside the RoPE table");
+  return k;
+}
+
+// NR rows of the K tile times mt[h] (two output vectors at a time in registers), row factor, plus the mean.
+template <int NR>
+static inline void key_rows(const KPost& kp, const float* __restrict M, const float* __restrict mu,
+                            const float* __restrict krows, int64_t ld_in, const float* __restrict rs,
+                            float* __restrict z) {
+  const int64_t nvo = kp.ld / VW;  // even (make_kpost)
+  for (int64_t o0 = 0; o0 < nvo; o0 += 2) {
+    vf a0[NR], a1[NR];
+    for (int r = 0; r < NR; ++r) a0[r] = a1[r] = vf{};
+    const float* __restrict mcol = M + o0 * VW;
+    for (int l = 0; l < kp.L; ++l) {
+      const vf m0 = ((const vf*)(mcol + (int64_t)l * kp.ld))[0], m1 = ((const vf*)(mcol + (int64_t)l * kp.ld))[1];
+      for (int r = 0; r < NR; ++r) {
+        const vf x = splat(krows[r * ld_in + l]);
+        a0[r] += x * m0;
+        a1[r] += x * m1;
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      vf* zr = (vf*)(z + r * kp.ld) + o0;
+      zr[0] = a0[r] * rs[r] + ((const vf*)mu)[o0];
+      zr[1] = a1[r] * rs[r] + ((const vf*)mu)[o0 + 1];
+    }
+  }
+}
+
+// ktile rows (ld_in floats, L used) -> ztile rows (kp.ld floats): the pre-RoPE key, then RoPE at pos0 + t + i.
+static void transform_keys(const KPost& kp, int64_t h, int64_t t, int nt, const float* __restrict ktile, int64_t ld_in,
+                           const float* __restrict rs, float* __restrict ztile) {
+  const float* __restrict M = kp.mt + h * (int64_t)kp.L * kp.ld;
+  const float* __restrict mu = kp.mu + h * kp.ld;
+  float* __restrict z = ztile;
+  int i0 = 0;
+  for (; i0 + 6 <= nt; i0 += 6) key_rows<6>(kp, M, mu, ktile + i0 * ld_in, ld_in, rs + i0, z + i0 * kp.ld);
+  for (; i0 < nt; ++i0) key_rows<1>(kp, M, mu, ktile + i0 * ld_in, ld_in, rs + i0, z + i0 * kp.ld);
+  const int half = kp.d / 2;
+  for (int i = 0; i < nt; ++i) {  // RoPE in place: entry j and j + half only read each other
+    const int64_t pos = kp.pos0 + t + i;
+    const float* __restrict c = kp.cs + pos * half;
+    const float* __restrict s = kp.sn + pos * half;
+    float* __restrict zi = z + i * kp.ld;
+    for (int j = 0; j < half; ++j) {
+      const float a = zi[j], bb = zi[j + half];
+      zi[j] = a * c[j] - bb * s[j];
+      zi[j + half] = bb * c[j] + a * s[j];
+    }
+  }
+}
 
 static Src make_src(const std::vector<int64_t>& a) {
   Src s;
@@ -370,6 +460,12 @@ static inline void unpack_generic(const uint8_t* __restrict row, int d, float of
   }
 }
 
+static inline void lookup_levels(float* __restrict buf, int n, const float* __restrict lv, int bits);
+
+// kvalues_iq4nl of ggml-common.h, zero padded to 32 (whole-vector permutes).
+alignas(64) static constexpr float IQ4NL_LEVELS[32] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                       1,    13,   25,  38,  53,  69,  89,  113};
+
 // Unpack one row into buf[0..L) (c - qmax for intB, dequantized values for ggml; entries from L on
 // are never written and stay 0); returns the factor of the whole row (intB scale, 1 for ggml).
 template <int FMT>
@@ -405,6 +501,17 @@ static inline float decode_row(const Src& s, const uint8_t* __restrict row, cons
 #else
       for (int j = 0; j < 4; ++j) ((vf*)dst)[j] *= dd;
 #endif
+    }
+    return 1.0f;
+  } else if constexpr (FMT == FMT_IQ4_NL) {  // as q4_0, each nibble through the non-linear grid
+    const int nblk = s.d / 32;
+    for (int k = 0; k < nblk; ++k) {
+      const uint8_t* __restrict blk = row + k * 18;
+      const float dd = h2f(blk);
+      float* __restrict dst = buf + k * 32;
+      unpack_planes<4>(blk + 2, 16, 0.0f, dst);
+      lookup_levels(dst, 32, IQ4NL_LEVELS, 4);
+      for (int j = 0; j < 32; ++j) dst[j] *= dd;
     }
     return 1.0f;
   } else if constexpr (FMT == FMT_BANDED) {  // vht2: per band c - qmax (1 bit: 2c - 1) times its fp16 scale
@@ -459,10 +566,99 @@ static inline void lookup_levels(float* __restrict buf, int n, const float* __re
       _mm512_storeu_ps(buf + j, _mm512_i32gather_ps(_mm512_cvttps_epi32(_mm512_loadu_ps(buf + j)), lv, 4));
   }
 #elif defined(__AVX2__)
+  if (bits <= 4) {  // 8 or 16 levels in one or two registers: lane permutes (and a blend on bit 3), no gather
+    const __m256 l0 = _mm256_loadu_ps(lv), l1 = _mm256_loadu_ps(lv + 8);
+    for (; j + 8 <= n; j += 8) {
+      const __m256i idx = _mm256_cvttps_epi32(_mm256_loadu_ps(buf + j));
+      const __m256 lo = _mm256_permutevar8x32_ps(l0, idx);
+      if (bits <= 3) {
+        _mm256_storeu_ps(buf + j, lo);
+      } else {
+        const __m256 hi = _mm256_permutevar8x32_ps(l1, idx);
+        _mm256_storeu_ps(buf + j, _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28))));
+      }
+    }
+  }
   for (; j + 8 <= n; j += 8)
     _mm256_storeu_ps(buf + j, _mm256_i32gather_ps(lv, _mm256_cvttps_epi32(_mm256_loadu_ps(buf + j)), 4));
 #endif
   for (; j < n; ++j) buf[j] = lv[(int)buf[j]];
+}
+
+// B-bit codes (B <= 4) straight to their levels lv[c], as unpack_generic's groups then a lane permute on the
+// integer codes (no round trip through float); false where this ISA has no such path (the caller falls back).
+template <int BITS>
+static inline bool unpack_levels(const uint8_t* __restrict row, int n, const uint8_t* end, const float* __restrict lv,
+                                 float* __restrict buf) {
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+  if constexpr (BITS <= 4) {
+    constexpr uint32_t M = (1u << BITS) - 1u;
+    constexpr int GR = 8, GB = BITS;
+    alignas(32) static constexpr std::array<int8_t, 32> ctl = generic_shuffle<BITS, 8>();
+    alignas(32) static constexpr std::array<int32_t, 8> shl = generic_shifts<BITS, 8>();
+    const __m256i c = _mm256_load_si256(reinterpret_cast<const __m256i*>(ctl.data()));
+    const __m256i sh = _mm256_load_si256(reinterpret_cast<const __m256i*>(shl.data()));
+    const __m256i m = _mm256_set1_epi32((int)M);
+    const __m256 l0 = _mm256_loadu_ps(lv), l1 = _mm256_loadu_ps(lv + 8);
+    uint8_t tmp[16] = {0};
+    int i = 0;
+    for (; i + GR <= n; i += GR) {
+      const uint8_t* p = row + i / GR * GB;
+      __m128i x;
+      if (p + 16 <= end) {
+        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      } else {
+        std::memcpy(tmp, p, GB);
+        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
+      }
+      const __m256i w = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(x), c), sh), m);
+      __m256 y = _mm256_permutevar8x32_ps(l0, w);
+      if constexpr (BITS == 4)
+        y = _mm256_blendv_ps(y, _mm256_permutevar8x32_ps(l1, w), _mm256_castsi256_ps(_mm256_slli_epi32(w, 28)));
+      _mm256_storeu_ps(buf + i, y);
+    }
+    for (; i < n; ++i) {
+      const int bp = i * BITS;
+      unsigned v = row[bp >> 3];
+      if (((bp & 7) + BITS) > 8) v |= (unsigned)row[(bp >> 3) + 1] << 8;
+      buf[i] = lv[(v >> (bp & 7)) & M];
+    }
+    return true;
+  }
+#elif defined(__AVX512BW__)
+  if constexpr (BITS <= 4) {
+    constexpr uint32_t M = (1u << BITS) - 1u;
+    constexpr int GR = 16, GB = GR * BITS / 8;
+    alignas(64) static constexpr std::array<int8_t, 64> ctl = generic_shuffle<BITS, 16>();
+    alignas(64) static constexpr std::array<int32_t, 16> shl = generic_shifts<BITS, 16>();
+    const __m512i c = _mm512_load_si512(ctl.data()), sh = _mm512_load_si512(shl.data());
+    const __m512i m = _mm512_set1_epi32((int)M);
+    const __m512 l0 = _mm512_loadu_ps(lv);
+    uint8_t tmp[16] = {0};
+    int i = 0;
+    for (; i + GR <= n; i += GR) {
+      const uint8_t* p = row + i / GR * GB;
+      __m128i x;
+      if (p + 16 <= end) {
+        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      } else {
+        std::memcpy(tmp, p, GB);
+        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
+      }
+      const __m512i w = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(x), c), sh), m);
+      _mm512_storeu_ps(buf + i, _mm512_permutexvar_ps(w, l0));
+    }
+    for (; i < n; ++i) {
+      const int bp = i * BITS;
+      unsigned v = row[bp >> 3];
+      if (((bp & 7) + BITS) > 8) v |= (unsigned)row[(bp >> 3) + 1] << 8;
+      buf[i] = lv[(v >> (bp & 7)) & M];
+    }
+    return true;
+  }
+#endif
+  (void)row, (void)n, (void)end, (void)lv, (void)buf;
+  return false;
 }
 
 // tq: each segment's codes (own tensor and strides) unpacked to its buffer positions, then replaced by
@@ -476,6 +672,16 @@ static void decode_tile_tq(const Src& s, int64_t b, int64_t h, int64_t t, int nt
       const uint8_t* r = s.seg_codes[g] + b * s.seg_s0[g] + h * s.seg_s1[g] + (t + i) * s.seg_s2[g];
       float* dst = row_buf + s.seg_start[g];
       const int n = s.seg_size[g];
+      const float* lv = s.seg_levels[g];
+      bool done = false;
+      switch (s.seg_bits[g]) {  // codes to levels in one pass where the ISA allows
+        case 1: done = unpack_levels<1>(r, n, s.seg_end[g], lv, dst); break;
+        case 2: done = unpack_levels<2>(r, n, s.seg_end[g], lv, dst); break;
+        case 3: done = unpack_levels<3>(r, n, s.seg_end[g], lv, dst); break;
+        case 4: done = unpack_levels<4>(r, n, s.seg_end[g], lv, dst); break;
+        default: break;
+      }
+      if (done) continue;
       switch (s.seg_bits[g]) {
         case 1: unpack_generic<1>(r, n, 0.0f, s.seg_end[g], dst); break;
         case 2: unpack_generic<2>(r, n, 0.0f, s.seg_end[g], dst); break;
@@ -502,6 +708,7 @@ static TileFn tile_fn(int fmt) {
     case FMT_Q8_0: return decode_tile<FMT_Q8_0>;
     case FMT_BANDED: return decode_tile<FMT_BANDED>;
     case FMT_TQ: return decode_tile_tq;
+    case FMT_IQ4_NL: return decode_tile<FMT_IQ4_NL>;
   }
   throw std::invalid_argument("walshkv decode attention: unknown packed format");
 }
@@ -542,24 +749,32 @@ static inline void acc_block(const float* __restrict w, const float* __restrict 
 
 // One (batch, head, token range): online softmax over tiles. q: [G][LK] (zero columns pad), acc: [G][LV];
 // m, l: [G]. LK, LV are multiples of VW; buffers 64-byte aligned.
-static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, const float* __restrict q, int64_t b,
-                      int64_t h, int64_t t0, int64_t t1, int64_t G, int64_t LK, int64_t LV, float* __restrict m,
-                      float* __restrict l, float* __restrict acc, float* __restrict ktile, float* __restrict vtile,
+static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, const KPost& kp,
+                      const float* __restrict q, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t G, int64_t LKD,
+                      int64_t LK, int64_t LV, float* __restrict m, float* __restrict l, float* __restrict acc,
+                      float* __restrict ktile, float* __restrict ztile, float* __restrict vtile,
                       float* __restrict sc) {
+  // LKD: floats per decoded K row; LK: per scored row (the query's length: LKD, or kp.ld for prerope+)
   const int64_t nk = LK / VW, nv = LV / VW;
   float rsk[TILE], rsv[TILE];
   bool first = true;
   for (int64_t tb = t0; tb < t1; tb += TILE) {
     const int nt = (int)std::min<int64_t>(TILE, t1 - tb);
-    kdec(K, b, h, tb, nt, ktile, LK, rsk);
+    kdec(K, b, h, tb, nt, ktile, LKD, rsk);
+    const float* kscore = ktile;
+    if (kp.on) {  // keys before RoPE: to the model's basis and rotated to their positions (row factor folded)
+      transform_keys(kp, h, tb, nt, ktile, LKD, rsk, ztile);
+      for (int i = 0; i < nt; ++i) rsk[i] = 1.0f;
+      kscore = ztile;
+    }
     for (int64_t j0 = 0; j0 < G; j0 += JB) {  // scores: (integer) codes . query, times the row factor
       const float* qj = q + j0 * LK;
       float* sj = sc + j0 * TILE;
       switch (std::min<int64_t>(JB, G - j0)) {
-        case 1: score_block<1>(qj, LK, nk, ktile, nt, rsk, sj); break;
-        case 2: score_block<2>(qj, LK, nk, ktile, nt, rsk, sj); break;
-        case 3: score_block<3>(qj, LK, nk, ktile, nt, rsk, sj); break;
-        default: score_block<4>(qj, LK, nk, ktile, nt, rsk, sj); break;
+        case 1: score_block<1>(qj, LK, nk, kscore, nt, rsk, sj); break;
+        case 2: score_block<2>(qj, LK, nk, kscore, nt, rsk, sj); break;
+        case 3: score_block<3>(qj, LK, nk, kscore, nt, rsk, sj); break;
+        default: score_block<4>(qj, LK, nk, kscore, nt, rsk, sj); break;
       }
     }
     for (int64_t j = 0; j < G; ++j) {  // online softmax update
@@ -615,38 +830,43 @@ static float* alloc_floats(int64_t n) {  // 64-byte aligned, zeroed
 
 // q: float [B*H][G][K.L] (scaled, in K's buffer order). Outputs: m, l: [B*H][G]; acc: [B*H][G][V.L] (V's
 // buffer order). The T tokens are cut into nsplit ranges run in parallel, then merged.
-static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& vdesc, int64_t q_ptr, int64_t m_ptr,
-                int64_t l_ptr, int64_t acc_ptr, int64_t B, int64_t H, int64_t G, int64_t T, int64_t nsplit,
-                int64_t nthreads) {
+// kpost: empty, or the prerope+ descriptor (make_kpost); then q is [B*H][G][d] in the model's basis.
+static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& vdesc, const std::vector<int64_t>& kpost,
+                int64_t q_ptr, int64_t m_ptr, int64_t l_ptr, int64_t acc_ptr, int64_t B, int64_t H, int64_t G, int64_t T,
+                int64_t nsplit, int64_t nthreads) {
   const Src K = make_src(kdesc), V = make_src(vdesc);
+  const KPost kp = make_kpost(kpost, H, T);
+  if (kp.on && kp.L != K.L) throw std::invalid_argument("walshkv decode attention: prerope matrix rows != K row length");
   const TileFn kdec = tile_fn(K.fmt), vdec = tile_fn(V.fmt);
   const float* q = reinterpret_cast<const float*>(q_ptr);
   float* m_out = reinterpret_cast<float*>(m_ptr);
   float* l_out = reinterpret_cast<float*>(l_ptr);
   float* acc_out = reinterpret_cast<float*>(acc_ptr);
   nsplit = std::max<int64_t>(1, nsplit);
-  const int64_t N = B * H, LK = round_up(K.L, VW), LV = round_up(V.L, VW);
+  const int64_t N = B * H, LKD = round_up(K.L, VW), LV = round_up(V.L, VW);
+  const int64_t LK = kp.on ? kp.ld : LKD, QL = kp.on ? kp.d : K.L;  // scored row length; query floats given
   const int64_t per = (T + nsplit - 1) / nsplit;
   const float NEG_INF = -std::numeric_limits<float>::infinity();
   float* qp = alloc_floats(N * G * LK);
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t j = 0; j < G; ++j) std::memcpy(qp + (n * G + j) * LK, q + (n * G + j) * K.L, sizeof(float) * K.L);
+    for (int64_t j = 0; j < G; ++j) std::memcpy(qp + (n * G + j) * LK, q + (n * G + j) * QL, sizeof(float) * QL);
   std::vector<float> pm(N * nsplit * G, NEG_INF), pl(N * nsplit * G, 0.0f);
   float* pacc = alloc_floats(N * nsplit * G * LV);
   {
     py::gil_scoped_release nogil;
 #pragma omp parallel num_threads((int)std::max<int64_t>(1, nthreads))
     {
-      float* ktile = alloc_floats(TILE * LK + TILE * LV + G * TILE);
-      float* vtile = ktile + TILE * LK;
+      float* ktile = alloc_floats(TILE * LKD + TILE * LK + TILE * LV + G * TILE);
+      float* ztile = ktile + TILE * LKD;
+      float* vtile = ztile + TILE * LK;
       float* sc = vtile + TILE * LV;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < N * nsplit; ++task) {
         const int64_t n = task / nsplit, sp = task % nsplit;
         const int64_t t0 = sp * per, t1 = std::min<int64_t>(T, t0 + per);
         if (t0 < t1)
-          run_range(K, V, kdec, vdec, qp + n * G * LK, n / H, n % H, t0, t1, G, LK, LV, pm.data() + task * G,
-                    pl.data() + task * G, pacc + task * G * LV, ktile, vtile, sc);
+          run_range(K, V, kdec, vdec, kp, qp + n * G * LK, n / H, n % H, t0, t1, G, LKD, LK, LV, pm.data() + task * G,
+                    pl.data() + task * G, pacc + task * G * LV, ktile, ztile, vtile, sc);
       }
       std::free(ktile);
     }
@@ -686,6 +906,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   formats["int2"] = (int)FMT_INT2;
   formats["banded"] = (int)FMT_BANDED;
   formats["tq"] = (int)FMT_TQ;
+  formats["iq4_nl"] = (int)FMT_IQ4_NL;
   mod.attr("FORMATS") = formats;
   mod.attr("MAX_BANDS") = MAX_BANDS;
   mod.attr("MAX_SEGS") = MAX_SEGS;

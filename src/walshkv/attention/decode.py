@@ -71,11 +71,13 @@ from walshkv.attention.reference import (
 from walshkv.attention.triton_decode import (
     TRITON_SUPPORTED,
     fused_decode_triton,
+    fused_decode_triton_prerope,
     triton_available,
     triton_interpret,
     triton_supports,
 )
 from walshkv.codecs.base import Codec, Packed
+from walshkv.codecs.prerope import PreRope
 from walshkv.constants import Backend
 
 __all__ = ["BACKENDS", "decode_attention", "decode_attention_reference"]
@@ -98,13 +100,16 @@ def _attend(
     use_triton: bool = False,
     k_eq: torch.Tensor | None = None,
     v_eq: torch.Tensor | None = None,
+    start: int = 0,
 ) -> torch.Tensor:
     """Shared body of the backends; ``plan`` selects the fused CPU kernel, ``use_triton`` the Triton one
     (neither: the reference). ``k_eq``/``v_eq``: the ``eq+`` inverses ``[kv_heads, d, d]`` that
     :func:`peel_equalizer` took off the codecs (the query is mapped once before the packed tokens, their
-    V sum once after)."""
+    V sum once after). ``start``: position of packed token 0 (``prerope+`` keys)."""
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk!r}")
+    if not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be a position >= 0 (of the first packed token), got {start!r}")
     sm_scale = validate(q, packed_k, packed_v, k_codec, v_codec, window_k, window_v, scale, plan is None)
     batch, hq, _, d = q.shape
     kv = packed_k.num_heads if packed_k is not None else window_k.shape[1]  # type: ignore[union-attr]
@@ -115,15 +120,17 @@ def _attend(
         # eq+ K: q . A⁻¹y = (A⁻ᵀq) . y, so the packed tokens are read as the inner codec's with A⁻ᵀq
         qp = q0 if k_eq is None else torch.einsum("bhge,hed->bhgd", q0, _per_head(k_eq, kv, "K", q.device))
         if plan is not None:
-            state = fused_decode_cpu(qp, plan, packed_k, packed_v)  # None: no compiler (warned once)
+            state = fused_decode_cpu(qp, plan, packed_k, packed_v, start)  # None: no compiler (warned once)
         if state is None:
             k_rots, k_core = peel(k_codec)
             v_rots, v_core = peel(v_codec)
             qk = rotate(qp * sm_scale, k_rots)
-            if use_triton:
+            if use_triton and isinstance(k_codec, PreRope):  # keys rotated to their positions in the kernel
+                m, l_sum, acc = fused_decode_triton_prerope(qk, packed_k, packed_v, k_codec, v_core, start)
+            elif use_triton:
                 m, l_sum, acc = fused_decode_triton(qk, packed_k, packed_v, k_core, v_core)
             else:
-                m, l_sum, acc = reference_partial(qk, packed_k, packed_v, k_core, v_core, chunk)
+                m, l_sum, acc = reference_partial(qk, packed_k, packed_v, k_core, v_core, chunk, start)
             state = (m, l_sum, unrotate(acc, v_rots))  # the V sum, unrotated once
         if v_eq is not None:  # eq+ V: sum p A⁻¹y = A⁻¹ sum p y
             m, l_sum, acc = state
@@ -158,6 +165,7 @@ def decode_attention_reference(
     window_k: torch.Tensor | None = None,
     window_v: torch.Tensor | None = None,
     chunk: int = 1024,
+    start: int = 0,
 ) -> torch.Tensor:
     """Attention of one decode step over a packed cache, pure torch, any codec.
 
@@ -175,6 +183,8 @@ def decode_attention_reference(
         window_k, window_v: optional full-precision recent tokens ``[batch, num_kv_heads, r, head_dim]``,
             attended after the packed ones.
         chunk: tokens decoded at a time.
+        start: position of the first packed token (what ``encode`` was given; it matters to ``prerope+`` keys
+            only: sink tokens before it).
 
     Returns:
         ``[batch, num_q_heads, 1, head_dim]`` in ``q``'s dtype (computed in float32).
@@ -186,7 +196,9 @@ def decode_attention_reference(
     k_codec, v_codec = as_codec(k_codec, "k_codec"), as_codec(v_codec, "v_codec")
     k_eq, k_codec = peel_equalizer(k_codec)
     v_eq, v_codec = peel_equalizer(v_codec)
-    return _attend(q, packed_k, packed_v, k_codec, v_codec, scale, window_k, window_v, chunk, None, False, k_eq, v_eq)
+    return _attend(
+        q, packed_k, packed_v, k_codec, v_codec, scale, window_k, window_v, chunk, None, False, k_eq, v_eq, start
+    )
 
 
 def decode_attention(
@@ -201,6 +213,7 @@ def decode_attention(
     window_v: torch.Tensor | None = None,
     backend: Backend = "auto",
     chunk: int = 1024,
+    start: int = 0,
 ) -> torch.Tensor:
     """Attention of one decode step over a packed cache, on the fastest backend for the codecs.
 
@@ -215,6 +228,7 @@ def decode_attention(
             codecs, else ``"reference"``), ``"reference"``, ``"cpu"`` or ``"triton"`` (CUDA tensors; CPU
             tensors only with ``TRITON_INTERPRET=1`` set, which runs Triton's slow interpreter).
         chunk: tokens per chunk of the reference backend.
+        start: position of the first packed token (``prerope+`` keys; see :func:`decode_attention_reference`).
 
     Returns:
         ``[batch, num_q_heads, 1, head_dim]`` in ``q``'s dtype.
@@ -239,7 +253,7 @@ def decode_attention(
         if not on_cpu:
             raise ValueError(f"backend='cpu' needs CPU tensors, q is on {q.device}; use backend='reference'")
         d = q.shape[-1]
-        bad = [c.spec for c in (k_codec, v_codec) if not cpu_supports(c, d)]
+        bad = [c.spec for c in (k_codec, v_codec) if not cpu_supports(c, d)] or [f"{k_codec.spec}/{v_codec.spec}"]
         raise ValueError(
             f"backend='cpu' does not read {', '.join(repr(s) for s in bad)} (at head_dim {d}); it reads "
             f"{CPU_SUPPORTED}. Use backend='reference' (or 'auto') for other codecs"
@@ -263,7 +277,11 @@ def decode_attention(
                 "backend='cpu' or 'auto' on the CPU"
             )
         d = q.shape[-1]
-        bad = [c.spec for c in (k_codec, v_codec) if not triton_supports(c, d)]
+        bad = [
+            c.spec
+            for c, ok in ((k_codec, triton_supports(k_codec, d)), (v_codec, triton_supports(v_codec, d)))
+            if not ok
+        ]
         if bad:
             raise ValueError(
                 f"backend='triton' does not read {', '.join(repr(s) for s in bad)} (at head_dim {d}); it reads "
@@ -271,5 +289,5 @@ def decode_attention(
             )
         use_triton = True
     return _attend(
-        q, packed_k, packed_v, k_codec, v_codec, scale, window_k, window_v, chunk, plan, use_triton, k_eq, v_eq
+        q, packed_k, packed_v, k_codec, v_codec, scale, window_k, window_v, chunk, plan, use_triton, k_eq, v_eq, start
     )

@@ -176,14 +176,16 @@ def merge_block(state: State, s: torch.Tensor, v: torch.Tensor) -> State:
 
 
 def reference_partial(
-    q: torch.Tensor, packed_k: Packed, packed_v: Packed, k_core: Codec, v_core: Codec, chunk: int
+    q: torch.Tensor, packed_k: Packed, packed_v: Packed, k_core: Codec, v_core: Codec, chunk: int, k_start: int = 0
 ) -> State:
     """Online softmax over the packed tokens, ``chunk`` at a time, in the cores' (rotated) bases.
 
     Args:
         q: float32 ``[batch, kv_heads, group, head_dim]``, scaled and rotated into ``k_core``'s basis.
         packed_k, packed_v: ``[batch, kv_heads, seq_len, ...]`` written by ``k_core`` / ``v_core``.
-        k_core, v_core: the storing codecs (wrappers peeled).
+        k_core, v_core: the storing codecs (wrappers peeled; a ``prerope+`` K codec is read whole, in the
+            model's basis, at positions ``k_start, ...``).
+        k_start: position of packed token 0.
         chunk: tokens decoded at a time.
 
     Returns:
@@ -194,7 +196,7 @@ def reference_partial(
     state = empty_state(b, kv, g, d, q.device)
     for start in range(0, packed_k.seq_len, chunk):
         stop = min(start + chunk, packed_k.seq_len)
-        k = k_core._decode(packed_k.slice_seq(start, stop)).to(torch.float32)
+        k = k_core._decode_at(packed_k.slice_seq(start, stop), k_start + start).to(torch.float32)
         v = v_core._decode(packed_v.slice_seq(start, stop)).to(torch.float32)
         state = merge_block(state, q @ k.transpose(-1, -2), v)
     return state

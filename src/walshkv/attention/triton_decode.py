@@ -34,6 +34,15 @@ dimension of every field must be contiguous, the leading three may have any stri
 Rotation wrappers (``rot+``/``rrot+``), ``center+`` and ``eq+`` are peeled by the caller: it passes the
 query rotated into the K codec's basis and unrotates the V sum once. Anything else raises a ValueError.
 
+``prerope+`` K (keys stored before RoPE, :mod:`walshkv.codecs.prerope`) has its own kernel,
+:func:`fused_decode_triton_prerope`: RoPE depends on each key's position, so the query cannot be moved
+into the codec's basis once. One program per (batch, kv head) decodes a tile of ``BLOCK_N`` K rows as
+above, maps it to the pre-RoPE keys with one ``[head_dim, head_dim]`` matrix per kv head (the core's
+basis, the rotations and ``eq+``'s inverse folded together, :func:`walshkv.attention.keys.key_transform`),
+adds the mean (``center+``), rotates each row by its position's angles (cos/sin tables indexed by
+position) and scores it against all the group's query heads, which are in the model's basis. V is read as
+in the other kernel. The matrix and mean are built once per codec and device and cached.
+
 The kernels are built on first use, separately for compiled and interpreted mode: ``TRITON_INTERPRET``
 is read at each call (Triton itself reads it when a function is decorated), so setting
 ``TRITON_INTERPRET=1`` before the first call, even after this module was imported, runs the kernel on
@@ -51,6 +60,7 @@ import math
 
 import torch
 
+from walshkv.attention.keys import PreRopeParts, key_transform, rope_half_tables, split_prerope
 from walshkv.attention.peeling import core_codec
 from walshkv.attention.triton_kernels import (
     FMT_BANDED,
@@ -59,12 +69,14 @@ from walshkv.attention.triton_kernels import (
     FMT_Q8_0,
     FMT_TQ,
     build_kernel,
+    build_prerope_kernel,
     triton_available,
     triton_interpret,
 )
 from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.ggml import QK, GGMLCodec
 from walshkv.codecs.intq import IntCodec
+from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.turbo import TurboQuant
 from walshkv.codecs.vht2 import VHT2Codec
 from walshkv.ops.packing import packed_nbytes
@@ -72,13 +84,15 @@ from walshkv.ops.packing import packed_nbytes
 __all__ = [
     "TRITON_SUPPORTED",
     "fused_decode_triton",
+    "fused_decode_triton_prerope",
     "triton_available",
     "triton_interpret",
     "triton_supports",
+    "triton_supports_prerope",
 ]
 
 #: Human-readable list of the (inner) codecs the Triton kernel reads.
-TRITON_SUPPORTED = "int2..int8, q4_0, q8_0, vht2, tq (each also under rot+, rrot+, center+ and eq+)"
+TRITON_SUPPORTED = "int2..int8, q4_0, q8_0, vht2, tq (each also under rot+, rrot+, center+, eq+ and prerope+)"
 
 
 def _format(core: Codec, head_dim: int) -> tuple[int, int, int, int, str] | None:
@@ -157,7 +171,10 @@ def _band_table(core: VHT2Codec, head_dim: int, device: torch.device) -> tuple[t
 
 
 def triton_supports(codec: Codec, head_dim: int) -> bool:
-    """True if the Triton kernel reads ``codec``'s packed rows (after peeling rotations and centering)."""
+    """True if the Triton kernels read ``codec``'s packed rows (after peeling rotations and centering; a bound
+    ``prerope+`` K codec through :func:`fused_decode_triton_prerope`)."""
+    if isinstance(codec, PreRope):
+        return triton_supports_prerope(codec, head_dim)
     return _format(core_codec(codec), head_dim) is not None
 
 
@@ -219,6 +236,23 @@ def _side(
     )
 
 
+def _check_launch(fk: object, fv: object, k_spec: str, v_spec: str, d: int, device: torch.device) -> None:
+    """Refuse unreadable codecs, a missing triton package and CPU tensors outside the interpreter."""
+    if fk is None or fv is None:
+        bad = [spec for spec, f in ((k_spec, fk), (v_spec, fv)) if f is None]
+        raise ValueError(
+            f"the Triton decode kernel does not read {', '.join(repr(s) for s in bad)} (at head_dim {d}); "
+            f"it reads {TRITON_SUPPORTED}"
+        )
+    if not triton_available():
+        raise ValueError("the Triton decode kernel needs the triton package (pip install triton)")
+    if device.type != "cuda" and not triton_interpret():
+        raise ValueError(
+            f"the Triton decode kernel needs CUDA tensors, q is on {device}; CPU tensors only run under the "
+            "Triton interpreter (set TRITON_INTERPRET=1)"
+        )
+
+
 def fused_decode_triton(
     q: torch.Tensor,
     packed_k: Packed,
@@ -248,19 +282,8 @@ def fused_decode_triton(
     """
     b, kv, g, d = q.shape
     fk, fv = _format(k_core, d), _format(v_core, d)
-    if fk is None or fv is None:
-        bad = [c.spec for c, f in ((k_core, fk), (v_core, fv)) if f is None]
-        raise ValueError(
-            f"the Triton decode kernel does not read {', '.join(repr(s) for s in bad)} (at head_dim {d}); "
-            f"it reads {TRITON_SUPPORTED}"
-        )
-    if not triton_available():
-        raise ValueError("the Triton decode kernel needs the triton package (pip install triton)")
-    if q.device.type != "cuda" and not triton_interpret():
-        raise ValueError(
-            f"the Triton decode kernel needs CUDA tensors, q is on {q.device}; CPU tensors only run under the "
-            "Triton interpreter (set TRITON_INTERPRET=1)"
-        )
+    _check_launch(fk, fv, k_core.spec, v_core.spec, d, q.device)
+    assert fk is not None and fv is not None
     kc, ks, kt_t, kc2, kl, k_basis = _side(packed_k, k_core, fk, d, q.device, "K")
     vc, vs, vt_t, vc2, vl, v_basis = _side(packed_v, v_core, fv, d, q.device, "V")
     ks_t = ks if ks is not None else kc  # (unused by the ggml branch: any pointer will do)
@@ -283,6 +306,141 @@ def fused_decode_triton(
         D=d, BLOCK_D=block_d, BLOCK_N=bn,
         K_FMT=fk[0], K_BITS=fk[1], K_ROW=fk[2], K_QMAX=fk[3],
         V_FMT=fv[0], V_BITS=fv[1], V_ROW=fv[2], V_QMAX=fv[3],
+    )  # fmt: skip
+    if v_basis is not None:  # the V sum from coefficient order back to v_core's (model) basis
+        acc = acc @ v_basis.T
+    return m, l_sum, acc
+
+
+def triton_supports_prerope(k_codec: Codec, head_dim: int) -> bool:
+    """True if ``k_codec`` is a bound ``prerope+`` K codec whose core the Triton kernel reads at ``head_dim``.
+
+    Args:
+        k_codec: the K codec (not ``prerope+``, or not bound to a layer: ``False``).
+        head_dim: the keys' length (even, and the RoPE table's).
+    """
+    try:
+        parts = split_prerope(k_codec)
+    except ValueError:  # prerope+ not bound to a layer's RoPE table
+        return False
+    if parts is None or head_dim % 2 or parts.table.head_dim != head_dim:
+        return False
+    return _format(parts.core, head_dim) is not None
+
+
+def _buffer_basis(core: Codec, d: int) -> torch.Tensor | None:
+    """``[d, d]`` on the CPU: buffer row ``b`` of the kernel's K decode stands for ``b @ basis.T`` (``None``:
+    identity, the intB and ggml formats)."""
+    cpu = torch.device("cpu")
+    if isinstance(core, TurboQuant):
+        return _tq_table(core, d, cpu)[2]
+    if isinstance(core, VHT2Codec):
+        return _band_table(core, d, cpu)[1]
+    return None
+
+
+_TRANSFORMS: dict[tuple[int, int, int, str], tuple[Codec, torch.Tensor, torch.Tensor]] = {}
+_MAX_TRANSFORMS = 256
+
+
+def _transform(
+    k_codec: Codec, parts: PreRopeParts, kv: int, d: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mt [kv, d, d]`` and ``mu [kv, d]`` (float32, contiguous, on ``device``) for the kernel's K buffer.
+
+    Cached per codec object, kv heads, head_dim and device (the entry keeps the codec alive, so its id is
+    not reused while the entry exists): a calibrated codec's spec does not identify its statistics.
+    """
+    key = (id(k_codec), kv, d, str(device))
+    hit = _TRANSFORMS.get(key)
+    if hit is not None and hit[0] is k_codec:
+        return hit[1], hit[2]
+    transform = key_transform(parts, _buffer_basis(parts.core, d), kv, 0)
+    mt = transform.mt.to(device=device, dtype=torch.float32).contiguous()
+    mu = transform.mu.to(device=device, dtype=torch.float32).contiguous()
+    if len(_TRANSFORMS) >= _MAX_TRANSFORMS:
+        _TRANSFORMS.clear()
+    _TRANSFORMS[key] = (k_codec, mt, mu)
+    return mt, mu
+
+
+def fused_decode_triton_prerope(
+    q: torch.Tensor,
+    packed_k: Packed,
+    packed_v: Packed,
+    k_codec: Codec,
+    v_core: Codec,
+    start: int,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalised attention of one query step over a packed cache whose K is stored before RoPE.
+
+    The kernel decodes each block of K rows once per kv head, maps them to the pre-RoPE keys
+    (:func:`walshkv.attention.keys.key_transform`), adds the mean back, applies RoPE at the tokens'
+    positions ``start, start + 1, ...`` and scores them against the group's query heads; no float copy of
+    the cache is made.
+
+    Args:
+        q: float32 ``[batch, kv_heads, group, head_dim]``, already multiplied by the softmax scale, in the
+            model's basis (after RoPE; no rotation applied).
+        packed_k, packed_v: fields ``[batch, kv_heads, seq_len, ...]`` written by ``k_codec`` / ``v_core``,
+            on ``q``'s device (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        k_codec: the bound ``prerope+`` K codec (whole: its mean, ``eq+`` and rotations are applied here).
+        v_core: the V codec that stores the codes (rotations, ``center+`` and ``eq+`` peeled by the caller).
+        start: position of packed token 0 (``k_codec.encode(k, start)``).
+        block_n: tokens per block (power of two, at least 16; default 64 for head_dim <= 64, else 32).
+
+    Returns:
+        ``(m, l, acc)``: running max ``[batch, kv_heads, group]`` of the scores, softmax denominator
+        (same shape) and unnormalised weighted V sum ``[batch, kv_heads, group, head_dim]`` in
+        ``v_core``'s basis, all float32 (as :func:`fused_decode_triton`).
+
+    Raises:
+        ValueError: ``k_codec`` not a bound ``prerope+`` codec, a core or V codec the kernel does not read,
+            a RoPE table, mean or ``eq+`` transform of another head_dim or number of kv heads, a negative
+            ``start``, malformed packed fields, triton missing, or CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    b, kv, g, d = q.shape
+    parts = split_prerope(k_codec)
+    if parts is None:
+        raise ValueError(f"{k_codec.spec} is not a prerope+ K codec: use fused_decode_triton")
+    if d % 2 or parts.table.head_dim != d:
+        raise ValueError(f"{k_codec.spec}: the RoPE table has head_dim {parts.table.head_dim}, q has {d}")
+    if not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be a non-negative position, got {start!r}")
+    fk, fv = _format(parts.core, d), _format(v_core, d)
+    _check_launch(fk, fv, parts.core.spec, v_core.spec, d, q.device)
+    assert fk is not None and fv is not None
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n must be a power of two >= 16 (tl.dot), got {block_n}")
+    kc, ks, kt_t, kc2, kl, _ = _side(packed_k, parts.core, fk, d, q.device, "K")
+    vc, vs, vt_t, vc2, vl, v_basis = _side(packed_v, v_core, fv, d, q.device, "V")
+    ks_t = ks if ks is not None else kc  # (unused by the ggml branch: any pointer will do)
+    vs_t = vs if vs is not None else vc
+    kss = ks.stride()[:3] if ks is not None else (0, 0, 0)
+    vss = vs.stride()[:3] if vs is not None else (0, 0, 0)
+    t = packed_k.seq_len
+    if packed_v.seq_len != t:
+        raise ValueError(f"packed K holds {t} tokens, packed V {packed_v.seq_len}")
+    mt, mu = _transform(k_codec, parts, kv, d, q.device)
+    cos, sin = rope_half_tables(parts.table, start + t, q.device)
+    qc = q.to(torch.float32).contiguous()
+    m = torch.empty(b, kv, g, dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty(b, kv, g, d, dtype=torch.float32, device=q.device)
+    half = d // 2
+    block_d = max(16, 1 << (d - 1).bit_length())
+    block_h = max(16, 1 << (half - 1).bit_length())
+    block_g = max(16, 1 << (g - 1).bit_length())  # tl.dot needs 16 rows
+    bn = block_n if block_n is not None else (64 if block_d <= 64 else 32)
+    kernel = build_prerope_kernel()
+    kernel[(b * kv,)](
+        qc, kc, ks_t, kt_t, vc, vs_t, vt_t, kc2, kl, vc2, vl, mt, mu, cos, sin, m, l_sum, acc, t, kv, g, start,
+        *kc.stride()[:3], *kss, *vc.stride()[:3], *vss, *kc2.stride()[:3], *vc2.stride()[:3],
+        D=d, HALF=half, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_G=block_g, BLOCK_N=bn,
+        K_FMT=fk[0], K_BITS=fk[1], K_ROW=fk[2], K_QMAX=fk[3],
+        V_FMT=fv[0], V_BITS=fv[1], V_ROW=fv[2], V_QMAX=fv[3],
+        num_warps=4 if block_d <= 64 else 8,
     )  # fmt: skip
     if v_basis is not None:  # the V sum from coefficient order back to v_core's (model) basis
         acc = acc @ v_basis.T

@@ -4,6 +4,11 @@ The bodies are plain functions, so this module imports without triton; :func:`bu
 ``triton.jit`` for the current ``TRITON_INTERPRET`` mode. The format ids below are the values of the
 kernels' ``K_FMT``/``V_FMT`` constexprs (the bodies compare them as literals: Triton reads only constexpr
 globals); the decode glue picks them per codec.
+
+Two kernels share the row decoder :func:`_rows`: :func:`_decode_kernel` (one program per query head, the
+query already in the K codec's basis) and :func:`_prerope_kernel` (one program per kv head, for ``prerope+``
+K: each decoded K tile is mapped to the pre-RoPE keys, shifted by the mean and rotated to its tokens'
+positions once, then scored against all the group's query heads).
 """
 
 # ruff: noqa: N803  (Triton convention: upper-case kernel arguments for sizes and constexprs)
@@ -21,6 +26,7 @@ __all__ = [
     "FMT_Q8_0",
     "FMT_TQ",
     "build_kernel",
+    "build_prerope_kernel",
     "triton_available",
     "triton_interpret",
 ]
@@ -33,7 +39,7 @@ FMT_TQ = 4  # tq: Lloyd-Max codes in one or two code tensors, one fp16 norm
 
 _lock = threading.Lock()
 _available: bool | None = None
-_kernels: dict[bool, tuple[Any, Any]] = {}  # interpret mode -> jitted (_rows, _decode_kernel)
+_kernels: dict[bool, tuple[Any, Any, Any]] = {}  # interpret mode -> jitted (_rows, _decode_kernel, _prerope_kernel)
 
 
 def triton_available() -> bool:
@@ -241,16 +247,140 @@ def _decode_kernel(
     tl.store(acc_ptr + pid.to(tl.int64) * D + offs_d, acc, mask=mask_d)
 
 
+def _prerope_kernel(
+    q_ptr,
+    kc_ptr,
+    ks_ptr,
+    kt_ptr,
+    vc_ptr,
+    vs_ptr,
+    vt_ptr,
+    kc2_ptr,
+    kl_ptr,
+    vc2_ptr,
+    vl_ptr,
+    mt_ptr,
+    mu_ptr,
+    cos_ptr,
+    sin_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    T,
+    KV,
+    G,
+    START,
+    kcs0,
+    kcs1,
+    kcs2,
+    kss0,
+    kss1,
+    kss2,
+    vcs0,
+    vcs1,
+    vcs2,
+    vss0,
+    vss1,
+    vss2,
+    kc2s0,
+    kc2s1,
+    kc2s2,
+    vc2s0,
+    vc2s1,
+    vc2s2,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_FMT: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_ROW: tl.constexpr,
+    K_QMAX: tl.constexpr,
+    V_FMT: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_ROW: tl.constexpr,
+    V_QMAX: tl.constexpr,
+):
+    """``prerope+`` K: one program per (batch, kv head) and all ``G`` query heads of its group.
+
+    Per block of ``BLOCK_N`` tokens: K rows ``[BLOCK_N, BLOCK_D]`` (row factor applied), pre-RoPE keys
+    ``z = rows @ mt[h] + mu[h]`` as two halves ``[BLOCK_N, BLOCK_H]``, RoPE at positions ``START + n`` from
+    the half tables ``cos/sin [N, HALF]``, scores ``[BLOCK_G, BLOCK_N]`` with the (scaled, model-basis)
+    queries, online softmax per query head, V rows as in :func:`_decode_kernel`. ``mt``: ``[KV, D, D]``
+    float32 contiguous; ``mu``: ``[KV, D]``; ``q``: ``[B * KV * G, D]``; outputs ``m, l [B * KV * G]``,
+    ``acc [B * KV * G, D]``.
+    """
+    pid = tl.program_id(0)  # batch * kv + kv head
+    b = (pid // KV).to(tl.int64)
+    h = (pid % KV).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < HALF
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < G
+    heads = pid.to(tl.int64) * G + offs_g  # rows of q, m, l, acc
+    q_row = q_ptr + heads[:, None] * D + offs_h[None, :]
+    mask_q = mask_g[:, None] & mask_h[None, :]
+    q1 = tl.load(q_row, mask=mask_q, other=0.0)  # [BLOCK_G, BLOCK_H]: first half of head_dim
+    q2 = tl.load(q_row + HALF, mask=mask_q, other=0.0)
+    mt_row = mt_ptr + h * D * D + offs_d[:, None] * D + offs_h[None, :]  # [BLOCK_D, BLOCK_H]
+    mask_mt = mask_d[:, None] & mask_h[None, :]
+    mu1 = tl.load(mu_ptr + h * D + offs_h, mask=mask_h, other=0.0)
+    mu2 = tl.load(mu_ptr + h * D + HALF + offs_h, mask=mask_h, other=0.0)
+    m_i = tl.full([BLOCK_G], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for n0 in range(0, T, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < T
+        offs_n64 = offs_n.to(tl.int64)
+        k_rows, ktok = _rows(
+            kc_ptr, ks_ptr, kt_ptr, kc2_ptr, kl_ptr, b, h, offs_n64, mask_n, offs_d, mask_d,
+            kcs0, kcs1, kcs2, kss0, kss1, kss2, kc2s0, kc2s1, kc2s2, K_FMT, K_BITS, K_ROW, K_QMAX, D,
+        )  # fmt: skip
+        k_rows = k_rows * ktok[:, None]
+        mt1 = tl.load(mt_row, mask=mask_mt, other=0.0)  # (re-read per block from cache: fewer live registers)
+        mt2 = tl.load(mt_row + HALF, mask=mask_mt, other=0.0)
+        z1 = tl.dot(k_rows, mt1, input_precision="ieee") + mu1[None, :]  # [BLOCK_N, BLOCK_H]
+        z2 = tl.dot(k_rows, mt2, input_precision="ieee") + mu2[None, :]
+        pos = (START + offs_n64)[:, None] * HALF + offs_h[None, :]
+        mask_r = mask_n[:, None] & mask_h[None, :]
+        cos = tl.load(cos_ptr + pos, mask=mask_r, other=0.0)
+        sin = tl.load(sin_ptr + pos, mask=mask_r, other=0.0)
+        k1 = z1 * cos - z2 * sin
+        k2 = z2 * cos + z1 * sin
+        s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+        s += tl.dot(q2, tl.trans(k2), input_precision="ieee")  # [BLOCK_G, BLOCK_N]
+        s = tl.where(mask_n[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)  # 0 on the first block (m_i = -inf)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_rows, vtok = _rows(
+            vc_ptr, vs_ptr, vt_ptr, vc2_ptr, vl_ptr, b, h, offs_n64, mask_n, offs_d, mask_d,
+            vcs0, vcs1, vcs2, vss0, vss1, vss2, vc2s0, vc2s1, vc2s2, V_FMT, V_BITS, V_ROW, V_QMAX, D,
+        )  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p, v_rows * vtok[:, None], input_precision="ieee")
+        m_i = m_new
+    tl.store(m_ptr + heads, m_i, mask=mask_g)
+    tl.store(l_ptr + heads, l_i, mask=mask_g)
+    tl.store(acc_ptr + heads[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
+
+
 _ROWS_PY = _rows
 _KERNEL_PY = _decode_kernel
+_PREROPE_PY = _prerope_kernel
 
 
-def build_kernel() -> Any:
-    """The jitted kernel for the current ``TRITON_INTERPRET`` mode (built once per mode).
+def _build() -> tuple[Any, Any, Any]:
+    """The jitted ``(_rows, _decode_kernel, _prerope_kernel)`` for the current ``TRITON_INTERPRET`` mode.
 
-    Also rebinds the module global ``_rows`` to the helper jitted for that mode (the kernel calls it
-    through the module's globals), so switching modes within one process works, though not from two
-    threads at once.
+    Built once per mode; also rebinds the module global ``_rows`` to the helper jitted for that mode (the
+    kernels call it through the module's globals), so switching modes within one process works, though not
+    from two threads at once.
     """
     global tl
     mode = triton_interpret()
@@ -260,7 +390,17 @@ def build_kernel() -> Any:
             import triton.language
 
             tl = triton.language
-            _kernels[mode] = (triton.jit(_ROWS_PY), triton.jit(_KERNEL_PY))
-        rows, kernel = _kernels[mode]
-        globals()["_rows"] = rows
-        return kernel
+            _kernels[mode] = (triton.jit(_ROWS_PY), triton.jit(_KERNEL_PY), triton.jit(_PREROPE_PY))
+        built = _kernels[mode]
+        globals()["_rows"] = built[0]
+        return built
+
+
+def build_kernel() -> Any:
+    """The jitted :func:`_decode_kernel` for the current ``TRITON_INTERPRET`` mode (see :func:`_build`)."""
+    return _build()[1]
+
+
+def build_prerope_kernel() -> Any:
+    """The jitted :func:`_prerope_kernel` for the current ``TRITON_INTERPRET`` mode (see :func:`_build`)."""
+    return _build()[2]

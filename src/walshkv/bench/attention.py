@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -13,6 +13,10 @@ from walshkv.attention import cpu_supports, decode_attention, triton_supports
 from walshkv.bench.machine import interleaved_seconds, median_seconds
 from walshkv.codecs import CacheSpec, Packed, parse_cache_spec
 from walshkv.constants import Backend
+from walshkv.presets import resolve_specs
+
+if TYPE_CHECKING:
+    from walshkv.codecs.calibration import CalibrationLike
 
 __all__ = ["DEFAULT_ATTENTION_CODECS", "DEFAULT_KV_LENS", "SDPA_DTYPES", "bench_attention"]
 
@@ -57,6 +61,8 @@ def bench_attention(
     device: str = "cpu",
     reference: bool = False,
     check: bool = False,
+    calibration: CalibrationLike | None = None,
+    layer: int = 0,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """Time one decode step per method and kv_len (see :mod:`walshkv.bench`).
@@ -76,12 +82,18 @@ def bench_attention(
         reference: also time every codec on the pure-torch reference backend (rows ``SPEC (reference)``).
         check: record each codec row's ``max_abs_err_vs_sdpa_on_decoded``: the largest difference between
             its output and SDPA in float32 over the decoded cache.
+        calibration: for presets (``walshkv:3.5``) and calibrated specs (``center+``, ``eq+``, ``prerope+``): a
+            preset file (``read_kv_mean_center``; a file written by ``walshkv recommend`` also names the spec)
+            or statistics; the codecs are bound to ``layer`` (its kv heads and head_dim must be the bench's).
+            A spec's ``sink:N:`` tokens are left out (N full-precision tokens join the window at decode).
+        layer: the layer whose calibration (and, for a ``layers:`` spec, whose codecs) a row uses.
         progress: show a progress bar.
 
     Returns:
         Rows ``{"kv_len", "method", "seconds", "ms", "cache_bytes", "gb_per_s", "backend",
-        "speedup_vs_sdpa_fp16", "speedup_vs_sdpa_fp32", "rounds"}``; codec rows also ``encode_ms``, the
-        time to write one token's K and V (what every decode step adds).
+        "speedup_vs_sdpa_fp16", "speedup_vs_sdpa_fp32", "speedup_vs_best_sdpa", "rounds"}``
+        (``speedup_vs_best_sdpa``: against the fastest SDPA dtype of each round); codec rows also ``encode_ms``,
+        the time to write one token's K and V (what every decode step adds), and ``spec`` (a preset's spec).
 
     Raises:
         ValueError: an unknown device, CUDA without a CUDA device, or a spec that does not fit ``head_dim``.
@@ -89,9 +101,15 @@ def bench_attention(
     _check_device(device)
     cuda = device.startswith("cuda")
     supports = triton_supports if cuda else cpu_supports
-    specs = {c: parse_cache_spec(c) for c in codecs}
-    for spec in specs.values():
-        spec.check_head_dim(head_dim)
+    resolved, preset_of = resolve_specs(list(codecs), calibration)
+    names = {spec: preset_of.get(spec, spec) for spec in resolved}  # a preset's row is named by the preset
+    specs: dict[str, CacheSpec] = {}
+    spec_text: dict[str, str] = {}
+    for spec_str, name in names.items():
+        parsed = parse_cache_spec(spec_str)
+        parsed.check_head_dim(head_dim)
+        specs[name] = parsed.bind(layer, calibration if parsed.needs_calibration else None)  # a layers: part
+        spec_text[name] = spec_str
     gen = torch.Generator().manual_seed(seed)
     rows: list[dict[str, Any]] = []
     jobs = len(kv_lens) * (len(SDPA_DTYPES) + len(codecs) * (2 if reference else 1))
@@ -109,7 +127,7 @@ def bench_attention(
         encode_ms: dict[str, float] = {}
         errors: dict[str, float] = {}
         for spec_name, spec in specs.items():
-            pk, pv = spec.k.encode(k), spec.v.encode(v)
+            pk, pv = spec.k.encode(k, spec.sink), spec.v.encode(v, spec.sink)
             fast = supports(spec.k, head_dim) and supports(spec.v, head_dim)
             fns[spec_name] = _step(q, pk, pv, spec, "auto")
             info[spec_name] = (pk.nbytes() + pv.nbytes(), ("triton" if cuda else "cpu") if fast else "reference")
@@ -117,12 +135,12 @@ def bench_attention(
                 fns[spec_name + REFERENCE_SUFFIX] = _step(q, pk, pv, spec, "reference")
                 info[spec_name + REFERENCE_SUFFIX] = (info[spec_name][0], "reference")
             if check:
-                want = _sdpa(q.float(), spec.k.decode(pk).float(), spec.v.decode(pv).float())
+                want = _sdpa(q.float(), spec.k.decode(pk, spec.sink).float(), spec.v.decode(pv, spec.sink).float())
                 for method in (spec_name, spec_name + REFERENCE_SUFFIX) if reference else (spec_name,):
                     errors[method] = float((fns[method]().float() - want).abs().max())
             k1, v1 = k[:, :, -1:], v[:, :, -1:]  # writing one decode step's token (quantize on write)
             encode_ms[spec_name] = 1e3 * median_seconds(
-                lambda s=spec, a=k1, b=v1: (s.k.encode(a), s.v.encode(b)), repeats, device=device
+                lambda s=spec, a=k1, b=v1, at=n: (s.k.encode(a, at), s.v.encode(b, at)), repeats, device=device
             )
         times = interleaved_seconds(fns, repeats, device=device)
         for method, ts in times.items():
@@ -132,7 +150,11 @@ def bench_attention(
             # hits the baseline and the method alike; the median over rounds of the per-round ratio
             row["speedup_vs_sdpa_fp16"] = statistics.median(b / t for b, t in zip(times["sdpa-fp16"], ts, strict=True))
             row["speedup_vs_sdpa_fp32"] = statistics.median(b / t for b, t in zip(times["sdpa-fp32"], ts, strict=True))
+            best = [min(times[f"sdpa-{d}"][i] for d in SDPA_DTYPES) for i in range(len(ts))]
+            row["speedup_vs_best_sdpa"] = statistics.median(b / t for b, t in zip(best, ts, strict=True))
             row["rounds"] = len(ts)
+            if method in spec_text and spec_text[method] != method:
+                row["spec"] = spec_text[method]
             if method in encode_ms:
                 row["encode_ms"] = encode_ms[method]
             if method in errors:
@@ -144,8 +166,9 @@ def bench_attention(
 
 
 def _step(q: torch.Tensor, pk: Packed, pv: Packed, spec: CacheSpec, backend: Backend) -> Callable[[], torch.Tensor]:
-    """One decode step over the packed cache on ``backend`` (``auto``: as the cache calls it)."""
-    return lambda: decode_attention(q, pk, pv, spec.k, spec.v, backend=backend)
+    """One decode step over the packed cache on ``backend`` (``auto``: as the cache calls it); the packed tokens
+    start after the spec's sink tokens (which this bench leaves out)."""
+    return lambda: decode_attention(q, pk, pv, spec.k, spec.v, backend=backend, start=spec.sink)
 
 
 def _row(n: int, method: str, sec: float, nbytes: int, backend: str) -> dict[str, Any]:

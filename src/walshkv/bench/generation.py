@@ -1,33 +1,99 @@
-"""``walshkv bench --part generation``: decode speed and peak memory, compressed cache against DynamicCache.
+"""``walshkv bench --part generation``: decode speed, per-step time split and peak memory of compressed caches
+against DynamicCache (fp32 and bf16).
 
 Each run is a fresh subprocess (:func:`_generation_child`), so its peak resident memory is its own; see
-:mod:`walshkv.bench` for what a row holds.
+:mod:`walshkv.bench` for what a row holds. The compressed caches are named by cache specs or presets
+(``walshkv:3.5``); :func:`resolve_generation_codecs` turns presets into the spec their calibration file chose
+and gets the calibration a spec needs (a ``walshkv calibrate --preset`` / ``recommend`` file, or statistics of
+a calibration text), with the functions ``walshkv eval`` uses
+(:func:`walshkv.eval.calibrated.calibration_for`, :func:`walshkv.presets.resolve_specs`).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from walshkv.attention import kernel_available
 from walshkv.cache import CompressedCache, enable_fused_attention
+from walshkv.codecs import parse_cache_spec
+from walshkv.constants import Keys, Prefill
 from walshkv.data import load_text
-from walshkv.defaults import DEFAULT_MODEL, DEFAULT_TEXT
+from walshkv.defaults import CALIB_TOKENS, DEFAULT_MODEL, DEFAULT_TEXT
+from walshkv.eval.calibrated import calibration_for
+from walshkv.eval.provenance import cpu_meta
+from walshkv.export import KMeanBias
 from walshkv.models import load_model
+from walshkv.presets import PRESET_BUDGETS, is_preset, resolve_specs
 
-__all__ = ["DEFAULT_CONTEXTS", "bench_generation", "crossover"]
+if TYPE_CHECKING:
+    from walshkv.codecs.calibration import Calibration
+
+__all__ = [
+    "DEFAULT_CONTEXTS",
+    "DEFAULT_GENERATION_CODECS",
+    "DYNAMIC_DTYPES",
+    "PRESETS_DIR",
+    "CodecRequest",
+    "GenerationCodec",
+    "bench_generation",
+    "crossover",
+    "default_generation_codecs",
+    "position_notes",
+    "resolve_generation_codecs",
+    "shipped_preset_file",
+]
 
 DEFAULT_CONTEXTS: tuple[int, ...] = (1024, 8192, 32768)
+#: The compressed caches of the default table besides the model's shipped presets (:func:`default_generation_codecs`).
+DEFAULT_GENERATION_CODECS: tuple[str, ...] = ("rot+int4", "q4_0")
+#: The dtypes of the DynamicCache rows: the model is loaded in that dtype, so its cache holds K/V in it too.
+DYNAMIC_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+#: Where a source checkout keeps each model's preset files (``<model>/walshkv-3.5.gguf``, ...).
+PRESETS_DIR = Path(__file__).resolve().parents[3] / "docs" / "results" / "presets"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+
+#: A codec to bench: a spec or preset name, alone or with its own calibration file.
+CodecRequest = str | tuple[str, str | Path | None]
+
+
+@dataclass(frozen=True, eq=False)
+class GenerationCodec:
+    """A compressed cache of a generation bench, resolved: the spec it runs and the calibration it reads.
+
+    Attributes:
+        spec: the canonical cache spec (a preset's is the one its calibration file chose, else the built-in).
+        preset: the preset name it was asked for (``walshkv:3.5``), or ``None``.
+        calibration: what the spec needs (``None`` when it needs nothing), sent to each run.
+        calibration_source: the calibration's origin for the rows: the file, ``TEXT (N tokens)``, or both.
+    """
+
+    spec: str
+    preset: str | None = None
+    calibration: Calibration | None = field(default=None, repr=False)
+    calibration_source: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The row's name: ``walshkv:3.5 = SPEC`` for a preset, else the spec."""
+        return f"{self.preset} = {self.spec}" if self.preset else self.spec
 
 
 def _vm(key: str) -> int:
@@ -38,11 +104,224 @@ def _vm(key: str) -> int:
     return 0
 
 
+def shipped_preset_file(model: str, preset: str) -> Path | None:
+    """The preset file a source checkout ships for ``model`` (``docs/results/presets/<model>/walshkv-3.5.gguf``).
+
+    Returns:
+        The path, or ``None`` if there is none (another model, or an installed package without ``docs/``).
+    """
+    path = PRESETS_DIR / Path(model).name / f"{preset.strip().lower().replace(':', '-')}.gguf"
+    return path if path.is_file() else None
+
+
+def _display(path: str | Path) -> str:
+    """``path`` relative to the checkout (or the current directory) where it lies under it, else as given."""
+    p = Path(path).resolve()
+    for root in (PRESETS_DIR.parents[2], Path.cwd()):
+        if p.is_relative_to(root):
+            return str(p.relative_to(root))
+    return str(path)
+
+
+def default_generation_codecs(model: str = DEFAULT_MODEL) -> tuple[list[CodecRequest], list[str]]:
+    """The compressed caches of the default table: :data:`DEFAULT_GENERATION_CODECS` and the model's shipped
+    presets, each with its file from :data:`PRESETS_DIR`.
+
+    Returns:
+        ``(requests, notes)``: the codecs (presets as ``(name, file)``) and a line for each preset left out.
+    """
+    requests: list[CodecRequest] = list(DEFAULT_GENERATION_CODECS)
+    missing = []
+    for preset in PRESET_BUDGETS:
+        path = shipped_preset_file(model, preset)
+        if path is None:
+            missing.append(preset)
+        else:
+            requests.append((preset, str(path)))
+    notes = []
+    if missing:
+        where = _display(PRESETS_DIR / Path(model).name)
+        notes.append(
+            f"note: no preset file for {model} under {where}/ for {', '.join(missing)}, so the default table has no "
+            f"row for {'it' if len(missing) == 1 else 'them'}; write one with `walshkv calibrate --preset "
+            f"{missing[0]} --model {model} -o FILE` and pass --gen-codec {missing[0]} --kv-mean-center FILE"
+        )
+    return requests, notes
+
+
+def _split(request: CodecRequest, kv_mean_center: str | Path | None) -> tuple[str, str | None]:
+    if isinstance(request, tuple):
+        codec, path = request
+    else:
+        codec, path = request, kv_mean_center
+    if not isinstance(codec, str) or not codec.strip():
+        raise ValueError(f"a generation codec is a cache spec or a preset name (walshkv:3.5), got {codec!r}")
+    return codec.strip(), None if path is None else str(path)
+
+
+def _check_requests(
+    model: str, requests: Sequence[tuple[str, str | None]], calib_text: str | None, calib_tokens: int
+) -> None:
+    """Refuse, before loading anything, specs that do not parse and calibrated specs without a calibration input."""
+    if calib_tokens < 1:
+        raise ValueError(f"--calib-tokens must be at least 1, got {calib_tokens}")
+    for codec, path in requests:
+        parsed = parse_cache_spec(codec)  # unknown presets and bad specs: the message lists what exists
+        if path is not None and not Path(path).is_file():
+            raise ValueError(
+                f"--kv-mean-center {path}: no such file; pass a file written by `walshkv calibrate --preset NAME` "
+                "or `walshkv recommend`"
+            )
+        if not parsed.needs_calibration or path is not None or calib_text:
+            continue
+        if is_preset(codec):
+            shipped = shipped_preset_file(model, codec)
+            example = f" (this checkout ships {_display(shipped)})" if shipped else ""
+            raise ValueError(
+                f"--gen-codec {codec} needs its calibration: add --kv-mean-center FILE, the file `walshkv calibrate "
+                f"--preset {codec} --model {model} -o FILE` or `walshkv recommend` writes{example}, or --calib-text "
+                "TEXT to calibrate in the run on a text other than the bench text"
+            )
+        raise ValueError(
+            f"--gen-codec {codec} needs calibration (center+, eq+, order=variance or auto@BITS): add --kv-mean-center "
+            "FILE (from `walshkv calibrate`) or --calib-text TEXT (a text other than the bench text)"
+        )
+
+
+def resolve_generation_codecs(
+    model: str = DEFAULT_MODEL,
+    codecs: Sequence[CodecRequest] | None = None,
+    *,
+    kv_mean_center: str | Path | None = None,
+    calib_text: str | None = None,
+    calib_tokens: int = CALIB_TOKENS,
+    text: str = DEFAULT_TEXT,
+    progress: bool = True,
+) -> tuple[list[GenerationCodec], list[str]]:
+    """The compressed caches of a generation bench, with presets resolved and calibration in hand.
+
+    Presets resolve as in ``walshkv eval``: a preset file chooses its spec, else the built-in spec runs; the
+    model is loaded here (once, then freed) only when a spec needs calibration or a file is given, and a file
+    made for another model is refused (:meth:`walshkv.export.KMeanBias.check_matches`).
+
+    Args:
+        model: registry name or path.
+        codecs: specs or preset names; a ``(codec, file)`` pair carries its own calibration file. ``None``:
+            the default table (:func:`default_generation_codecs`).
+        kv_mean_center: the calibration file of every codec given without its own.
+        calib_text: a text to collect statistics on in this run (never the bench text ``text``).
+        calib_tokens: tokens of ``calib_text``.
+        text: the bench text.
+        progress: progress bars while calibrating.
+
+    Returns:
+        ``(codecs, notes)``: one :class:`GenerationCodec` per request, in order, and printable notes (presets
+        the default table leaves out).
+
+    Raises:
+        ValueError: a spec that does not parse, a calibrated spec without calibration (the message names the
+            fix), a missing file, a file made for another model, ``calib_text`` equal to the bench text.
+    """
+    notes: list[str] = []
+    if codecs is None:
+        if kv_mean_center is not None or calib_text:
+            raise ValueError(
+                "--kv-mean-center/--calib-text calibrate the codecs you name: add --gen-codec SPEC (e.g. --gen-codec "
+                "walshkv:3.5); the default table reads each shipped preset's file itself"
+            )
+        codecs, notes = default_generation_codecs(model)
+    if not codecs:
+        raise ValueError("no generation codec: pass --gen-codec SPEC (repeatable), e.g. --gen-codec rot+int4")
+    requests = [_split(r, kv_mean_center) for r in codecs]
+    _check_requests(model, requests, calib_text, calib_tokens)
+    if not any(parse_cache_spec(c).needs_calibration or p is not None for c, p in requests):
+        return [GenerationCodec(parse_cache_spec(c).spec) for c, _ in requests], notes
+    lm = load_model(model, progress=False)
+    bench_text = load_text(text)
+    groups: dict[str | None, list[str]] = {}
+    for codec, path in requests:
+        groups.setdefault(path, []).append(codec)
+    resolved: dict[tuple[str, str | None], GenerationCodec] = {}
+    for path, group in groups.items():
+        needs = any(parse_cache_spec(c).needs_calibration for c in group)
+        cal = calibration_for(
+            lm,
+            group,
+            kv_mean_center=path,
+            calib_text=calib_text if needs else None,
+            calib_tokens=calib_tokens,
+            eval_text=bench_text,
+            progress=progress,
+        )
+        specs, preset_of = resolve_specs(group, cal)
+        made_for = str((getattr(getattr(cal, "bias", cal), "meta", None) or {}).get(Keys.Preset.NAME, ""))
+        for codec, spec in zip(group, specs, strict=True):
+            if path and made_for and is_preset(codec) and made_for.lower() != codec.lower():
+                own = shipped_preset_file(model, codec)
+                raise ValueError(
+                    f"--kv-mean-center {path} was written for {made_for}, not {codec}: give each preset its own file"
+                    + (f" (this checkout ships {_display(own)})" if own else "")
+                    + ", one preset per run, or leave out --gen-codec for the default table"
+                )
+            parsed = parse_cache_spec(spec)
+            parsed.check_head_dim(lm.shape.head_dim)
+            source = None
+            if parsed.needs_calibration:
+                parts = [] if isinstance(cal, KMeanBias) else [f"{calib_text} ({calib_tokens} tokens)"]
+                source = " + ".join([*parts, *([_display(path)] if path else [])])
+            resolved[(codec, path)] = GenerationCodec(
+                parsed.spec,
+                preset_of.get(spec) if is_preset(codec) else None,
+                cal if parsed.needs_calibration else None,
+                source,
+            )
+    del lm
+    gc.collect()
+    return [resolved[r] for r in requests], notes
+
+
+class _Timer:
+    """Seconds inside wrapped functions, per category; a call made inside another wrapped call counts once."""
+
+    def __init__(self) -> None:
+        self.seconds = {"update": 0.0, "attn": 0.0}
+        self._depth = 0
+
+    def wrap(self, category: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[category] += time.perf_counter() - t0
+                self._depth -= 1
+
+        return timed
+
+
+def _instrument(model: Any, cache: Any) -> _Timer:
+    """Time the cache's ``update`` (encoding and bookkeeping) and the model's attention function."""
+    timer = _Timer()
+    cache.update = timer.wrap("update", cache.update)
+    for name in dict.fromkeys([model.config._attn_implementation, "sdpa"]):
+        if name in ALL_ATTENTION_FUNCTIONS:  # the fused attention's SDPA fallbacks nest inside it: counted once
+            ALL_ATTENTION_FUNCTIONS[name] = timer.wrap("attn", ALL_ATTENTION_FUNCTIONS[name])
+    return timer
+
+
+def _median_ms(values: Sequence[float]) -> float:
+    return 1000 * statistics.median(values)
+
+
 @torch.inference_mode()
 def _generation_child(job: dict[str, Any]) -> dict[str, Any]:
     """One generation run (called in a fresh process by :func:`bench_generation`)."""
     torch.manual_seed(0)
-    lm = load_model(job["model"], progress=False)
+    dtype = job.get("dtype", "float32")
+    lm = load_model(job["model"], dtype=_DTYPES[dtype], progress=False)
     model = lm.model
     text = load_text(job["text"]).content
     ids = lm.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
@@ -51,6 +330,9 @@ def _generation_child(job: dict[str, Any]) -> dict[str, Any]:
         ids = torch.cat([ids, ids], dim=1)
     ids = ids[:, :ctx]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    calibration = None
+    if job.get("calibration_file"):
+        calibration = torch.load(job.pop("calibration_file"), weights_only=False)
     if job["cache"] == "dynamic":
         model.set_attn_implementation("sdpa")
         cache: Any = DynamicCache(config=model.config)
@@ -58,48 +340,89 @@ def _generation_child(job: dict[str, Any]) -> dict[str, Any]:
         fused = job["cache"] == "fused"
         if fused:
             enable_fused_attention(model)
+        else:
+            model.set_attn_implementation("sdpa")
         reserve = ctx + job["new_tokens"] if job.get("reserve") else None
-        cache = CompressedCache(job["codec"], config=model.config, fused=fused, max_cache_len=reserve)
+        cache = CompressedCache(
+            job["codec"],
+            config=model.config,
+            fused=fused,
+            max_cache_len=reserve,
+            calibration=calibration,
+            prefill=job.get("prefill", "quantized"),
+        )
+    # load (or build) the fused C++ kernel now, so that the first decode step does not time its import
+    cpu_kernel = kernel_available() if job["cache"] == "fused" else None
+    timer = _instrument(model, cache)
     rss_loaded = _vm("VmRSS")
     t0 = time.perf_counter()
     out = None
     for s in range(0, ctx, job["prefill_chunk"]):
         out = model(input_ids=ids[:, s : s + job["prefill_chunk"]], cache=cache, use_cache=True, logits_to_keep=1)
     prefill = time.perf_counter() - t0
+    prefill_split = dict(timer.seconds)
     assert out is not None
     token = out.logits[:, -1:].argmax(-1)
-    steps = []
+    steps, updates, attns = [], [], []
     for _ in range(job["new_tokens"]):
+        before = dict(timer.seconds)
         t1 = time.perf_counter()
         out = model(input_ids=token, cache=cache, use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
         steps.append(time.perf_counter() - t1)
+        updates.append(timer.seconds["update"] - before["update"])
+        attns.append(timer.seconds["attn"] - before["attn"])
     cache_bytes = (
         cache.nbytes()
         if hasattr(cache, "nbytes")
         else sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     )
     decode_s = statistics.median(steps)
+    cpu = cpu_meta()
+    text_config = model.config.get_text_config(decoder=True)
     return {
         **job,
         "weights_bytes": weights,
         "prefill_seconds": prefill,
+        "prefill_update_seconds": prefill_split["update"],
+        "prefill_attn_seconds": prefill_split["attn"],
         "decode_seconds_median": decode_s,
         "decode_tokens_per_s": 1.0 / decode_s,
+        "step_ms": 1000 * decode_s,
+        "update_ms": _median_ms(updates),
+        "attn_ms": _median_ms(attns),
+        "other_ms": _median_ms([s - u - a for s, u, a in zip(steps, updates, attns, strict=True)]),
         "cache_bytes": cache_bytes,
         "cache_reserved_bytes": cache.reserved_nbytes() if hasattr(cache, "reserved_nbytes") else cache_bytes,
         "rss_after_load": rss_loaded,
         "peak_rss": _vm("VmHWM"),
         "peak_minus_loaded_minus_cache": _vm("VmHWM") - rss_loaded - cache_bytes,
         "torch_threads": torch.get_num_threads(),
+        "cpu": cpu["model"],
+        "cpu_capability": cpu["capability"],
+        "cpu_flags": " ".join(cpu["flags"] or []),
+        "cpu_kernel": cpu_kernel,
+        "max_position_embeddings": getattr(text_config, "max_position_embeddings", None),
     }
+
+
+def _label(row: dict[str, Any]) -> str:
+    if row["cache"] == "dynamic":
+        dtype = row.get("dtype", "float32")
+        return f"DynamicCache {_SHORT.get(dtype, dtype)}" + (" (model in bf16)" if dtype == "bfloat16" else "")
+    name = f"{row['preset']} = {row['codec']}" if row.get("preset") else row["codec"]
+    return f"{row['cache']} {name}"
 
 
 def bench_generation(
     model: str = DEFAULT_MODEL,
     contexts: Sequence[int] = DEFAULT_CONTEXTS,
-    codec: str = "rot+int4",
+    codecs: str | Sequence[CodecRequest | GenerationCodec] | None = None,
     *,
+    kv_mean_center: str | Path | None = None,
+    calib_text: str | None = None,
+    calib_tokens: int = CALIB_TOKENS,
+    dynamic_dtypes: Sequence[str] = DYNAMIC_DTYPES,
     text: str = DEFAULT_TEXT,
     new_tokens: int = 16,
     prefill_chunk: int = 1024,
@@ -107,73 +430,166 @@ def bench_generation(
     decoded_max_ctx: int = 8192,
     reserve: bool = True,
     malloc_mmap_threshold: int = 65536,
+    prefill: Prefill = "quantized",
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """Decode speed and peak memory of ``DynamicCache`` against the fused compressed cache per context.
+    """Decode speed, per-step time split and peak memory of compressed caches against DynamicCache, per context.
 
     Args:
         model: registry name or path.
         contexts: context lengths (tokens read before generating).
-        codec: the compressed cache's spec.
+        codecs: the compressed caches: specs, preset names (``walshkv:3.5``), ``(codec, file)`` pairs, or
+            :class:`GenerationCodec` from :func:`resolve_generation_codecs`; one string for one cache. ``None``:
+            the default table (``rot+int4``, ``q4_0`` and the model's shipped presets; a note on stderr names
+            the presets without a file).
+        kv_mean_center: calibration file for the codecs given without one (see :func:`resolve_generation_codecs`).
+        calib_text: text to calibrate on in this run (not the bench text).
+        calib_tokens: tokens of ``calib_text``.
+        dynamic_dtypes: a DynamicCache row per dtype (:data:`DYNAMIC_DTYPES`), the model loaded in it.
         text: text the context is cut from (repeated if shorter).
         new_tokens: tokens generated one at a time (the median step is reported).
         prefill_chunk: tokens per prefill forward.
-        decoded: also run the compressed cache without fusion (every step decodes the whole cache, as
+        decoded: also run each compressed cache without fusion (every step decodes the whole cache, as
             most Python KV-quantization tools do), at contexts up to ``decoded_max_ctx``.
-        decoded_max_ctx: the longest context the non-fused run is measured at.
-        reserve: build the compressed cache with ``max_cache_len = ctx + new_tokens``.
+        decoded_max_ctx: the longest context the non-fused runs are measured at.
+        reserve: build the compressed caches with ``max_cache_len = ctx + new_tokens``.
         malloc_mmap_threshold: ``MALLOC_MMAP_THRESHOLD_`` for the child processes (glibc), 0 = unset.
+        prefill: the compressed caches' prefill, ``"quantized"`` (quantize on write) or ``"exact"`` (the prompt
+            attends to its exact K/V, as serving engines do; see :class:`walshkv.cache.CompressedCache`).
         progress: show a progress bar.
 
     Returns:
         One row per (context, cache) with the fields of :mod:`walshkv.bench`'s docstring.
+
+    Raises:
+        ValueError: as :func:`resolve_generation_codecs`, or a dtype not in :data:`DYNAMIC_DTYPES`.
     """
-    kinds = ["dynamic", "fused", "decoded"] if decoded else ["dynamic", "fused"]
-    jobs = [
-        {
-            "model": model,
-            "text": text,
-            "ctx": c,
-            "cache": kind,
-            "codec": None if kind == "dynamic" else codec,
-            "new_tokens": new_tokens,
-            "prefill_chunk": prefill_chunk,
-            "reserve": reserve and kind != "dynamic",
-            "malloc_mmap_threshold": malloc_mmap_threshold,
-        }
-        for c in contexts
-        for kind in kinds
-        if kind != "decoded" or c <= decoded_max_ctx
-    ]
-    rows = []
-    for job in tqdm(jobs, desc="bench generation", unit="run", disable=not progress):
-        code = "import json, sys; from walshkv.bench.generation import _generation_child; " + (
-            "print(json.dumps(_generation_child(json.loads(sys.argv[1]))))"
+    for d in dynamic_dtypes:
+        if d not in _DTYPES:
+            raise ValueError(f"dynamic dtype {d!r}: choose from {', '.join(_DTYPES)}")
+    if isinstance(codecs, str):
+        codecs = [codecs]
+    if codecs is not None and all(isinstance(c, GenerationCodec) for c in codecs):
+        resolved = [c for c in codecs if isinstance(c, GenerationCodec)]
+    else:
+        if codecs is not None and any(isinstance(c, GenerationCodec) for c in codecs):
+            raise TypeError("pass either GenerationCodec objects or specs/presets, not both")
+        requests = None if codecs is None else [c for c in codecs if not isinstance(c, GenerationCodec)]
+        resolved, notes = resolve_generation_codecs(
+            model,
+            requests,
+            kv_mean_center=kv_mean_center,
+            calib_text=calib_text,
+            calib_tokens=calib_tokens,
+            text=text,
+            progress=progress,
         )
-        env = dict(os.environ)
-        if malloc_mmap_threshold:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(malloc_mmap_threshold)
-        else:
-            env.pop("MALLOC_MMAP_THRESHOLD_", None)
-        proc = subprocess.run(
-            [sys.executable, "-c", code, json.dumps(job)], capture_output=True, text=True, check=False, env=env
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"generation run {job} failed:\n{proc.stderr[-3000:]}")
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    for c in contexts:
-        ref = next(r for r in rows if r["ctx"] == c and r["cache"] == "dynamic")
-        for r in rows:
-            if r["ctx"] == c:
-                r["speedup_vs_dynamic"] = r["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
+        for line in notes:
+            print(line, file=sys.stderr)
+    base = {
+        "model": model,
+        "text": text,
+        "new_tokens": new_tokens,
+        "prefill_chunk": prefill_chunk,
+        "malloc_mmap_threshold": malloc_mmap_threshold,
+        "prefill": prefill,
+    }
+    with tempfile.TemporaryDirectory(prefix="walshkv-bench-") as tmp:
+        files: dict[int, str] = {}
+        for i, c in enumerate(resolved):
+            if c.calibration is not None:
+                files[i] = str(Path(tmp) / f"calibration-{i}.pt")
+                torch.save(c.calibration, files[i])
+        jobs = []
+        for ctx in contexts:
+            for d in dynamic_dtypes:
+                jobs.append({**base, "ctx": ctx, "cache": "dynamic", "dtype": d, "codec": None, "reserve": False})
+            for i, c in enumerate(resolved):
+                for kind in ("fused", "decoded") if decoded else ("fused",):
+                    if kind == "decoded" and ctx > decoded_max_ctx:
+                        continue
+                    jobs.append(
+                        {
+                            **base,
+                            "ctx": ctx,
+                            "cache": kind,
+                            "dtype": "float32",
+                            "codec": c.spec,
+                            "preset": c.preset,
+                            "calibration": c.calibration_source,
+                            "calibration_file": files.get(i),
+                            "reserve": reserve,
+                        }
+                    )
+        rows = [
+            _run_child(job, malloc_mmap_threshold)
+            for job in tqdm(jobs, desc="bench generation", unit="run", disable=not progress)
+        ]
+    for ctx in contexts:
+        here = [r for r in rows if r["ctx"] == ctx]
+        refs = {r.get("dtype", "float32"): r for r in here if r["cache"] == "dynamic"}
+        for r in here:
+            r["label"] = _label(r)
+            for dtype, key in (("float32", "speedup_vs_dynamic"), ("bfloat16", "speedup_vs_dynamic_bf16")):
+                ref = refs.get(dtype)
+                r[key] = None if ref is None else r["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
+            ref = refs.get("float32")
+            r["prefill_vs_dynamic"] = None if ref is None else r["prefill_seconds"] / ref["prefill_seconds"]
     return rows
 
 
-def crossover(rows: Sequence[dict[str, Any]], kind: str = "fused") -> int | None:
-    """The smallest measured context from which on the ``kind`` cache decodes at least as fast as DynamicCache."""
-    ctxs = sorted({r["ctx"] for r in rows if r["cache"] == kind})
-    ok = [c for c in ctxs if next(r for r in rows if r["ctx"] == c and r["cache"] == kind)["speedup_vs_dynamic"] >= 1]
+def _run_child(job: dict[str, Any], malloc_mmap_threshold: int) -> dict[str, Any]:
+    """Run :func:`_generation_child` in a fresh interpreter; returns its row (without the calibration file)."""
+    code = "import json, sys; from walshkv.bench.generation import _generation_child; " + (
+        "print(json.dumps(_generation_child(json.loads(sys.argv[1]))))"
+    )
+    env = dict(os.environ)
+    if malloc_mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(malloc_mmap_threshold)
+    else:
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(job)], capture_output=True, text=True, check=False, env=env
+    )
+    shown = {k: v for k, v in job.items() if k != "calibration_file"}
+    if proc.returncode != 0:
+        raise RuntimeError(f"generation run {shown} failed:\n{proc.stderr[-3000:]}")
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    row.pop("calibration_file", None)
+    return row
+
+
+def crossover(rows: Sequence[dict[str, Any]], kind: str = "fused", codec: str | None = None) -> int | None:
+    """The smallest measured context from which on the ``kind`` cache decodes at least as fast as DynamicCache
+    (fp32).
+
+    Args:
+        rows: generation rows.
+        kind: ``fused`` or ``decoded``.
+        codec: the spec of the rows to read; ``None``: every ``kind`` row (one codec).
+    """
+    mine = [r for r in rows if r["cache"] == kind and (codec is None or r.get("codec") == codec)]
+    ctxs = sorted({r["ctx"] for r in mine})
+    ok = [c for c in ctxs if (next(r for r in mine if r["ctx"] == c)["speedup_vs_dynamic"] or 0) >= 1]
     for c in ctxs:
         if all(x in ok for x in ctxs if x >= c):
             return c
     return None
+
+
+def position_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """A line per context whose positions (context + new tokens) pass the model's ``max_position_embeddings``."""
+    out = []
+    for r in rows:
+        most = r.get("max_position_embeddings")
+        end = r["ctx"] + r["new_tokens"]
+        line = (
+            f"note: ctx {r['ctx']:,} + {r['new_tokens']} new tokens passes {r['model']}'s max_position_embeddings "
+            f"{most:,}: the model was not trained on those positions (the speed is measured all the same); the "
+            f"longest context it supports here is {most - r['new_tokens']:,}"
+            if most and end > most
+            else None
+        )
+        if line and line not in out:
+            out.append(line)
+    return out

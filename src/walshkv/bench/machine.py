@@ -14,7 +14,7 @@ import torch
 from walshkv.eval.provenance import cpu_meta, proc_line
 from walshkv.eval.report import library_versions
 
-__all__ = ["copy_bandwidth", "interleaved_seconds", "machine_description", "median_seconds"]
+__all__ = ["copy_bandwidth", "interleaved_seconds", "machine_description", "median_seconds", "thread_speedup"]
 
 
 def machine_description() -> dict[str, Any]:
@@ -40,7 +40,29 @@ def machine_description() -> dict[str, Any]:
         "torch": versions["torch"],
         "python": versions["python"],
         "platform": platform.platform(),
+        # OpenMP's wait policy: spinning workers (the default) cost several-fold on vCPUs that share a core
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "thread_speedup": thread_speedup(),
     }
+
+
+def thread_speedup(size: int = 384, repeats: int = 5) -> float:
+    """How much faster a float32 matmul loop runs on ``torch.get_num_threads()`` threads than on one.
+
+    About the thread count on a machine whose cores are its own; near 1 (or below) where the logical CPUs share
+    physical cores or a neighbour holds them: a benchmark's multi-threaded ratios are to be read with it.
+    """
+    a = torch.randn(size, size)
+    n = torch.get_num_threads()
+
+    def rate(threads: int) -> float:
+        torch.set_num_threads(threads)
+        try:
+            return median_seconds(lambda: [a @ a for _ in range(8)], repeats, warmup=1)
+        finally:
+            torch.set_num_threads(n)
+
+    return rate(1) / rate(n) if n > 1 else 1.0
 
 
 def _sync(device: str) -> Callable[[], None]:

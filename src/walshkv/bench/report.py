@@ -11,7 +11,14 @@ from tabulate import tabulate
 from walshkv.eval.report import agg_figure
 from walshkv.fileio import save_figure_atomic
 
-__all__ = ["bench_markdown", "format_attention_table", "format_generation_table", "plot_bench", "targets"]
+__all__ = [
+    "bench_markdown",
+    "format_attention_table",
+    "format_generation_table",
+    "generation_label",
+    "plot_bench",
+    "targets",
+]
 
 
 def format_attention_table(rows: Sequence[dict[str, Any]], copy_gbs: float, fmt: str = "simple") -> str:
@@ -24,6 +31,7 @@ def format_attention_table(rows: Sequence[dict[str, Any]], copy_gbs: float, fmt:
             f"{r['ms']:.3f}",
             f"{r['speedup_vs_sdpa_fp16']:.2f}",
             f"{r['speedup_vs_sdpa_fp32']:.2f}",
+            _cell(r.get("speedup_vs_best_sdpa"), ".2f"),
             f"{r['cache_bytes'] / 2**20:.2f}",
             f"{r['gb_per_s']:.1f} ({100 * r['gb_per_s'] / copy_gbs:.0f}%)",
             f"{r['encode_ms']:.3f}" if "encode_ms" in r else "",
@@ -37,22 +45,46 @@ def format_attention_table(rows: Sequence[dict[str, Any]], copy_gbs: float, fmt:
         "ms/step",
         "x vs SDPA fp16",
         "x vs SDPA fp32",
+        "x vs fastest SDPA",
         "cache MiB",
         "GB/s read (% of copy)",
         "encode 1 token ms",
     ]
-    return tabulate(body, headers=headers, tablefmt=fmt, disable_numparse=True)
+    table = tabulate(body, headers=headers, tablefmt=fmt, disable_numparse=True)
+    specs = {r["method"]: r["spec"] for r in rows if r.get("spec")}
+    return table + "".join(f"\n\n{name} = `{spec}`" for name, spec in specs.items())
+
+
+def _cell(value: Any, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def generation_label(row: dict[str, Any]) -> str:
+    """A generation row's name: ``DynamicCache fp32``, ``fused SPEC``, ``fused walshkv:3.5 = SPEC`` (old rows too)."""
+    if row.get("label"):
+        return str(row["label"])
+    return row["cache"] + ("" if row.get("codec") is None else f" ({row['codec']})")
 
 
 def format_generation_table(rows: Sequence[dict[str, Any]], fmt: str = "simple") -> str:
-    """Generation rows as a table (``fmt``: a tabulate format)."""
+    """Generation rows as a table (``fmt``: a tabulate format).
+
+    ``update ms`` is the cache's update per decode step (encoding, bookkeeping), ``attn ms`` the attention
+    function, ``other ms`` the rest of the step (projections, MLP, norms, logits); medians over the steps.
+    """
     body = [
         [
             f"{r['ctx']:,}",
-            r["cache"] + ("" if r["codec"] is None else f" ({r['codec']})"),
+            generation_label(r),
             f"{r['decode_tokens_per_s']:.2f}",
-            f"{r['speedup_vs_dynamic']:.2f}",
+            _cell(r.get("speedup_vs_dynamic"), ".2f"),
+            _cell(r.get("speedup_vs_dynamic_bf16"), ".2f"),
+            _cell(r.get("step_ms"), ".1f"),
+            _cell(r.get("update_ms"), ".2f"),
+            _cell(r.get("attn_ms"), ".2f"),
+            _cell(r.get("other_ms"), ".2f"),
             f"{r['prefill_seconds']:.1f}",
+            _cell(r.get("prefill_vs_dynamic"), ".2f"),
             f"{r['cache_bytes'] / 2**20:.1f}",
             f"{r['rss_after_load'] / 2**20:.0f}",
             f"{r['peak_rss'] / 2**20:.0f}",
@@ -64,8 +96,14 @@ def format_generation_table(rows: Sequence[dict[str, Any]], fmt: str = "simple")
         "ctx",
         "cache",
         "decode tok/s",
-        "x vs Dynamic",
+        "x vs Dynamic fp32",
+        "x vs Dynamic bf16",
+        "ms/step",
+        "update ms",
+        "attn ms",
+        "other ms",
         "prefill s",
+        "prefill / Dynamic fp32",
         "cache MiB",
         "RSS loaded MiB",
         "peak MiB",
@@ -106,14 +144,14 @@ def plot_bench(result: dict[str, Any], path: Path) -> list[Path]:
         i += 1
     if gen:
         ax = axes[0][i]
-        for kind in dict.fromkeys(r["cache"] for r in gen):
-            pts = sorted((r for r in gen if r["cache"] == kind), key=lambda r: r["ctx"])
-            ax.plot([r["ctx"] for r in pts], [r["decode_tokens_per_s"] for r in pts], marker="o", label=kind)
+        for label in dict.fromkeys(generation_label(r) for r in gen):
+            pts = sorted((r for r in gen if generation_label(r) == label), key=lambda r: r["ctx"])
+            ax.plot([r["ctx"] for r in pts], [r["decode_tokens_per_s"] for r in pts], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("decode tokens / s")
         ax.set_title(f"generation, {gen[0]['model']}", fontsize=9)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=6)
     m = result["meta"]["machine"]
     fig.suptitle(f"{m['cpu']}, {m['torch_threads']} torch threads", fontsize=8)
     fig.tight_layout()
@@ -127,7 +165,8 @@ def _best(rows: Sequence[dict[str, Any]], methods: Sequence[str], min_len: int) 
 
 
 def targets(result: dict[str, Any]) -> list[str]:
-    """Issue 7's targets, each checked against the rows of this run (worst case over the measured sizes)."""
+    """Issue 7's targets, and issue 19's for the presets, each checked against the rows of this run (worst case over
+    the measured sizes)."""
     out = []
     att = result.get("attention") or []
     for label, methods, want in (("4-bit", ("rot+int4", "int4"), 2.5), ("3-bit", ("rot+int3", "int3"), 3.0)):
@@ -140,30 +179,102 @@ def targets(result: dict[str, Any]) -> list[str]:
                 f"{'met' if ok else 'missed'}."
             )
     gen = result.get("generation") or []
-    long = [r for r in gen if r["cache"] == "fused" and r["ctx"] >= 8192]
+    plain = [r for r in gen if r["cache"] == "fused" and not r.get("preset")]
+    long = [r for r in plain if r["ctx"] >= 8192 and r.get("speedup_vs_dynamic") is not None]
     if long:
         worst = min(long, key=lambda r: r["speedup_vs_dynamic"])
+        named = f" ({worst['codec']})" if len({r.get("codec") for r in plain}) > 1 else ""
         out.append(
-            f"- Decode tokens/s at >= 8k context at least DynamicCache's: worst x{worst['speedup_vs_dynamic']:.2f} "
-            f"at {worst['ctx']:,}: {'met' if worst['speedup_vs_dynamic'] >= 1 else 'missed'}."
+            f"- Decode tokens/s at >= 8k context at least DynamicCache's: worst x{worst['speedup_vs_dynamic']:.2f}"
+            f"{named} at {worst['ctx']:,}: {'met' if worst['speedup_vs_dynamic'] >= 1 else 'missed'}."
         )
-    fused = sorted((r for r in gen if r["cache"] == "fused"), key=lambda r: r["ctx"])
+    codecs = list(dict.fromkeys(r.get("codec") for r in gen if r["cache"] == "fused"))
+    for codec in codecs:
+        out.extend(_memory_target([r for r in gen if r["cache"] == "fused" and r.get("codec") == codec], codecs))
+    out.extend(_preset_targets(gen))
+    out.extend(_attention_targets_19(att, result.get("meta", {}).get("copy_bandwidth_gb_per_s")))
+    return out
+
+
+#: Wrappers that mark a calibrated (preset-style) codec in an attention row's name.
+_CALIBRATED = ("prerope+", "center+", "eq+")
+
+
+def _attention_targets_19(att: Sequence[dict[str, Any]], copy_gbs: float | None) -> list[str]:
+    """Issue 19's decode-attention targets at kv_len >= 16k: every preset (and calibrated) codec at least 2x the
+    fastest SDPA of the same round and 50% of the copy bandwidth in bytes read; rot+int4 and q4_0 at least 2.5x."""
+    out = []
+    long = [r for r in att if r["kv_len"] >= 16384 and r.get("speedup_vs_best_sdpa") is not None]
+    if not long:
+        return out
+    groups = (
+        (
+            "the presets' codecs",
+            [r for r in long if r.get("spec") or any(w in r["method"] for w in _CALIBRATED)],
+            2.0,
+        ),
+        ("rot+int4 and q4_0", [r for r in long if r["method"] in ("rot+int4", "q4_0")], 2.5),
+    )
+    for label, rows, want in groups:
+        if not rows:
+            continue
+        worst = min(rows, key=lambda r: r["speedup_vs_best_sdpa"])
+        ok = worst["speedup_vs_best_sdpa"] >= want
+        line = (
+            f"- Decode attention of {label} at kv_len >= 16k at least {want}x the fastest SDPA of the run: worst "
+            f"{worst['method']} at {worst['kv_len']:,}: x{worst['speedup_vs_best_sdpa']:.2f}: "
+            + ("met" if ok else "missed")
+        )
+        if copy_gbs and label.startswith("the presets"):
+            share = min(r["gb_per_s"] for r in rows) / copy_gbs
+            verdict = "met" if share >= 0.5 else "missed"
+            line += f"; bytes read at {100 * share:.0f}% of the copy bandwidth or more (target 50%): {verdict}"
+        out.append(line + ".")
+    return out
+
+
+def _memory_target(fused: Sequence[dict[str, Any]], codecs: Sequence[str | None]) -> list[str]:
+    """Issue 7's peak-memory target for the fused rows of one codec (none with fewer than two contexts)."""
+    fused = sorted(fused, key=lambda r: r["ctx"])
     # the overhead is measured at the longest context below the checked one that has more than one
     # prefill chunk (a one-chunk prefill never attends over packed keys, so it misses that fixed cost)
     big = fused[-1] if fused else None
     smaller = [r for r in fused[:-1] if r["ctx"] > r.get("prefill_chunk", 1024)] or fused[:-1]
-    if big is not None and smaller:
-        small = smaller[-1]
-        overhead = small["peak_rss"] - small["rss_after_load"] - 1.15 * small["cache_bytes"]
-        limit = big["rss_after_load"] + 1.15 * big["cache_bytes"] + overhead
-        threshold = big.get("malloc_mmap_threshold")
-        alloc = f"MALLOC_MMAP_THRESHOLD_={threshold}" if threshold else "glibc's default allocator settings"
-        out.append(
-            f"- Peak memory at {big['ctx']:,} tokens at most (model loaded) + 1.15 x cache + a fixed overhead, "
-            f"measured at {small['ctx']:,} tokens as peak - loaded - 1.15 x cache ({overhead / 2**20:.0f} MiB), "
-            f"with {alloc}: limit {limit / 2**20:.0f} MiB, peak {big['peak_rss'] / 2**20:.0f} MiB: "
-            f"{'met' if big['peak_rss'] <= limit else 'missed'}."
-        )
+    if big is None or not smaller:
+        return []
+    small = smaller[-1]
+    overhead = small["peak_rss"] - small["rss_after_load"] - 1.15 * small["cache_bytes"]
+    limit = big["rss_after_load"] + 1.15 * big["cache_bytes"] + overhead
+    threshold = big.get("malloc_mmap_threshold")
+    alloc = f"MALLOC_MMAP_THRESHOLD_={threshold}" if threshold else "glibc's default allocator settings"
+    named = f" ({generation_label(big)})" if len(codecs) > 1 else ""
+    return [
+        f"- Peak memory{named} at {big['ctx']:,} tokens at most (model loaded) + 1.15 x cache + a fixed overhead, "
+        f"measured at {small['ctx']:,} tokens as peak - loaded - 1.15 x cache ({overhead / 2**20:.0f} MiB), "
+        f"with {alloc}: limit {limit / 2**20:.0f} MiB, peak {big['peak_rss'] / 2**20:.0f} MiB: "
+        f"{'met' if big['peak_rss'] <= limit else 'missed'}."
+    ]
+
+
+def _preset_targets(gen: Sequence[dict[str, Any]]) -> list[str]:
+    """Issue 19's end-to-end targets for the fused preset rows at >= 8k tokens: decode at least 2x DynamicCache
+    fp32 and 1.3x DynamicCache bf16, prefill at most 1.25x DynamicCache's (fp32, SDPA)."""
+    out = []
+    for r in gen:
+        if r["cache"] != "fused" or not r.get("preset") or r["ctx"] < 8192:
+            continue
+        checks = []
+        for key, want, what in (
+            ("speedup_vs_dynamic", 2.0, "decode at least 2x DynamicCache fp32"),
+            ("speedup_vs_dynamic_bf16", 1.3, "decode at least 1.3x DynamicCache bf16"),
+        ):
+            if r.get(key) is not None:
+                checks.append(f"{what}: x{r[key]:.2f}: {'met' if r[key] >= want else 'missed'}")
+        if r.get("prefill_vs_dynamic") is not None:
+            x = r["prefill_vs_dynamic"]
+            checks.append(f"prefill at most 1.25x DynamicCache's: x{x:.2f}: {'met' if x <= 1.25 else 'missed'}")
+        if checks:
+            out.append(f"- {r['preset']} ({r['codec']}) at {r['ctx']:,} tokens: " + "; ".join(checks) + ".")
     return out
 
 
@@ -174,7 +285,9 @@ def bench_markdown(result: dict[str, Any]) -> list[str]:
     lines = [
         "# walshkv bench",
         "",
-        f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, torch {m['torch']} with "
+        f"Machine: {m['cpu']}"
+        + (f" (ISA {m['cpu_capability']})" if m.get("cpu_capability") else "")
+        + f", {m['logical_cpus']} logical CPUs, torch {m['torch']} with "
         f"{m['torch_threads']} threads"
         + (f"; GPU {m['gpu']}" if m.get("gpu") else "")
         + f"; attention timed on {meta.get('device', 'cpu')}. Produced by `{meta['command']}`.",
@@ -186,13 +299,38 @@ def bench_markdown(result: dict[str, Any]) -> list[str]:
         lines += [format_attention_table(result["attention"], bw, "github"), ""]
     if result.get("generation"):
         gen = result["generation"]
-        codec = next(r["codec"] for r in gen if r["codec"])
-        lines += [f"## Generation ({gen[0]['model']}, {codec})", "", format_generation_table(gen, "github"), ""]
+        first = gen[0]
+        caches = ", ".join(dict.fromkeys(r.get("preset") or r["codec"] for r in gen if r.get("codec")))
+        lines += [f"## Generation ({first['model']}, {caches})", ""]
+        if first.get("cpu_capability"):
+            flags = f" ({first['cpu_flags']})" if first.get("cpu_flags") else ""
+            lines += [
+                f"CPU {first['cpu']}, ISA {first['cpu_capability']}{flags}, {first['torch_threads']} threads.",
+                "",
+            ]
+        lines += [format_generation_table(gen, "github"), ""]
+        if any("update_ms" in r for r in gen):
+            lines += [
+                "Per decode step (medians): `update ms` in the cache's update (encoding, bookkeeping), `attn ms` "
+                "in the attention function, `other ms` the rest of the model. DynamicCache bf16: the model "
+                "loaded in bf16 (so its cache holds bf16 K/V); every other row runs the model in fp32.",
+                "",
+            ]
+        sources = dict.fromkeys(
+            f"{r.get('preset') or r['codec']}: {r['calibration']}" for r in gen if r.get("calibration")
+        )
+        if sources:
+            lines += ["Calibration: " + "; ".join(sources) + ".", ""]
+        cross = meta.get("crossover_context")
+        if isinstance(cross, dict):
+            cross = "; ".join(f"{name}: {ctx}" for name, ctx in cross.items())
         lines += [
             "Crossover (smallest measured context from which the fused compressed cache decodes at least as "
-            f"fast as DynamicCache): {meta.get('crossover_context')}.",
+            f"fast as DynamicCache fp32): {cross}.",
             "",
         ]
+        for note in meta.get("notes") or []:
+            lines += [note, ""]
     checks = targets(result)
     if checks:
         lines += ["## Targets", "", *checks, ""]

@@ -8,7 +8,7 @@ accounting sums the layers' (full-precision windows and sink tokens included).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
@@ -18,14 +18,17 @@ from walshkv.cache.kivi import KiviLayer
 from walshkv.cache.layers import Checkpoint, CompressedLayer, CompressedSlidingWindowLayer
 from walshkv.cache.persist import load_cache, save_cache
 from walshkv.codecs.kivi import KiviCodec
-from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, LayeredCacheSpec, parse_cache_spec
+from walshkv.constants import Prefill
 from walshkv.presets import resolve_preset
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
     from walshkv.codecs.calibration import Calibration
+
+#: Accepted values of ``prefill``.
+PREFILLS: tuple[Prefill, ...] = get_args(Prefill)
 
 __all__ = ["CompressedCache"]
 
@@ -47,12 +50,18 @@ class CompressedCache(Cache):
             through :func:`walshkv.attention.decode.decode_attention` (the fused CPU kernel where it reads
             the codecs), prefill through :func:`walshkv.attention.chunked.chunked_attention`. Needs
             ``enable_fused_attention(model)`` first (the model's attention then asks the cache). Same
-            quantization, so the same results as the default path up to float rounding. Layers whose
-            K codec is ``prerope+`` (K stored before RoPE) are not fused: they decode, then run SDPA.
+            quantization, so the same results as the default path up to float rounding. ``prerope+`` keys
+            (stored before RoPE) are rotated to their positions inside the kernels; ``sink:N:`` tokens join
+            the full-precision window at decode and lead the keys at prefill.
         max_cache_len: tokens to allocate in each full-attention layer's packed store on the first
             write (e.g. prompt + new tokens), so that the store never grows by copying. Without it a
             store grows by 1/8 whenever a write does not fit. Either way the cache holds only
             packed codes; :meth:`reserved_nbytes` reports the allocation, :meth:`nbytes` the tokens held.
+        prefill: ``"quantized"`` (default, quantize on write: every token attention reads was compressed
+            first, the current block's included) or ``"exact"`` (serving-engine style, as vLLM's TurboQuant
+            backend and Hugging Face's QuantizedCache do: the tokens of a multi-token forward, a prompt,
+            attend to their own K/V as computed while the cache stores them compressed; one-token decode
+            steps read everything compressed either way).
 
     Example:
         >>> cache = CompressedCache("rot+int4", config=model.config)  # doctest: +SKIP
@@ -69,7 +78,11 @@ class CompressedCache(Cache):
         calibration: Calibration | None = None,
         fused: bool = False,
         max_cache_len: int | None = None,
+        prefill: Prefill = "quantized",
     ) -> None:
+        if prefill not in PREFILLS:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILLS)}, got {prefill!r}")
+        self.prefill = prefill
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
             raise ValueError(f"max_cache_len must be a positive number of tokens (or None), got {max_cache_len!r}")
         self.max_cache_len = max_cache_len
@@ -85,6 +98,11 @@ class CompressedCache(Cache):
                 f"{parsed.spec} keeps its newest tokens in its own fp16 window (r={parsed.k.residual}: "
                 f"{parsed.k.residual} to {parsed.k.residual + parsed.k.group - 1} tokens), so residual={residual} "
                 f"does not apply: set the window in the spec ({kivi.spec}) and pass residual=0 (CLI: no --residual)"
+            )
+        if prefill == "exact" and isinstance(parsed.k, KiviCodec):
+            raise ValueError(
+                f"{parsed.spec} keeps its newest tokens in fp16 already; prefill='exact' is for the other walshkv "
+                "codecs: use prefill='quantized' (CLI: no --prefill)"
             )
         self.cache_spec = parsed
         self._step: dict[int, Checkpoint] = {}  # the current step's layers, as they were before it
@@ -124,11 +142,12 @@ class CompressedCache(Cache):
                 layers.append(KiviLayer(spec_i))
             elif layer_type == "full_attention":
                 layers.append(CompressedLayer(spec_i, residual, self.cache_spec.sink))
-                # the kernels do not re-apply RoPE to keys stored before it: prerope+ layers decode, then SDPA
-                layers[-1].fused = fused and not isinstance(spec_i.k, PreRope)
+                layers[-1].fused = fused
                 layers[-1].reserve = max_cache_len or 0
+                layers[-1].exact_prefill = prefill == "exact"
             elif layer_type in _SLIDING_TYPES:
                 layers.append(CompressedSlidingWindowLayer(spec_i, kwargs["sliding_window"], residual))
+                layers[-1].exact_prefill = prefill == "exact"
             else:
                 raise ValueError(
                     f"CompressedCache supports full_attention and {'/'.join(_SLIDING_TYPES)} layers; "
@@ -143,6 +162,7 @@ class CompressedCache(Cache):
             return KiviLayer(spec)
         layer = CompressedLayer(spec, self.residual, self.cache_spec.sink)
         layer.reserve = self.max_cache_len or 0
+        layer.exact_prefill = self.prefill == "exact"
         return layer
 
     @classmethod
@@ -155,6 +175,7 @@ class CompressedCache(Cache):
         residual: int = 0,
         fused: bool = False,
         max_cache_len: int | None = None,
+        prefill: Prefill = "quantized",
     ) -> CompressedCache:
         """A cache for ``model`` with the preset ``name`` (``walshkv:3``, ``walshkv:3.5``, ``walshkv:4.5``).
 
@@ -168,6 +189,7 @@ class CompressedCache(Cache):
             fused: attention reads the packed codes (after :func:`enable_fused_attention`), as for
                 :class:`CompressedCache`.
             max_cache_len: tokens to allocate per layer on the first write, as for :class:`CompressedCache`.
+            prefill: ``"quantized"`` or ``"exact"``, as for :class:`CompressedCache`.
 
         The resolved :class:`walshkv.presets.Preset` is kept as ``cache.preset``.
         """
@@ -179,6 +201,7 @@ class CompressedCache(Cache):
             calibration=calibration,
             fused=fused,
             max_cache_len=max_cache_len,
+            prefill=prefill,
         )
         cache.preset = preset
         return cache

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from walshkv.codecs.calibration import Calibration
+    from walshkv.constants import Prefill
 
 __all__ = ["context_state", "make_cache"]
 
@@ -30,14 +31,18 @@ def make_cache(
     *,
     residual: int = 0,
     calibration: Calibration | None = None,
+    prefill: Prefill = "quantized",
 ) -> Cache:
-    """A :class:`CompressedCache`, or Hugging Face's ``QuantizedCache`` for an ``hf-*`` spec."""
+    """A :class:`CompressedCache`, or Hugging Face's ``QuantizedCache`` for an ``hf-*`` spec.
+
+    ``prefill``: as for :class:`CompressedCache`; Hugging Face's caches show a prompt its exact K/V whatever it is.
+    """
     parsed = parse_cache_spec(spec)
     if isinstance(parsed, HFCacheSpec):
         if residual:
             raise ValueError(f"{parsed.spec} has its own window (':r=TOKENS'); do not combine it with residual")
         return make_hf_cache(parsed, config)
-    return CompressedCache(parsed, config=config, residual=residual, calibration=calibration)
+    return CompressedCache(parsed, config=config, residual=residual, calibration=calibration, prefill=prefill)
 
 
 def context_state(cache: Cache) -> tuple[int, int, bool]:

@@ -4,7 +4,8 @@
 :data:`FUSED_ATTENTION`. A fused layer's ``update`` returns :func:`marker` tensors instead of decoded
 K/V; the attention function finds the layer through them and reads its packed codes with
 :func:`walshkv.attention.decode.decode_attention` (one query token) or
-:func:`walshkv.attention.chunked.chunked_attention` (prefill, padding). Anything else goes to torch SDPA.
+:func:`walshkv.attention.chunked.chunked_attention` (prefill, padding: tile by tile with torch's flash attention
+and log-sum-exp merging, sink tokens first). Neither decodes the whole layer. Anything else goes to torch SDPA.
 Any other reader of a marker (SDPA or eager attention after ``model.set_attn_implementation(...)``, another
 model) fails on its first tensor operation with :data:`MISREAD`, and the cache undoes the step, instead of
 attending over no tokens.
@@ -124,17 +125,14 @@ def fused_attention(
     t = query.shape[2]
     visible = _all_visible(attention_mask)
     head_k, head_v = layer.sink_tokens(layer.keys.dtype)
-    if head_k and not (t == 1 and visible):
-        # sink tokens come first in position order, which the chunked kernel's causal offsets do not know:
-        # prefill (or a masked step) of a sink:N: cache decodes the layer and runs SDPA
-        k_all, v_all = layer.decoded()
-        return _sdpa(module, query, k_all, v_all, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    # one visible query token: order does not matter to softmax, so the sink joins the full-precision window
-    window_k = torch.cat([*head_k, layer.keys], dim=-2) if head_k else layer.keys
-    window_v = torch.cat([*head_v, layer.values], dim=-2) if head_v else layer.values
-    window_k = window_k if window_k.shape[-2] else None
-    window_v = window_v if window_v.shape[-2] else None
+    start = layer.packed_start()  # position of packed token 0 (prerope+ keys are rotated to their positions)
+    window_k = layer.keys if layer.keys.shape[-2] else None
+    window_v = layer.values if layer.values.shape[-2] else None
     if t == 1 and visible:
+        # one visible query token: order does not matter to softmax, so the sink joins the full-precision window
+        if head_k:
+            window_k = torch.cat([*head_k, layer.keys], dim=-2)
+            window_v = torch.cat([*head_v, layer.values], dim=-2)
         out = decode_attention(
             query,
             layer.packed_k,
@@ -144,19 +142,30 @@ def fused_attention(
             scale=scaling,
             window_k=window_k,
             window_v=window_v,
+            start=start,
         )
-    else:
+    else:  # prefill (or a masked step): sink tokens first, then the packed tokens, then the window
+        packed_k, packed_v = layer.packed_k, layer.packed_v
+        if layer._exact is not None:  # prefill="exact": the block's own tokens as computed, after the old ones
+            n_old, old_k, old_v, new_k, new_v = layer._exact
+            layer._exact = None
+            packed_k = packed_k.slice_seq(0, n_old) if n_old and packed_k is not None else None
+            packed_v = packed_v.slice_seq(0, n_old) if n_old and packed_v is not None else None
+            window_k, window_v = torch.cat([old_k, new_k], dim=-2), torch.cat([old_v, new_v], dim=-2)
         out = chunked_attention(
             query,
-            layer.packed_k,
-            layer.packed_v,
+            packed_k,
+            packed_v,
             layer.spec.k,
             layer.spec.v,
             offset=layer._stored_length() - t,
             scale=scaling,
+            head_k=head_k[0] if head_k else None,
+            head_v=head_v[0] if head_v else None,
             window_k=window_k,
             window_v=window_v,
             mask=None if visible else attention_mask,
+            start=start,
         )
     return out.transpose(1, 2).contiguous(), None
 

@@ -66,6 +66,9 @@ class CompressedLayer(CacheLayerMixin):
         self.sink_k: torch.Tensor | None = None
         self.sink_v: torch.Tensor | None = None
         self.fused = False  # set by CompressedCache(..., fused=True) on full-attention layers
+        self.exact_prefill = False  # set by CompressedCache(..., prefill="exact")
+        # fused + exact prefill: (packed tokens before the block, old window K, V, the block's exact K, V)
+        self._exact: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.packed_k: Packed | None = None
         self.packed_v: Packed | None = None
         self._store_k: Packed | None = None  # the allocations packed_k / packed_v are prefix views of
@@ -140,16 +143,27 @@ class CompressedLayer(CacheLayerMixin):
         new_v = self.spec.v.encode(window_v[:, :, :n_encode], new_pos) if n_encode else None
 
         self.sink_k, self.sink_v = sink_k, sink_v
+        # prefill="exact": a multi-token block attends to its own K/V as computed (stored compressed all the same)
+        exact = self.exact_prefill and n_tokens > 1
+        new_exact = (key_states.to(self.keys.dtype), value_states.to(self.values.dtype)) if exact else None
+        self._exact = None
         if self.fused:  # attention reads the packed codes itself (fused_attention): hand it markers
+            if new_exact is not None:
+                n_old = 0 if self.packed_k is None else self.packed_k.seq_len
+                self._exact = (n_old, self.keys, self.values, *new_exact)
             out_k, out_v = marker(self, key_states), marker(self, value_states)
         else:
-            stored_k = ((self.packed_k, packed_pos), (new_k, new_pos))
-            stored_v = ((self.packed_v, packed_pos), (new_v, new_pos))
+            stored_k = ((self.packed_k, packed_pos), (None if exact else new_k, new_pos))
+            stored_v = ((self.packed_v, packed_pos), (None if exact else new_v, new_pos))
             parts_k = [self.spec.k.decode(p, at) for p, at in stored_k if p is not None]
             parts_v = [self.spec.v.decode(p, at) for p, at in stored_v if p is not None]
             head_k, head_v = self.sink_tokens(window_k.dtype)
-            out_k = torch.cat([*head_k, *parts_k, window_k[:, :, n_encode:]], dim=-2)
-            out_v = torch.cat([*head_v, *parts_v, window_v[:, :, n_encode:]], dim=-2)
+            if new_exact is not None:  # the old window, then the whole new block as computed
+                tail_k, tail_v = torch.cat([self.keys, new_exact[0]], -2), torch.cat([self.values, new_exact[1]], -2)
+            else:
+                tail_k, tail_v = window_k[:, :, n_encode:], window_v[:, :, n_encode:]
+            out_k = torch.cat([*head_k, *parts_k, tail_k], dim=-2)
+            out_v = torch.cat([*head_v, *parts_v, tail_v], dim=-2)
 
         growth = 1.0 if self.is_sliding else GROWTH  # (a sliding window drops its oldest tokens anyway)
         self._store_k, self.packed_k = append_packed(self._store_k, self.packed_k, new_k, self.reserve, growth)
@@ -172,11 +186,15 @@ class CompressedLayer(CacheLayerMixin):
             k = k - self.spec.k.plain_offset().to(k.device)[None, :, None, :]
         return [k.to(dtype)], [self.sink_v.to(dtype)]  # type: ignore[union-attr]
 
+    def packed_start(self) -> int:
+        """Position of the first packed token (what its ``encode`` was given): dropped tokens, then the sink."""
+        return self.cumulative_length - self._stored_length() + seq_len(self.sink_k)
+
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored token as attention reads it (sink, decoded packed codes, window), ``[b, h, seq, d]``."""
         dtype = self.keys.dtype
         head_k, head_v = self.sink_tokens(dtype)
-        start = self.cumulative_length - self._stored_length() + seq_len(self.sink_k)
+        start = self.packed_start()
         parts_k = [self.spec.k.decode(self.packed_k, start).to(dtype)] if self.packed_k is not None else []
         parts_v = [self.spec.v.decode(self.packed_v, start).to(dtype)] if self.packed_v is not None else []
         return torch.cat([*head_k, *parts_k, self.keys], dim=-2), torch.cat([*head_v, *parts_v, self.values], dim=-2)

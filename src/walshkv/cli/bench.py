@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from walshkv import bench
+from walshkv.cli.common import SHOW_DEFAULT, calibration_parent
+from walshkv.constants import Prefill
 from walshkv.defaults import DEFAULT_MODEL
 from walshkv.eval.report import command_line, write_result_files
+from walshkv.export import read_kv_mean_center
 
 __all__ = ["add_parsers"]
 
@@ -27,8 +30,14 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _check(args: argparse.Namespace) -> None:
-    """Refuse counts below 1 and a CUDA device that is not there, before anything runs."""
+def _check(args: argparse.Namespace) -> tuple[list[bench.GenerationCodec], list[str]] | None:
+    """Refuse counts below 1, a CUDA device that is not there and generation codecs that cannot run, before
+    anything runs.
+
+    Returns:
+        The resolved generation codecs (presets resolved, calibration in hand) and the notes to print (presets the
+        default table leaves out); ``None`` without a generation part.
+    """
     for flag, value in (("--repeats", args.repeats), ("--new-tokens", args.new_tokens)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
@@ -43,10 +52,34 @@ def _check(args: argparse.Namespace) -> None:
                 f"--device {args.device}: torch sees {seen} here; use --device cpu or an existing GPU "
                 "(a CUDA build of torch: pip install 'walshkv[gpu]')"
             )
+    if args.part not in ("all", "generation"):
+        given = (
+            ("--gen-codec", args.gen_codec),
+            ("--calib-text", args.calib_text),
+            ("--dynamic-dtype", args.dynamic_dtype),
+            ("--prefill", args.prefill != "quantized"),
+        )
+        for flag, value in given:
+            if value:
+                raise ValueError(f"{flag} is for the generation part: add --part generation (or --part all)")
+        if args.kv_mean_center and not args.codec:
+            raise ValueError(
+                "--kv-mean-center with --part attention calibrates the codecs you name: add --codec SPEC "
+                "(e.g. --codec walshkv:3.5)"
+            )
+        return None
+    return bench.resolve_generation_codecs(
+        args.model,
+        args.gen_codec,
+        kv_mean_center=args.kv_mean_center,
+        calib_text=args.calib_text,
+        calib_tokens=args.calib_tokens,
+        progress=not args.quiet,
+    )
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    _check(args)
+    generation = _check(args)
     meta: dict[str, Any] = {
         "machine": bench.machine_description(),
         "command": command_line(args),
@@ -58,31 +91,42 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.device.startswith("cuda") and torch.cuda.is_available():
             meta["machine"]["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
         meta["copy_bandwidth_gb_per_s"] = bench.copy_bandwidth(device=args.device)
+        calibration = read_kv_mean_center(args.kv_mean_center) if args.kv_mean_center and args.codec else None
         att = bench.bench_attention(
             args.kv_len,
             args.codec or bench.DEFAULT_ATTENTION_CODECS,
             repeats=args.repeats,
             device=args.device,
+            calibration=calibration,
+            layer=args.layer,
             progress=not args.quiet,
         )
         result["attention"] = att
         print(bench.format_attention_table(att, meta["copy_bandwidth_gb_per_s"]))
-    if args.part in ("all", "generation"):
+    if generation is not None:
+        gen_codecs, notes = generation
+        for line in notes:
+            print(line)
         gen = bench.bench_generation(
             args.model,
             args.ctx,
-            args.gen_codec,
+            gen_codecs,
+            dynamic_dtypes=args.dynamic_dtype or bench.DYNAMIC_DTYPES,
             new_tokens=args.new_tokens,
             prefill_chunk=args.prefill_chunk,
             decoded=args.decoded,
             reserve=not args.no_reserve,
             malloc_mmap_threshold=args.malloc_mmap_threshold,
+            prefill=args.prefill,
             progress=not args.quiet,
         )
         result["generation"] = gen
-        meta["crossover_context"] = bench.crossover(gen)
+        meta["crossover_context"] = {c.name: bench.crossover(gen, "fused", c.spec) for c in gen_codecs}
+        meta["notes"] = [*notes, *bench.position_notes(gen)]
         print(bench.format_generation_table(gen))
-        print(f"crossover: {meta['crossover_context']}")
+        print("crossover: " + "; ".join(f"{name}: {ctx}" for name, ctx in meta["crossover_context"].items()))
+        for line in bench.position_notes(gen):
+            print(line)
     for line in bench.targets(result):
         print(line)
     rows = [*(result.get("attention") or []), *(result.get("generation") or [])]
@@ -108,11 +152,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         description=bench.__doc__.split("\n\n", 1)[1] if bench.__doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  walshkv bench --part attention --kv-len 1024,16384\n"
-        "  walshkv bench --part generation --ctx 1024,8192 --new-tokens 16",
+        "  walshkv bench --part generation --ctx 1024,8192 --new-tokens 16\n"
+        "  walshkv bench --part generation --ctx 8176 --gen-codec walshkv:3.5 --gen-codec rot+int4 \\\n"
+        "      --kv-mean-center docs/results/presets/smollm2-135m/walshkv-3.5.gguf",
+        parents=[calibration_parent(tokens_help="generation: tokens of --calib-text" + SHOW_DEFAULT)],
     )
     bp.add_argument("--part", choices=["all", "attention", "generation"], default="all", help="what to measure")
     bp.add_argument("--kv-len", type=_ints, default=list(bench.DEFAULT_KV_LENS), help="attention: cached tokens")
-    bp.add_argument("--codec", action="append", metavar="SPEC", help="attention: codec (repeatable)")
+    bp.add_argument(
+        "--codec",
+        action="append",
+        metavar="SPEC",
+        help="attention: codec (repeatable): a spec, or a preset or calibrated spec with --kv-mean-center FILE "
+        "(bound to --layer's calibration; the file's kv heads and head_dim must be the bench's 3 and 64)",
+    )
+    bp.add_argument(
+        "--layer", type=int, default=3, help="attention: the layer whose calibration a calibrated codec uses"
+    )
     bp.add_argument("--repeats", type=int, default=7, help="attention: timed repeats per case (median)")
     bp.add_argument(
         "--device",
@@ -121,8 +177,29 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     bp.add_argument("--model", default=DEFAULT_MODEL, help="generation: model")
     bp.add_argument("--ctx", type=_ints, default=list(bench.DEFAULT_CONTEXTS), help="generation: context lengths")
-    bp.add_argument("--gen-codec", default="rot+int4", help="generation: the compressed cache's spec")
+    bp.add_argument(
+        "--gen-codec",
+        action="append",
+        metavar="SPEC",
+        help="generation: a compressed cache, repeatable: a spec (rot+int4, center+tq:4/tq:2.5) or a preset "
+        "(walshkv:3.5; its calibration from --kv-mean-center FILE or --calib-text TEXT); default: "
+        f"{', '.join(bench.DEFAULT_GENERATION_CODECS)} and the model's shipped presets "
+        "(docs/results/presets/MODEL/walshkv-*.gguf)",
+    )
+    bp.add_argument(
+        "--dynamic-dtype",
+        action="append",
+        choices=list(bench.DYNAMIC_DTYPES),
+        help="generation: the DynamicCache rows, repeatable (default both; bfloat16 loads the model in bf16)",
+    )
     bp.add_argument("--new-tokens", type=int, default=16, help="generation: tokens generated per run")
+    bp.add_argument(
+        "--prefill",
+        choices=get_args(Prefill),
+        default="quantized",
+        help="generation: quantized (quantize on write, the default) or exact (the prompt attends to its exact "
+        "K/V, stored compressed, as serving engines do)",
+    )
     bp.add_argument("--prefill-chunk", type=int, default=1024, help="generation: tokens per prefill forward")
     bp.add_argument(
         "--decoded",

@@ -9,7 +9,7 @@ from typing import get_args
 from walshkv import data, models
 from walshkv.cli.common import calibration_from_args, calibration_parent, model_parent, output_parent, windows_parent
 from walshkv.codecs import parse_cache_spec
-from walshkv.constants import Feed, Score
+from walshkv.constants import Feed, Prefill, Score
 from walshkv.eval import DEFAULT_CODECS, evaluate
 from walshkv.eval.report import command_line, describe_run, format_table, write_csv, write_json, write_markdown
 from walshkv.presets import resolve_specs
@@ -38,6 +38,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         calibration=calibration,
         feed=args.feed,
         decode_chunk=args.decode_chunk,
+        prefill=args.prefill,
         progress=not args.quiet,
     )
     command = command_line(args)
@@ -106,5 +107,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="scored tokens per forward with --feed decode (1: as in generation; larger is faster and "
         "the share of full-precision context it adds is reported)",
+    )
+    ev.add_argument(
+        "--prefill",
+        choices=get_args(Prefill),
+        default="quantized",
+        help="quantized (default): quantize on write, every token attention reads was compressed first; exact: "
+        "serving-engine style (vLLM's TurboQuant backend, Hugging Face's QuantizedCache): the unscored prefix "
+        "attends to its exact K/V, stored compressed, then the scored tokens are decoded (implies --feed decode); "
+        "compare with those engines on their terms, report quantize-on-write numbers as walshkv's own",
     )
     ev.set_defaults(func=_cmd_eval)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 import torch
 
-from walshkv.ops.quant import FP16_MAX, check_finite
+from walshkv.ops.quant import FP16_MAX, finite_absmax
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
@@ -129,13 +129,18 @@ class Packed:
 
 def check_kv(x: torch.Tensor, what: str = "K/V") -> None:
     """Validate a K/V block: 4-D ``[batch, num_kv_heads, seq_len, head_dim]``, float, finite."""
+    _checked_absmax(x, what)
+
+
+def _checked_absmax(x: torch.Tensor, what: str = "K/V") -> float:
+    """:func:`check_kv`, returning ``max |x|`` (0 for an empty block) from the same pass."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 4:
         raise ValueError(f"{what} must have shape [batch, num_kv_heads, seq_len, head_dim], got {tuple(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{what} must be a float tensor (float16, bfloat16, float32, float64), got {x.dtype}")
-    check_finite(x, what)
+    return finite_absmax(x, what)
 
 
 def check_start(start: int) -> None:
@@ -150,6 +155,9 @@ class Codec(ABC):
     ``encode`` validates its input (shape, dtype, finiteness, head size, start) before any
     work, so a failed call changes nothing. A codec whose result depends on the tokens'
     positions overrides :meth:`_encode_at` and :meth:`_decode_at` instead.
+
+    A wrapper hands its transformed block to its inner codec's :meth:`_encode_inner`, which skips the checks
+    that the wrapper's own ``encode`` already made on the same block (see :class:`Wrapper`).
     """
 
     #: Canonical spec string, e.g. ``"rot+int4"``.
@@ -199,14 +207,37 @@ class Codec(ABC):
             x: the block, any float dtype; :meth:`decode` returns that dtype.
             start: position of the block's first token (token ``i`` is at ``start + i``).
         """
-        check_kv(x)
+        peak = _checked_absmax(x)
         self.check_head_dim(x.shape[-1])
         check_start(start)
         x = x.contiguous()  # the same bytes for a view and its copy (matmul and rounding follow the strides)
-        packed = self._encode_at(x, start)
+        packed = self._encode_checked(x, start)
         packed.dtype = x.dtype
-        if x.dtype == torch.float16 and x.numel() and float(x.abs().amax()) > FP16_TRIAL_ABOVE:
+        if x.dtype == torch.float16 and peak > FP16_TRIAL_ABOVE:
             self._check_fp16_range(x, packed, start)
+        return packed
+
+    #: True if :meth:`_encode` itself raises on NaN/Inf input (which ``encode`` refuses first): a wrapper's output,
+    #: which the wrapper's ``encode`` did not check, may then skip ``check_kv`` in :meth:`_encode_inner`.
+    refuses_nonfinite: ClassVar[bool] = False
+
+    def _encode_checked(self, x: torch.Tensor, start: int) -> Packed:
+        """Encode a block that :meth:`encode` validated (a :class:`Wrapper` takes its fast path here)."""
+        return self._encode_at(x, start)
+
+    def _encode_inner(self, x: torch.Tensor) -> Packed:
+        """Encode a wrapper's transformed block ``x`` (4-D float, this codec's head size, position 0).
+
+        The same as ``encode(x)`` when ``x`` is finite, minus the checks that the wrapper's ``encode`` made: the
+        head size (a wrapper keeps it) and, for a codec that :attr:`refuses_nonfinite`, the NaN/Inf scan. It may
+        raise on a block that ``encode`` would refuse (with another message); the wrapper then reruns
+        ``encode``, see :meth:`Wrapper._encode_checked`.
+        """
+        if not self.refuses_nonfinite or x.dtype == torch.float16:
+            return self.encode(x)
+        x = x.contiguous()
+        packed = self._encode_at(x, 0)
+        packed.dtype = x.dtype
         return packed
 
     def _check_fp16_range(self, x: torch.Tensor, packed: Packed, start: int) -> None:
@@ -276,6 +307,14 @@ class Wrapper(Codec):
     needs calibration if its inner codec does. Walk a chain with :func:`wrappers` and :func:`unwrap`, never
     by reading attributes by name. Building one checks its place in :data:`WRAPPER_ORDER`.
 
+    A subclass implements :meth:`_transform` (the codec that stores its output, and that output) and
+    ``_decode``. Encoding then checks the input once, at the outermost ``encode``: each transform's output goes
+    to the next codec's :meth:`Codec._encode_inner`, and the storing codec refuses a NaN or Inf that a
+    transform made (an overflow) or passed on, or else its ``encode`` scans for them. If anything on that path
+    raises, :meth:`_encode_checked` reruns the chain with every inner codec's ``encode``, which raises what each
+    level's checks raise (the reference path, :meth:`_encode_at`): results and errors are those of a chain that
+    validates at every level.
+
     Attributes:
         name: the slot in :data:`WRAPPER_ORDER` (``"rot"``, ``"center"``, ...); :attr:`prefix` is how a spec
             writes it (``rrot:3`` for a ``rot`` slot with random signs).
@@ -310,6 +349,38 @@ class Wrapper(Codec):
 
     def check_head_dim(self, head_dim: int) -> None:
         self.inner.check_head_dim(head_dim)
+
+    def _transform(self, x: torch.Tensor, start: int) -> tuple[Codec, torch.Tensor]:
+        """``(codec, y)``: the codec that stores this wrapper's output ``y`` for a block ``x`` at ``start``.
+
+        ``y`` keeps ``x``'s shape and is float; ``codec`` is ``inner`` (``center+rot+`` hands its output to the
+        rotation's inner codec). Every NaN or Inf of ``x`` must leave one in ``y`` (true of invertible linear maps).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement _transform")
+
+    def _encode_at(self, x: torch.Tensor, start: int) -> Packed:
+        """The reference path: the transformed block through the storing codec's own ``encode``."""
+        codec, y = self._transform(x, start)
+        return codec.encode(y)
+
+    def _encode(self, x: torch.Tensor) -> Packed:
+        return self._encode_at(x, 0)
+
+    def _encode_checked(self, x: torch.Tensor, start: int) -> Packed:
+        try:
+            codec, y = self._transform(x, start)
+            return codec._encode_inner(y)
+        except Exception:  # rerun with every level's checks: the error (or result) of the reference path
+            return self._encode_at(x, start)
+
+    def _encode_inner(self, x: torch.Tensor) -> Packed:
+        if x.dtype == torch.float16:
+            return self.encode(x)
+        x = x.contiguous()
+        codec, y = self._transform(x, 0)
+        packed = codec._encode_inner(y)
+        packed.dtype = x.dtype
+        return packed
 
     def unwrap(self) -> Codec:
         """The innermost codec, the one that stores the bits."""

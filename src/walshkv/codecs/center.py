@@ -12,6 +12,7 @@ without a rotation needs a ``plain`` file. Statistics collected in the same run
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,12 @@ if TYPE_CHECKING:
     from walshkv.constants import Basis, Kind
 
 __all__ = ["Centered"]
+
+#: Each codec's bias as ``[1, kv_heads, 1, head_dim]`` on the device last used (kept off the codec's attributes,
+#: which the calibration digest reads).
+_BIAS_VIEWS: weakref.WeakKeyDictionary[Centered, tuple[torch.Tensor, torch.device, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class Centered(Wrapper):
@@ -77,11 +84,17 @@ class Centered(Wrapper):
             raise ValueError(f"{self.spec}: bias has head_dim {self.bias.shape[-1]}, K has {head_dim}")
 
     def _bias_for(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
+        bias = self.bias
+        if bias is None:
             raise ValueError(f"{self.spec} is not bound to a layer's K mean; build it through CompressedCache")
-        if self.bias.shape[0] != x.shape[1]:
-            raise ValueError(f"{self.spec}: bias has {self.bias.shape[0]} kv heads, K has {x.shape[1]}")
-        return self.bias.to(x.device)[None, :, None, :]
+        if bias.shape[0] != x.shape[1]:
+            raise ValueError(f"{self.spec}: bias has {bias.shape[0]} kv heads, K has {x.shape[1]}")
+        device = x.device
+        cached = _BIAS_VIEWS.get(self)
+        if cached is None or cached[0] is not bias or cached[1] != device:
+            cached = (bias, device, bias.to(device)[None, :, None, :])
+            _BIAS_VIEWS[self] = cached
+        return cached[2]
 
     def plain_offset(self) -> torch.Tensor:
         """What decoding leaves subtracted from K, in the plain basis: ``[kv_heads, head_dim]``.
@@ -95,11 +108,11 @@ class Centered(Wrapper):
             return self.inner.unrotate(self.bias)
         return self.bias
 
-    def _encode(self, x: torch.Tensor) -> Packed:
+    def _transform(self, x: torch.Tensor, start: int) -> tuple[Codec, torch.Tensor]:
         if isinstance(self.inner, Rotated):
             y = self.inner.rotate(x) - self._bias_for(x)
-            return self.inner.inner.encode(y)
-        return self.inner.encode(x.to(torch.float32) - self._bias_for(x))
+            return self.inner.inner, y
+        return self.inner, (x if x.dtype == torch.float32 else x.to(torch.float32)) - self._bias_for(x)
 
     def _decode(self, packed: Packed) -> torch.Tensor:
         if isinstance(self.inner, Rotated):

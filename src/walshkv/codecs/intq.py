@@ -12,11 +12,13 @@ Note that ``int2`` has levels {-1, 0, +1} (qmax = 1), as the symmetric rule impl
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from walshkv.codecs.base import Codec, Field, Packed
-from walshkv.ops.packing import pack_bits, packed_nbytes, unpack_bits
-from walshkv.ops.quant import dequantize_symmetric, quantize_symmetric
+from walshkv.ops.packing import pack_float_codes, packed_nbytes, unpack_bits
+from walshkv.ops.quant import check_finite, dequantize_symmetric, quantize_symmetric_codes
 
 __all__ = ["IntCodec"]
 
@@ -36,9 +38,13 @@ class IntCodec(Codec):
             "scale": Field((1,), torch.float16),
         }
 
+    refuses_nonfinite = True  # a NaN makes the largest scale NaN, an Inf makes it too large
+
     def _encode(self, x: torch.Tensor) -> Packed:
-        codes, scale = quantize_symmetric(x, self.bits)
-        return Packed({"codes": pack_bits(codes, self.bits), "scale": scale}, x.shape[-1], x.dtype)
+        codes, scale, biggest = quantize_symmetric_codes(x, self.bits)
+        if math.isnan(biggest):
+            check_finite(x, "K/V")
+        return Packed({"codes": pack_float_codes(codes, self.bits), "scale": scale}, x.shape[-1], x.dtype)
 
     def _decode(self, packed: Packed) -> torch.Tensor:
         codes = unpack_bits(packed.tensors["codes"], self.bits, packed.head_dim)

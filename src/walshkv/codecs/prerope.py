@@ -22,6 +22,7 @@ written for a ``prerope+`` spec. The fused attention kernels do not re-rotate ke
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,13 +30,16 @@ import torch
 from walshkv.codecs.base import Codec, Packed, Wrapper
 from walshkv.codecs.calibration import PreRopeSource, RopeTables
 from walshkv.codecs.center import Centered
-from walshkv.ops.rope import RopeTable, apply_rope, undo_rope
+from walshkv.ops.rope import RopeRows, RopeTable, apply_rope, undo_rope
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
     from walshkv.constants import Kind
 
 __all__ = ["PreRope"]
+
+#: Each codec's cached cos/sin rows (kept off the codec's attributes, which the calibration digest reads).
+_ROWS: weakref.WeakKeyDictionary[PreRope, RopeRows] = weakref.WeakKeyDictionary()
 
 
 class PreRope(Wrapper):
@@ -87,9 +91,13 @@ class PreRope(Wrapper):
             )
         return self.rope
 
-    def _encode_at(self, x: torch.Tensor, start: int) -> Packed:
-        """Keys ``x`` ``[batch, kv_heads, seq, head_dim]`` (after RoPE) at positions ``start, ...``."""
-        return self.inner.encode(undo_rope(x, self._table(), start))
+    def _transform(self, x: torch.Tensor, start: int) -> tuple[Codec, torch.Tensor]:
+        """Keys ``x`` ``[batch, kv_heads, seq, head_dim]`` (after RoPE) at positions ``start, ...``, before RoPE."""
+        table = self._table()
+        rows = _ROWS.get(self)
+        if rows is None or rows.table is not table:
+            rows = _ROWS[self] = RopeRows(table)
+        return self.inner, undo_rope(x, table, start, rows)
 
     def _decode_at(self, packed: Packed, start: int) -> torch.Tensor:
         """Keys after RoPE ``[batch, kv_heads, seq, head_dim]`` (float32) at positions ``start, ...``."""
@@ -98,9 +106,6 @@ class PreRope(Wrapper):
         if isinstance(self.inner, Centered):  # center+ left its mean subtracted; after RoPE it is not a constant
             y = y + self.inner.plain_offset().to(y.device)[None, :, None, :]
         return apply_rope(y, table, start)
-
-    def _encode(self, x: torch.Tensor) -> Packed:
-        return self._encode_at(x, 0)
 
     def _decode(self, packed: Packed) -> torch.Tensor:
         return self._decode_at(packed, 0)

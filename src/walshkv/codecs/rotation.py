@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from walshkv.codecs.base import Codec, Packed, Wrapper
-from walshkv.ops.hadamard import _check_size, hadamard_transform, signs_for
+from walshkv.ops.hadamard import _check_size, hadamard_transform, signed_hadamard, signs_for
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
@@ -54,20 +54,23 @@ class Rotated(Wrapper):
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Forward rotation ``H(s * x)`` over the last dimension (float32)."""
-        x = x.to(torch.float32)
+        x = x if x.dtype == torch.float32 else x.to(torch.float32)
         if self.seed is not None:
+            signed = signed_hadamard(x, self.seed)
+            if signed is not None:
+                return x @ signed
             x = x * signs_for(x.shape[-1], self.seed, x.device)
         return hadamard_transform(x)
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """Inverse rotation ``s * H(y)`` over the last dimension (float32)."""
-        x = hadamard_transform(y.to(torch.float32))
+        x = hadamard_transform(y if y.dtype == torch.float32 else y.to(torch.float32))
         if self.seed is not None:
             x = x * signs_for(x.shape[-1], self.seed, x.device)
         return x
 
-    def _encode(self, x: torch.Tensor) -> Packed:
-        return self.inner.encode(self.rotate(x))
+    def _transform(self, x: torch.Tensor, start: int) -> tuple[Codec, torch.Tensor]:
+        return self.inner, self.rotate(x)
 
     def _decode(self, packed: Packed) -> torch.Tensor:
         return self.unrotate(self.inner._decode(packed))

@@ -35,10 +35,10 @@ from typing import Any
 import torch
 
 from walshkv.codecs.base import Codec, Field, Packed
-from walshkv.ops.hadamard import _check_size, hadamard_transform, signs_for
+from walshkv.ops.hadamard import _check_size, hadamard_transform, signed_hadamard, signs_for
 from walshkv.ops.lloyd_max import LloydMax, lloyd_max
-from walshkv.ops.packing import pack_bits, packed_nbytes, unpack_bits
-from walshkv.ops.quant import FP16_MAX
+from walshkv.ops.packing import pack_bits, pack_bits_span, packed_nbytes, unpack_bits
+from walshkv.ops.quant import FP16_MAX, check_finite, cpu_scalar
 
 __all__ = [
     "CODEBOOKS",
@@ -134,13 +134,27 @@ class TurboQuant(Codec):
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``H(s * x)`` over the last dimension (float32)."""
-        x = x.to(torch.float32)
+        x = x if x.dtype == torch.float32 else x.to(torch.float32)
+        signed = signed_hadamard(x, self.seed)
+        if signed is not None:
+            return x @ signed
         return hadamard_transform(x * signs_for(x.shape[-1], self.seed, x.device))
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """``s * H(y)`` over the last dimension (float32)."""
-        y = y.to(torch.float32)
+        y = y if y.dtype == torch.float32 else y.to(torch.float32)
         return hadamard_transform(y) * signs_for(y.shape[-1], self.seed, y.device)
+
+    def _segment_tables(self, head_dim: int, device: torch.device) -> list[tuple[str, int, int, int, torch.Tensor]]:
+        """:meth:`segments` with each one's quantizer thresholds (float32 on ``device``), cached."""
+        key = (self.bits, self.codebook, head_dim, device)
+        tables = _SEGMENT_TABLES.get(key)
+        if tables is None:
+            tables = _SEGMENT_TABLES[key] = [
+                (name, start, stop, bits, self.quantizer(bits, head_dim).table("thresholds", device, torch.float32))
+                for name, start, stop, bits in self.segments(head_dim)
+            ]
+        return tables
 
     # --- the codec ------------------------------------------------------------------------------------
 
@@ -160,14 +174,28 @@ class TurboQuant(Codec):
         if self.codebook == "beta" and head_dim < 4:
             raise ValueError(f"'{self.spec}' (beta codebook) needs head_dim >= 4, got {head_dim}")
 
+    refuses_nonfinite = True  # a NaN or Inf input makes its norm NaN or Inf
+
     def _encode(self, x: torch.Tensor) -> Packed:
         d = x.shape[-1]
-        norm16 = _check_fp16(torch.linalg.vector_norm(x.to(torch.float64), dim=-1, keepdim=True), "L2 norm", self.spec)
-        scale = norm16.to(torch.float32) / math.sqrt(d)
-        t = self.rotate(x) / torch.where(scale > 0, scale, torch.ones_like(scale))
+        norm = torch.linalg.vector_norm(x if x.dtype == torch.float64 else x.to(torch.float64), dim=-1, keepdim=True)
+        norm16 = norm.to(torch.float16)
+        smallest = 0.0
+        if norm16.numel():
+            lo, hi = torch.aminmax(norm16)
+            smallest = lo.item()
+            if not hi.item() <= FP16_MAX:  # an Inf norm, or NaN from a NaN/Inf input (a wrapper's output)
+                check_finite(x, "K/V")
+                _check_fp16(norm, "L2 norm", self.spec)
+        scale = norm16.to(torch.float32)
+        scale = scale / cpu_scalar(math.sqrt(d), scale)
+        # every norm positive (norm16 >= 2**-24, so is the scale): the where() is a no-op, skipped
+        t = self.rotate(x) / (scale if smallest > 0 else torch.where(scale > 0, scale, 1.0))
+        # quantize() is bucketize, then a uint8 copy that pack_bits does not need. Each width's quantizer codes the
+        # whole row (the same codes for its span as for the span alone), and pack_bits_span packs its span.
         tensors = {
-            name: pack_bits(self.quantizer(bits, d).quantize(t[..., start:stop].contiguous()), bits)
-            for name, start, stop, bits in self.segments(d)
+            name: pack_bits_span(torch.bucketize(t, bounds), start, stop, bits)
+            for name, start, stop, bits, bounds in self._segment_tables(d, x.device)
         }
         tensors["norm"] = norm16
         return Packed(tensors, d, x.dtype)
@@ -253,6 +281,10 @@ class TurboQuantProd(Codec):
         if self.stage is not None:
             out = out + self.stage._decode(self._mse_packed(packed))
         return out
+
+
+#: :meth:`TurboQuant._segment_tables` per (bits, codebook, head_dim, device).
+_SEGMENT_TABLES: dict[tuple[float, str, int, torch.device], list[tuple[str, int, int, int, torch.Tensor]]] = {}
 
 
 def _canonical(name: str, bits: float, seed: int, codebook: str) -> str:

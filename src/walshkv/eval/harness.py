@@ -34,7 +34,7 @@ from transformers import DynamicCache
 from walshkv.cache import CompressedCache, context_state, hf_cache_nbytes, make_cache
 from walshkv.codecs.kivi import KiviCodec
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, parse_cache_spec
-from walshkv.constants import Feed, Score
+from walshkv.constants import Feed, Prefill, Score
 from walshkv.data import describe_scored, make_windows, scored_positions
 from walshkv.defaults import CTX, WINDOWS
 from walshkv.eval.metrics import TokenMetrics, compare_logits
@@ -63,6 +63,16 @@ class EvalResult:
 
 
 FEEDS: tuple[Feed, ...] = ("auto", "window", "decode")
+PREFILLS: tuple[Prefill, ...] = ("quantized", "exact")
+#: The meta's ``prefill`` entry.
+PREFILL_NOTES: dict[Prefill, str] = {
+    "quantized": "quantize on write: every token attention reads was compressed first, the current block's included",
+    "exact": (
+        "serving-engine style (vLLM's TurboQuant backend, Hugging Face's QuantizedCache): the unscored prefix "
+        "attends to its own exact K/V, which the cache stores compressed; scored tokens are decoded over the "
+        "compressed cache"
+    ),
+}
 
 
 def forward_logits(model: Any, ids: torch.Tensor, cache: Any, keep: int) -> torch.Tensor:
@@ -88,6 +98,7 @@ def _decode(
     for p in range(first, last, chunk):
         n = min(chunk, last - p)
         cached, window, exact = context_state(cache)
+        exact = exact or (n > 1 and bool(getattr(cache.layers[0], "exact_prefill", False)))  # prefill="exact"
         for j in range(n):  # earlier tokens of this forward are full precision too if the cache shows them so
             earlier = window + (j if exact else 0)
             states.append((cached + j + 1, earlier + exact, earlier))
@@ -113,9 +124,14 @@ def _fp_window(spec: CacheSpec | HFCacheSpec) -> int | None:
     return spec.k.residual if isinstance(spec.k, KiviCodec) else None
 
 
-def _feed_for(spec: CacheSpec | HFCacheSpec, feed: Feed) -> Feed:
+def _feed_for(spec: CacheSpec | HFCacheSpec, feed: Feed, prefill: Prefill = "quantized") -> Feed:
     if feed == "auto":
-        return "decode" if isinstance(spec, HFCacheSpec) else "window"
+        return "decode" if isinstance(spec, HFCacheSpec) or prefill == "exact" else "window"
+    if feed == "window" and prefill == "exact":
+        raise ValueError(
+            "prefill='exact' shows a forward its own K/V as computed: one forward per window would read nothing "
+            "compressed; use feed='decode' (CLI: --feed decode) or 'auto'"
+        )
     if feed == "window" and isinstance(spec, HFCacheSpec):
         raise ValueError(
             f"{spec.spec} returns the first write unquantized: one forward per window would measure nothing; "
@@ -137,6 +153,7 @@ def evaluate(
     calibration: CalibrationLike | None = None,
     feed: Feed = "auto",
     decode_chunk: int = 1,
+    prefill: Prefill = "quantized",
     progress: bool = True,
 ) -> EvalResult:
     """Measure each codec against the uncompressed cache on the same tokens.
@@ -156,6 +173,9 @@ def evaluate(
         decode_chunk: scored tokens per forward when decoding (1: exactly as in generation; more is
             faster, and a cache that shows its current write unquantized then shows up to
             ``decode_chunk - 1`` more recent tokens in full precision: measured in ``fp_context_mean``).
+        prefill: ``"quantized"`` (quantize on write, the default) or ``"exact"`` (serving-engine style: the
+            unscored prefix attends to its own exact K/V, stored compressed; then the scored tokens are decoded
+            over the compressed cache; implies ``feed="decode"``), as for :class:`~walshkv.cache.CompressedCache`.
         progress: show a progress bar.
 
     Returns:
@@ -166,7 +186,9 @@ def evaluate(
         raise ValueError("give at least one --codec")
     if feed not in FEEDS:
         raise ValueError(f"feed must be one of {', '.join(FEEDS)}, got {feed!r}")
-    feeds = {s.spec: _feed_for(s, feed) for s in specs}
+    if prefill not in PREFILLS:
+        raise ValueError(f"prefill must be one of {', '.join(PREFILLS)}, got {prefill!r}")
+    feeds = {s.spec: _feed_for(s, feed, prefill) for s in specs}
     if decode_chunk < 1:
         raise ValueError(f"decode_chunk must be at least 1 token, got {decode_chunk}")
     head_dim = lm.shape.head_dim
@@ -178,7 +200,7 @@ def evaluate(
     if calibration is not None and text.name in {getattr(c, "text", None) for c in sources if c is not None}:
         raise ValueError(f"calibration text and evaluation text are both {text.name!r}; calibrate on other text")
     for spec in specs:  # bind every codec once now: calibration mismatches fail before any forward
-        make_cache(spec, config=lm.model.config, residual=residual, calibration=calibration)
+        make_cache(spec, config=lm.model.config, residual=residual, calibration=calibration, prefill=prefill)
     first, last = scored_positions(ctx, score)
     win = make_windows(lm.tokenizer, text.content, ctx, windows)
     n_win = win.ids.shape[0]
@@ -205,7 +227,7 @@ def evaluate(
         for spec in specs:
             bar.set_postfix_str(f"window {w + 1}/{n_win}: {spec.spec}")
             t0 = time.perf_counter()
-            cache = make_cache(spec, config=model.config, residual=residual, calibration=calibration)
+            cache = make_cache(spec, config=model.config, residual=residual, calibration=calibration, prefill=prefill)
             if feeds[spec.spec] == "decode":
                 logits, states = _decode(model, ids, cache, first, last, decode_chunk)
                 fp_context[spec.spec].extend(states)
@@ -244,7 +266,8 @@ def evaluate(
             "kv_bytes_fp16": fp16_bytes,
             "seconds": seconds[spec.spec],
             "feed": feeds[spec.spec],
-            "quantize_on_write": fp_windows[spec.spec] is None,
+            "prefill": prefill,
+            "quantize_on_write": fp_windows[spec.spec] is None and prefill == "quantized",
         }
         states = fp_context.get(spec.spec)
         if states:  # decode-fed and KIVI rows: how much of what attention read was full precision
@@ -271,7 +294,8 @@ def evaluate(
         residual=residual,
         calibration=calibration_meta(calibration),
         reference=f"same model, uncompressed DynamicCache at {next(model.parameters()).dtype!s}",
-        quantize_on_write=_quantize_on_write(specs),
+        quantize_on_write=_quantize_on_write(specs) if prefill == "quantized" else "no: prefill='exact'",
+        prefill=PREFILL_NOTES[prefill],
         feed={
             "window": "one forward per window; every token compressed on write before attention reads it",
             "decode": f"tokens 0..{first - 1} in one forward, then {decode_chunk} scored position(s) per forward"

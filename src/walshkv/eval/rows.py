@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NotRequired, TypedDict
 
-from walshkv.constants import Feed
+from walshkv.constants import Feed, Prefill
 
 __all__ = ["MetricSummary", "ResultRow"]
 
@@ -47,6 +47,7 @@ class ResultRow(MetricSummary):
     seconds: float
     #: how the window was fed: ``"window"`` or ``"decode"`` (never ``"auto"``, which picks one of them).
     feed: Feed
+    prefill: Prefill
     #: whether every token was compressed before attention read it (not so for Hugging Face ``hf-*`` and KIVI).
     quantize_on_write: bool
     # decode-fed and KIVI rows only:

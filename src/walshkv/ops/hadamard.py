@@ -12,7 +12,15 @@ import math
 
 import torch
 
-__all__ = ["fwht", "hadamard_matrix", "hadamard_transform", "is_power_of_two", "random_signs", "signs_for"]
+__all__ = [
+    "fwht",
+    "hadamard_matrix",
+    "hadamard_transform",
+    "is_power_of_two",
+    "random_signs",
+    "signed_hadamard",
+    "signs_for",
+]
 
 # Up to this size a dense matmul with the cached matrix beats the butterflies on CPU (BLAS).
 _DENSE_MAX = 256
@@ -79,10 +87,46 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
         return fwht(x)
     _check_size(n)
     work_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    key = (n, work_dtype, x.device)
-    if key not in _DENSE_CACHE:
-        _DENSE_CACHE[key] = hadamard_matrix(n, work_dtype).to(x.device)
-    return x.to(work_dtype) @ _DENSE_CACHE[key]
+    return (x if x.dtype == work_dtype else x.to(work_dtype)) @ _dense(n, work_dtype, x.device)
+
+
+def _dense(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The cached orthonormal Hadamard matrix of size ``n`` (read-only)."""
+    key = (n, dtype, device)
+    h = _DENSE_CACHE.get(key)
+    if h is None:
+        h = _DENSE_CACHE[key] = hadamard_matrix(n, dtype).to(device)
+    return h
+
+
+_SIGNED_CACHE: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+#: Byte alignment of a fresh tensor's data (torch's CPU allocator: 64; the CUDA caching allocator: 512).
+_FRESH_ALIGN = {"cpu": 64, "cuda": 512}
+
+
+def signed_hadamard(x: torch.Tensor, seed: int) -> torch.Tensor | None:
+    """The cached ``diag(s) H`` (``s = signs_for(n, seed)``) for ``x``'s size and device, where it serves ``x``.
+
+    ``x @ signed_hadamard(x, seed)`` equals ``hadamard_transform(x * s)`` bit for bit: flipping a sign is exact
+    and commutes with rounding, so every product ``x_k (s_k h_kj)`` is the product ``(x_k s_k) h_kj``, and the
+    matmul sums the same terms in the same order (it sees operands of the same shape, strides and alignment as
+    the fresh tensor ``x * s``). Returns ``None`` where that does not hold: ``x`` not float32, not contiguous or
+    not at a fresh tensor's alignment, or a size that :func:`hadamard_transform` does not take by matmul; the
+    caller then multiplies by the signs. (Signs applied after the transform cannot be folded in this way: the
+    sign of an exactly zero sum would change.)
+    """
+    n = x.shape[-1]
+    if n > _DENSE_MAX or x.dtype != torch.float32 or not is_power_of_two(n) or not x.is_contiguous():
+        return None
+    device = x.device
+    align = _FRESH_ALIGN.get(device.type)
+    if align is None or x.data_ptr() % align:
+        return None
+    key = (n, seed, device)
+    m = _SIGNED_CACHE.get(key)
+    if m is None:
+        m = _SIGNED_CACHE[key] = (signs_for(n, seed, device)[:, None] * _dense(n, torch.float32, device)).contiguous()
+    return m
 
 
 def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:

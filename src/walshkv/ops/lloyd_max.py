@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -61,15 +61,25 @@ class LloydMax:
     thresholds: torch.Tensor
     mse: float
     iterations: int
+    _tables: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False
+    )
+
+    def table(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``levels`` or ``thresholds`` (``name``) on ``device`` as ``dtype``, cached; treat it as read-only."""
+        key = (name, device, dtype)
+        out = self._tables.get(key)
+        if out is None:
+            out = self._tables[key] = getattr(self, name).to(device=device, dtype=dtype)
+        return out
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         """Index (``uint8``) of the nearest level for every element of ``x``."""
-        bounds = self.thresholds.to(device=x.device, dtype=x.dtype)
-        return torch.bucketize(x, bounds).to(torch.uint8)
+        return torch.bucketize(x, self.table("thresholds", x.device, x.dtype)).to(torch.uint8)
 
     def dequantize(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The levels for ``codes`` (any integer tensor), as ``dtype``."""
-        return self.levels.to(device=codes.device, dtype=dtype)[codes.long()]
+        return self.table("levels", codes.device, dtype)[codes.long()]
 
 
 # --------------------------------------------------------------------------------------------------------

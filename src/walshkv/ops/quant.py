@@ -10,15 +10,20 @@ zeros (never NaN).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = [
     "FP16_MAX",
     "check_finite",
+    "cpu_scalar",
     "dequantize_symmetric",
     "divide_by_scale",
+    "finite_absmax",
     "fp16_scale_up",
     "quantize_symmetric",
+    "quantize_symmetric_codes",
     "symmetric_qmax",
 ]
 
@@ -34,15 +39,34 @@ def symmetric_qmax(bits: int) -> int:
 
 def check_finite(x: torch.Tensor, what: str = "input") -> None:
     """Raise ``ValueError`` naming the count of NaN/Inf values if ``x`` has any."""
-    finite = torch.isfinite(x)
-    if not bool(finite.all()):
-        n_nan = int(torch.isnan(x).sum())
-        n_inf = int(torch.isinf(x).sum())
-        raise ValueError(
-            f"{what} contains {n_nan} NaN and {n_inf} Inf values; walshkv codecs refuse non-finite "
-            "K/V instead of spreading them through a shared scale. Find where the model overflows "
-            "(e.g. run it in float32) and pass finite values."
-        )
+    if x.is_floating_point():
+        finite_absmax(x, what)
+    elif not bool(torch.isfinite(x).all()):
+        _refuse_nonfinite(x, what)
+
+
+def finite_absmax(x: torch.Tensor, what: str = "input") -> float:
+    """``max |x|`` of a float tensor (0 if it is empty), after :func:`check_finite`'s check, in one pass.
+
+    One ``aminmax`` both checks and measures: a NaN propagates to both ends, an Inf reaches one of them.
+    """
+    if not x.numel():
+        return 0.0
+    lo_t, hi_t = torch.aminmax(x)
+    lo, hi = lo_t.item(), hi_t.item()
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        _refuse_nonfinite(x, what)
+    return max(-lo, hi)
+
+
+def _refuse_nonfinite(x: torch.Tensor, what: str) -> None:
+    n_nan = int(torch.isnan(x).sum())
+    n_inf = int(torch.isinf(x).sum())
+    raise ValueError(
+        f"{what} contains {n_nan} NaN and {n_inf} Inf values; walshkv codecs refuse non-finite "
+        "K/V instead of spreading them through a shared scale. Find where the model overflows "
+        "(e.g. run it in float32) and pass finite values."
+    )
 
 
 def quantize_symmetric(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,20 +83,61 @@ def quantize_symmetric(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.
     Raises:
         ValueError: if a vector's scale would overflow fp16.
     """
+    codes, scale16, _ = quantize_symmetric_codes(x, bits)
+    return codes.to(torch.uint8), scale16
+
+
+def quantize_symmetric_codes(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """:func:`quantize_symmetric` with the codes still float32 (whole numbers), and the largest float32 scale.
+
+    The largest scale is NaN where ``x`` has a NaN (which the caller may refuse). Returns ``(codes, scale, biggest)``.
+    """
     qmax = symmetric_qmax(bits)
-    xf = x.to(torch.float32)
+    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
     absmax = xf.abs().amax(dim=-1, keepdim=True)
-    scale32 = absmax / qmax
-    biggest = float(scale32.max()) if scale32.numel() else 0.0
+    scale32 = absmax / cpu_scalar(qmax, absmax)
+    smallest, biggest = 0.0, 0.0
+    if scale32.numel():
+        lo, hi = torch.aminmax(scale32)
+        smallest, biggest = lo.item(), hi.item()
     if biggest > FP16_MAX:
         raise ValueError(
             f"a vector with |x| up to {float(absmax.max()):.4g} needs a scale of {biggest:.4g}, beyond the "
             f"fp16 scale range (max {FP16_MAX}) of int{bits}; values this large are not K/V of a healthy "
             "model. Rescale the input or use a float codec (fp32, bf16)."
         )
-    scale16 = fp16_scale_up(scale32)
-    q = divide_by_scale(xf, scale16).clamp_(-qmax, qmax) + qmax
-    return q.to(torch.uint8), scale16
+    # fp16_scale_up for scales in [+0, FP16_MAX] (or NaN): there nextafter(s, +Inf) is the next bit pattern
+    scale16 = scale32.to(torch.float16)
+    scale16 = (scale16.view(torch.int16) + (scale16.to(torch.float32) < scale32)).view(torch.float16)
+    if math.isnan(biggest):  # NaN input: divide_by_scale's zeros where the scale is NaN
+        q = divide_by_scale(xf, scale16)
+    else:
+        s = scale16.to(torch.float32)
+        if smallest > 0:  # every scale positive: divide_by_scale's where()s change nothing
+            q = torch.round(xf / s)
+        else:  # a zero scale means |x| underflowed to 0 at that vector's scale: round(x / 1) is ±0, the same code
+            q = torch.round(xf / torch.where(s > cpu_scalar(0.0, s), s, cpu_scalar(1.0, s)))
+    return q.clamp_(-qmax, qmax).add_(cpu_scalar(qmax, q)), scale16, biggest
+
+
+_SCALARS: dict[tuple[float, float], torch.Tensor] = {}
+
+
+def cpu_scalar(value: float, like: torch.Tensor) -> torch.Tensor | float:
+    """``value`` as the other operand of an op on ``like``: a cached 0-d float32 tensor where ``like`` is a float32
+    CPU tensor, else ``value`` itself.
+
+    The op then gives the same result (a Python number is converted to the same 0-d float32 CPU tensor) without
+    building that tensor at every call, which costs more than the op on a decoding step's few values. Treat the
+    tensor as read-only.
+    """
+    if like.dtype != torch.float32 or not like.is_cpu:
+        return value
+    key = (value, math.copysign(1.0, value))
+    scalar = _SCALARS.get(key)
+    if scalar is None:
+        scalar = _SCALARS[key] = torch.tensor(value, dtype=torch.float32)
+    return scalar
 
 
 def fp16_scale_up(scale32: torch.Tensor) -> torch.Tensor:
@@ -80,14 +145,25 @@ def fp16_scale_up(scale32: torch.Tensor) -> torch.Tensor:
     (matters for tiny vectors whose scale is an fp16 subnormal). The caller checks the range."""
     scale16 = scale32.to(torch.float16)
     rounded_down = scale16.to(torch.float32) < scale32
-    return torch.where(rounded_down, torch.nextafter(scale16, torch.full_like(scale16, float("inf"))), scale16)
+    return torch.where(rounded_down, torch.nextafter(scale16, _fp16_inf(scale16.device)), scale16)
+
+
+_FP16_INF: dict[torch.device, torch.Tensor] = {}
+
+
+def _fp16_inf(device: torch.device) -> torch.Tensor:
+    """A cached float16 ``+Inf`` scalar tensor on ``device`` (read-only)."""
+    inf = _FP16_INF.get(device)
+    if inf is None:
+        inf = _FP16_INF[device] = torch.tensor(float("inf"), dtype=torch.float16, device=device)
+    return inf
 
 
 def divide_by_scale(x: torch.Tensor, scale16: torch.Tensor) -> torch.Tensor:
     """``round(x / scale)`` with the stored fp16 scale; 0 where the scale is 0 (all-zero vectors)."""
     s = scale16.to(torch.float32)
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.where(s > 0, torch.round(x / safe), torch.zeros_like(x))
+    positive = s > 0
+    return torch.where(positive, torch.round(x / torch.where(positive, s, 1.0)), 0.0)
 
 
 def dequantize_symmetric(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:

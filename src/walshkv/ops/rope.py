@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RopeTable", "apply_rope", "rope_tables", "undo_rope"]
+__all__ = ["RopeRows", "RopeTable", "apply_rope", "rope_tables", "undo_rope"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,42 @@ class RopeTable:
         freqs = pos[:, None] * self.inv_freq.to(device=device, dtype=torch.float32)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.scaling, emb.sin() * self.scaling
+
+
+class RopeRows:
+    """A table's cos and sin rows for a window of positions, computed once and then sliced, for :func:`undo_rope`.
+
+    A decoding cache encodes one key at a time at increasing positions; each call would otherwise build the
+    rows afresh (``arange``, ``cos``, ``sin``, ...). The rows are elementwise functions of the position, so a
+    row computed in a longer window is the same row. The sin rows come with the sign of ``rotate_half`` folded
+    in (``[-sin, sin]`` halves), so that ``rotate_half(x) * sin == x.roll(head_dim / 2) * folded`` (exactly: a
+    sign flip commutes with rounding).
+
+    Args:
+        table: the layer's RoPE table.
+        window: positions per window (a block longer than that is not cached).
+    """
+
+    def __init__(self, table: RopeTable, window: int = 256) -> None:
+        self.table = table
+        self.window = window
+        self._rows: dict[torch.device, tuple[int, torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, start: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(cos, folded sin)`` ``[length, head_dim]`` for positions ``start ...``, or ``None`` if not cached."""
+        if length > self.window or start + self.window > _EXACT_POSITIONS:
+            return None
+        hit = self._rows.get(device)
+        if hit is None or not hit[0] <= start <= hit[0] + self.window - length:
+            cos, sin = self.table.cos_sin(start, self.window, device)
+            half = cos.shape[-1] // 2
+            hit = self._rows[device] = (start, cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
+        at = start - hit[0]
+        return hit[1][at : at + length], hit[2][at : at + length]
+
+
+#: float32 holds every position below this exactly (so a window's rows do not depend on where it starts).
+_EXACT_POSITIONS = 1 << 24
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -61,12 +97,21 @@ def apply_rope(x: torch.Tensor, table: RopeTable, start: int = 0) -> torch.Tenso
     return xf * cos + _rotate_half(xf) * sin
 
 
-def undo_rope(x: torch.Tensor, table: RopeTable, start: int = 0) -> torch.Tensor:
-    """Inverse of :func:`apply_rope`: keys after RoPE at positions ``start, ...`` back to before it (float32)."""
+def undo_rope(x: torch.Tensor, table: RopeTable, start: int = 0, rows: RopeRows | None = None) -> torch.Tensor:
+    """Inverse of :func:`apply_rope`: keys after RoPE at positions ``start, ...`` back to before it (float32).
+
+    ``rows`` (for ``table``) caches the cos/sin rows between calls; the result is the same, bit for bit.
+    """
     _check(x, table)
-    cos, sin = table.cos_sin(start, x.shape[-2], x.device)
-    xf = x.to(torch.float32)
-    return (xf * cos - _rotate_half(xf) * sin) / (table.scaling**2)
+    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+    cached = None if rows is None else rows.get(start, x.shape[-2], x.device)
+    if cached is None:
+        cos, sin = table.cos_sin(start, x.shape[-2], x.device)
+        return (xf * cos - _rotate_half(xf) * sin) / (table.scaling**2)
+    cos, folded = cached
+    out = xf * cos - xf.roll(x.shape[-1] // 2, -1) * folded
+    scale = table.scaling**2
+    return out if scale == 1.0 else out / scale  # dividing by 1 is exact
 
 
 def _rotary_module(model: Any) -> Any | None:

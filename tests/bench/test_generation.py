@@ -1,0 +1,215 @@
+"""``walshkv bench --part generation`` with presets: calibration inputs, refusals, the DynamicCache fp32/bf16
+rows, the per-step split and the ISA (tiny model; timings are not asserted)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from walshkv.bench import (
+    GenerationCodec,
+    bench_generation,
+    bench_markdown,
+    crossover,
+    default_generation_codecs,
+    format_generation_table,
+    position_notes,
+    resolve_generation_codecs,
+    targets,
+)
+from walshkv.bench.generation import PRESETS_DIR, shipped_preset_file
+from walshkv.calibration import KVStats
+from walshkv.cli import main
+from walshkv.codecs.builtin_presets import BUILTIN
+from walshkv.export import KMeanBias
+
+SMOLLM2_FILE = PRESETS_DIR / "smollm2-135m" / "walshkv-3.5.gguf"
+NEW_COLUMNS = ("update_ms", "attn_ms", "other_ms", "step_ms", "cpu", "cpu_capability", "cpu_flags")
+
+
+def test_preset_rows_end_to_end(tiny_model_dir, tiny_preset_file, tiny_preset_spec, tmp_path, capsys):
+    """A preset with its file, next to DynamicCache bf16 (the fp32 row: tests/bench/test_bench.py): every row in
+    JSON, CSV and markdown. Two subprocesses (most of their time is importing transformers)."""
+    out = tmp_path / "b"
+    argv = ["bench", "--part", "generation", "--model", str(tiny_model_dir), "--ctx", "40", "--new-tokens", "2"]
+    argv += ["--prefill-chunk", "32", "--gen-codec", "walshkv:3.5", "--kv-mean-center", str(tiny_preset_file)]
+    assert main([*argv, "--dynamic-dtype", "bfloat16", "--out", str(out), "--quiet", "--no-plot"]) == 0
+    printed = capsys.readouterr().out
+    assert f"fused walshkv:3.5 = {tiny_preset_spec}" in printed and "update ms" in printed
+    data = json.loads((out / "bench.json").read_text())
+    rows = data["generation"]
+    assert [(r["cache"], r["dtype"]) for r in rows] == [("dynamic", "bfloat16"), ("fused", "float32")]
+    bf16, preset = rows
+    assert preset["codec"] == tiny_preset_spec and preset["preset"] == "walshkv:3.5"  # the file chose the spec
+    assert preset["calibration"].endswith("walshkv-3.5.gguf") and "calibration_file" not in preset
+    assert bf16["label"] == "DynamicCache bf16 (model in bf16)" and bf16["weights_bytes"] * 2 == preset["weights_bytes"]
+    assert bf16["speedup_vs_dynamic_bf16"] == 1.0 and preset["speedup_vs_dynamic_bf16"] > 0
+    assert preset["speedup_vs_dynamic"] is None  # no fp32 row in this run
+    for r in rows:
+        assert all(k in r for k in NEW_COLUMNS), r
+        assert r["update_ms"] > 0 and r["attn_ms"] > 0 and r["update_ms"] + r["attn_ms"] < 2 * r["step_ms"]
+        assert r["cpu_capability"] and r["peak_rss"] >= r["rss_after_load"] > 0
+    assert isinstance(preset["cpu_kernel"], bool) and bf16["cpu_kernel"] is None
+    assert preset["cache_bytes"] < bf16["cache_bytes"] / 3  # 3.5-bit codes against a bf16 cache
+    assert preset["prefill_update_seconds"] > 0 and preset["prefill_attn_seconds"] > 0
+    assert list(data["meta"]["crossover_context"]) == [f"walshkv:3.5 = {tiny_preset_spec}"]
+    with (out / "bench.csv").open() as fh:
+        header = next(csv.reader(fh))
+    assert {*NEW_COLUMNS, "speedup_vs_dynamic_bf16", "prefill_vs_dynamic", "preset", "dtype"} <= set(header)
+    md = (out / "bench.md").read_text()
+    assert "| update ms" in md and "x vs Dynamic bf16" in md and f"ISA {preset['cpu_capability']}" in md
+    assert f"Calibration: walshkv:3.5: {preset['calibration']}" in md
+
+
+def test_a_preset_without_calibration_names_the_fix():
+    with pytest.raises(ValueError, match=r"--gen-codec walshkv:3\.5 needs its calibration") as err:
+        resolve_generation_codecs("smollm2-135m", ["walshkv:3.5"])  # refused before the model loads
+    msg = str(err.value)
+    assert "--kv-mean-center FILE" in msg and "walshkv calibrate --preset walshkv:3.5 --model smollm2-135m" in msg
+    assert "--calib-text TEXT" in msg
+    if SMOLLM2_FILE.is_file():
+        assert "docs/results/presets/smollm2-135m/walshkv-3.5.gguf" in msg
+    with pytest.raises(ValueError, match=r"center\+, eq\+.*--kv-mean-center FILE"):
+        resolve_generation_codecs("smollm2-135m", ["rot+int4", "center+tq:4/tq:2.5"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"codecs": ["walshkv:9"]}, "unknown preset 'walshkv:9'; presets: walshkv:3, walshkv:3.5, walshkv:4.5"),
+        ({"codecs": ["walshkv:3.5"], "kv_mean_center": "missing.gguf"}, "missing.gguf: no such file"),
+        ({"codecs": None, "kv_mean_center": "x.gguf"}, "add --gen-codec SPEC"),
+        ({"codecs": None, "calib_text": "t.txt"}, "add --gen-codec SPEC"),
+        ({"codecs": []}, "no generation codec"),
+        ({"codecs": ["walshkv:3.5"], "calib_text": "t.txt", "calib_tokens": 0}, "--calib-tokens must be at least 1"),
+    ],
+)
+def test_argument_errors_before_loading(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        resolve_generation_codecs("smollm2-135m", **kwargs)
+    assert words in str(err.value)
+
+
+def test_cli_generation_flags_need_the_generation_part(capsys):
+    assert main(["bench", "--part", "attention", "--gen-codec", "rot+int4", "--quiet"]) == 2
+    assert "--gen-codec is for the generation part: add --part generation" in capsys.readouterr().err
+    assert main(["bench", "--part", "generation", "--gen-codec", "walshkv:3.5", "--quiet"]) == 2
+    assert "walshkv calibrate --preset walshkv:3.5" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="choose from float32, bfloat16"):
+        bench_generation("smollm2-135m", [8], "rot+int4", dynamic_dtypes=["float16"], progress=False)
+
+
+def test_file_for_another_model_or_preset_and_calib_text_on_the_bench_text(tiny_model_dir, tiny_preset_file):
+    if SMOLLM2_FILE.is_file():
+        with pytest.raises(ValueError, match="calibrated on 'smollm2-135m', not 'tiny-bench'"):
+            resolve_generation_codecs(str(tiny_model_dir), ["walshkv:3.5"], kv_mean_center=SMOLLM2_FILE)
+    with pytest.raises(ValueError, match=r"was written for walshkv:3\.5, not walshkv:3: give each preset its own"):
+        resolve_generation_codecs(str(tiny_model_dir), ["walshkv:3"], kv_mean_center=tiny_preset_file)
+    with pytest.raises(ValueError, match="--calib-text is the evaluation text"):
+        resolve_generation_codecs(str(tiny_model_dir), ["walshkv:3.5"], calib_text="python-docs", progress=False)
+
+
+def test_calibration_inputs_resolve_as_in_eval(tiny_model_dir, tiny_preset_file, tiny_preset_spec, calib_text_file):
+    """A file chooses its preset's spec; a calibration text gives the built-in spec; specs that need nothing get
+    no calibration."""
+    (preset, plain), notes = resolve_generation_codecs(
+        str(tiny_model_dir), ["walshkv:3.5", "rot+int4"], kv_mean_center=tiny_preset_file
+    )
+    assert notes == []
+    assert (preset.spec, preset.preset, preset.name) == (
+        tiny_preset_spec,
+        "walshkv:3.5",
+        f"walshkv:3.5 = {tiny_preset_spec}",
+    )
+    assert isinstance(preset.calibration, KMeanBias) and preset.calibration_source.endswith("walshkv-3.5.gguf")
+    assert (plain.spec, plain.preset, plain.calibration, plain.calibration_source) == ("rot+int4", None, None, None)
+    (text_preset,), _ = resolve_generation_codecs(
+        str(tiny_model_dir), ["walshkv:3.5"], calib_text=str(calib_text_file), calib_tokens=128, progress=False
+    )
+    assert text_preset.spec == BUILTIN["walshkv:3.5"] and isinstance(text_preset.calibration, KVStats)
+    assert text_preset.calibration_source == f"{calib_text_file} (128 tokens)"
+    # per-codec files (what the default table passes) and specs without calibration load no model
+    (spec,), _ = resolve_generation_codecs("not-a-model", ["q4_0"])
+    assert spec.spec == "q4_0" and spec.calibration is None
+
+
+def test_default_table_has_the_shipped_presets():
+    requests, notes = default_generation_codecs("smollm2-135m")
+    assert requests[:2] == ["rot+int4", "q4_0"]
+    shipped = {name: path for name, path in requests[2:]}
+    for name in ("walshkv:3", "walshkv:3.5", "walshkv:4.5"):
+        path = shipped_preset_file("smollm2-135m", name)
+        assert (path is None and name not in shipped) or shipped[name] == str(path)
+    assert bool(notes) == (len(shipped) < 3)
+    requests, notes = default_generation_codecs("tiny-model-without-presets")
+    assert requests == ["rot+int4", "q4_0"]
+    assert len(notes) == 1 and "no preset file for tiny-model-without-presets" in notes[0]
+    assert "walshkv calibrate --preset walshkv:3 " in notes[0] and "--kv-mean-center FILE" in notes[0]
+
+
+def test_bench_generation_refuses_mixed_codec_kinds():
+    with pytest.raises(TypeError, match="not both"):
+        bench_generation("smollm2-135m", [8], [GenerationCodec("int4"), "int8"], progress=False)
+
+
+def _row(ctx, cache, x, *, codec=None, preset=None, dtype="float32", **extra):
+    return {
+        "model": "m",
+        "ctx": ctx,
+        "cache": cache,
+        "dtype": dtype,
+        "codec": codec,
+        "preset": preset,
+        "new_tokens": 16,
+        "speedup_vs_dynamic": x,
+        "decode_tokens_per_s": x,
+        "prefill_seconds": 1.0,
+        "cache_bytes": 2**20,
+        "rss_after_load": 100 * 2**20,
+        "peak_rss": 150 * 2**20,
+        "peak_minus_loaded_minus_cache": 0,
+        **extra,
+    }
+
+
+def test_report_of_presets_and_old_rows():
+    spec = "sink:1:prerope+center+eq+tq:4/tq:2.5"
+    gen = [
+        _row(8192, "dynamic", 1.0, speedup_vs_dynamic_bf16=1.5, prefill_vs_dynamic=1.0, label="DynamicCache fp32"),
+        _row(8192, "dynamic", 0.7, dtype="bfloat16", speedup_vs_dynamic_bf16=1.0, label="DynamicCache bf16"),
+        _row(8192, "fused", 2.1, codec=spec, preset="walshkv:3.5", speedup_vs_dynamic_bf16=1.2, prefill_vs_dynamic=1.1),
+        _row(8192, "fused", 3.0, codec="rot+int4", update_ms=0.5, attn_ms=1.0, other_ms=3.0, step_ms=4.5),
+    ]
+    table = format_generation_table(gen)
+    assert "fused (rot+int4)" in table and "update ms" in table and "3.00" in table
+    lines = targets({"generation": gen})
+    preset_line = next(line for line in lines if line.startswith("- walshkv:3.5"))
+    assert "2x DynamicCache fp32: x2.10: met" in preset_line and "1.3x DynamicCache bf16: x1.20: missed" in preset_line
+    assert "prefill at most 1.25x DynamicCache's: x1.10: met" in preset_line
+    assert any("worst x3.00" in line for line in lines)  # issue 7's check reads the plain codecs only
+    assert crossover(gen, "fused", "rot+int4") == 8192 and crossover(gen, "fused", spec) == 8192
+    meta = {
+        "machine": {"cpu": "c", "logical_cpus": 2, "torch": "t", "torch_threads": 2, "cpu_capability": "AVX2"},
+        "command": "walshkv bench",
+        "crossover_context": {f"walshkv:3.5 = {spec}": 8192},
+        "notes": ["note: something"],
+    }
+    md = "\n".join(bench_markdown({"meta": meta, "generation": gen}))
+    assert "(ISA AVX2)" in md and f"walshkv:3.5 = {spec}: 8192" in md and "note: something" in md
+    old = {k: v for k, v in gen[3].items() if k not in ("update_ms", "attn_ms", "other_ms", "step_ms", "preset")}
+    assert "rot+int4" in format_generation_table([old])  # a saved bench.json from before still renders
+
+
+def test_position_notes():
+    rows = [_row(8192, "dynamic", 1.0, max_position_embeddings=8192), _row(4096, "dynamic", 1.0)]
+    (line,) = position_notes(rows)
+    assert "ctx 8,192 + 16 new tokens passes m's max_position_embeddings 8,192" in line and "8,176" in line
+    assert position_notes([_row(8176, "dynamic", 1.0, max_position_embeddings=8192)]) == []
+
+
+def test_shipped_files_resolve_relative_to_the_checkout():
+    assert Path(__file__).resolve().parents[2] / "docs" / "results" / "presets" == PRESETS_DIR
+    assert shipped_preset_file("smollm2-135m", "walshkv:7") is None
