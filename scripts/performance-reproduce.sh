@@ -15,8 +15,13 @@
 # 8 and the tq attention step a few. CTX="1024" for a shorter run (a few minutes).
 # QWEN_CTX=4096: adds qwen2.5-1.5b's walshkv:3.5 preset against DynamicCache fp32/bf16 and rot+int4 (about
 # 25 minutes more); QWEN_CTX=32768 runs the issue's 32k context (several hours on 2 cores).
+#
+# OpenMP workers wait passively here (OMP_WAIT_POLICY=passive, unless you set it): on vCPUs that share physical
+# cores, spinning workers made every multi-threaded path several times slower (docs/performance.md, "Reading the
+# results"); the setting is recorded in each result's machine.omp_wait_policy, next to machine.thread_speedup.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
 new="${NEW_TOKENS:-16}"
 smol_longest=$((8192 - new))
 presets=docs/results/presets

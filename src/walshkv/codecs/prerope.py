@@ -16,8 +16,8 @@ Positions come through the codec contract: ``encode(x, start)`` and ``decode(pac
 
 ``prerope+`` must be the outermost K wrapper (``prerope+center+eq+tq:3.5``) and needs calibration made
 by :func:`walshkv.calibration.collect_kv_stats` (K before RoPE and the model's RoPE tables) or a file
-written for a ``prerope+`` spec. The fused attention kernels do not re-rotate keys: a cache with
-``prerope+`` reads through the reference path.
+written for a ``prerope+`` spec. The fused attention kernels (CPU and Triton) turn each decoded key row into
+the key after RoPE themselves (:mod:`walshkv.attention.keys`).
 """
 
 from __future__ import annotations
