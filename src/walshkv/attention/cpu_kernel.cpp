@@ -585,6 +585,19 @@ static inline void lookup_levels(float* __restrict buf, int n, const float* __re
   for (; j < n; ++j) buf[j] = lv[(int)buf[j]];
 }
 
+// Codes i..n-1 of a B-bit LSB-first row to their levels, one at a time (the part after the last whole group).
+template <int BITS>
+static inline void levels_tail(const uint8_t* __restrict row, int i, int n, const float* __restrict lv,
+                               float* __restrict buf) {
+  constexpr uint32_t M = (1u << BITS) - 1u;
+  for (; i < n; ++i) {
+    const int bp = i * BITS;
+    unsigned v = row[bp >> 3];
+    if (((bp & 7) + BITS) > 8) v |= (unsigned)row[(bp >> 3) + 1] << 8;  // the code spills into the next byte
+    buf[i] = lv[(v >> (bp & 7)) & M];
+  }
+}
+
 // B-bit codes (B <= 4) straight to their levels lv[c], as unpack_generic's groups then a lane permute on the
 // integer codes (no round trip through float); false where this ISA has no such path (the caller falls back).
 template <int BITS>
@@ -617,12 +630,7 @@ static inline bool unpack_levels(const uint8_t* __restrict row, int n, const uin
         y = _mm256_blendv_ps(y, _mm256_permutevar8x32_ps(l1, w), _mm256_castsi256_ps(_mm256_slli_epi32(w, 28)));
       _mm256_storeu_ps(buf + i, y);
     }
-    for (; i < n; ++i) {
-      const int bp = i * BITS;
-      unsigned v = row[bp >> 3];
-      if (((bp & 7) + BITS) > 8) v |= (unsigned)row[(bp >> 3) + 1] << 8;
-      buf[i] = lv[(v >> (bp & 7)) & M];
-    }
+    levels_tail<BITS>(row, i, n, lv, buf);
     return true;
   }
 #elif defined(__AVX512BW__)
@@ -648,12 +656,7 @@ static inline bool unpack_levels(const uint8_t* __restrict row, int n, const uin
       const __m512i w = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(x), c), sh), m);
       _mm512_storeu_ps(buf + i, _mm512_permutexvar_ps(w, l0));
     }
-    for (; i < n; ++i) {
-      const int bp = i * BITS;
-      unsigned v = row[bp >> 3];
-      if (((bp & 7) + BITS) > 8) v |= (unsigned)row[(bp >> 3) + 1] << 8;
-      buf[i] = lv[(v >> (bp & 7)) & M];
-    }
+    levels_tail<BITS>(row, i, n, lv, buf);
     return true;
   }
 #endif
