@@ -99,8 +99,11 @@ def _apply_per_head(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     e = m.shape[1]
     if m.shape[0] != h or m.shape[2] != d:
         return torch.einsum("hed,bhnd->bhne", m, x)
+    # einsum's [h, d, e] view of m; for h > 1 its strides are m.transpose(1, 2)'s
+    right = m.transpose(1, 2) if h > 1 else m[..., None, None].permute(0, 2, 1, 3, 4).view(h, d, e)
+    if b == 1 and x.is_contiguous():  # einsum's views of one sequence are the plain ones
+        return torch.bmm(x.view(h, n, d), right).view(1, h, n, e)
     left = x.unsqueeze(4).permute(1, 0, 2, 3, 4).reshape(h, b * n, d)  # einsum's [h, (b n), d]
-    right = m[..., None, None].permute(0, 2, 1, 3, 4).view(h, d, e)  # einsum's [h, d, e] view of m
     out = torch.bmm(left, right)  # [h, (b n), e]
     return out.view(h, b, n, 1, e).permute(1, 0, 2, 4, 3).view(b, h, n, e)
 
@@ -156,7 +159,10 @@ class Equalized(Wrapper):
             raise ValueError(f"{self.spec} is not bound to a layer's transform; build it through CompressedCache")
         if m.shape[0] != x.shape[1]:
             raise ValueError(f"{self.spec}: the transform has {m.shape[0]} kv heads, the input has {x.shape[1]}")
-        return _apply_per_head(m.to(x.device), x if x.dtype == torch.float32 else x.to(torch.float32))
+        device = x.device
+        return _apply_per_head(
+            m if m.device == device else m.to(device), x if x.dtype == torch.float32 else x.to(torch.float32)
+        )
 
     def _transform(self, x: torch.Tensor, start: int) -> tuple[Codec, torch.Tensor]:
         return self.inner, self._apply(self.matrix, x)

@@ -38,7 +38,7 @@ from walshkv.codecs.base import Codec, Field, Packed
 from walshkv.ops.hadamard import _check_size, hadamard_transform, signed_hadamard, signs_for
 from walshkv.ops.lloyd_max import LloydMax, lloyd_max
 from walshkv.ops.packing import pack_bits, pack_bits_span, packed_nbytes, unpack_bits
-from walshkv.ops.quant import FP16_MAX, check_finite, cpu_scalar
+from walshkv.ops.quant import FP16_MAX, check_finite, cpu_scalar, min_max
 
 __all__ = [
     "CODEBOOKS",
@@ -182,9 +182,8 @@ class TurboQuant(Codec):
         norm16 = norm.to(torch.float16)
         smallest = 0.0
         if norm16.numel():
-            lo, hi = torch.aminmax(norm16)
-            smallest = lo.item()
-            if not hi.item() <= FP16_MAX:  # an Inf norm, or NaN from a NaN/Inf input (a wrapper's output)
+            smallest, biggest = min_max(norm16)
+            if not biggest <= FP16_MAX:  # an Inf norm, or NaN from a NaN/Inf input (a wrapper's output)
                 check_finite(x, "K/V")
                 _check_fp16(norm, "L2 norm", self.spec)
         scale = norm16.to(torch.float32)

@@ -100,8 +100,9 @@ def _dense(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 _SIGNED_CACHE: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-#: Byte alignment of a fresh tensor's data (torch's CPU allocator: 64; the CUDA caching allocator: 512).
-_FRESH_ALIGN = {"cpu": 64, "cuda": 512}
+#: Byte alignment of a fresh tensor's data, per device type where the signs are folded into the matrix (the CPU,
+#: where a decoding step's op overhead is the cost; torch's CPU allocator aligns to 64 bytes).
+_FRESH_ALIGN = {"cpu": 64}
 
 
 def signed_hadamard(x: torch.Tensor, seed: int) -> torch.Tensor | None:

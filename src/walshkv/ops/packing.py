@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -56,7 +57,6 @@ def _byte_index(groups: int, nbytes: int, itemsize: int, device: torch.device) -
 
 
 _PACK_CACHE: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-_FLOAT_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 _BYTE_INDEX: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}
 _UNPACK_CACHE: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor | None]] = {}
 _LITTLE = sys.byteorder == "little"
@@ -75,71 +75,120 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     _check_bits(bits)
     if bits == 8:
         return codes.to(torch.uint8).contiguous()
+    if not codes.is_contiguous() or codes.device.type != "cpu":  # (a non-contiguous input's layout is kept)
+        return _pack_bits_by_shifts(codes, bits)
     if codes.is_floating_point() or codes.dtype == torch.bool:
         codes = codes.to(torch.uint8)
     weights, shifts = _pack_consts(bits, codes.device)
     c, lead, n, groups = _grouped(codes, weights.numel())
     # Each group's codes summed at their bit offsets (exact in int64: at most 56 bits), then cut into bytes.
-    if c.device.type == "cpu":
-        value = (c if c.dtype == torch.int64 else c.to(torch.int64)) @ weights
-    else:  # integer matmul is CPU-only
-        value = (c * weights).sum(dim=-1)
+    value = (c if c.dtype == torch.int64 else c.to(torch.int64)) @ weights
     return _cut_bytes(value, shifts, lead, n, bits, groups)
+
+
+def _pack_bits_by_shifts(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_bits` by shifts and ORs in uint8: for non-contiguous ``codes`` (whose layout the output keeps),
+    and off the CPU (where integer matmul is not available)."""
+    n = codes.shape[-1]
+    lead = codes.shape[:-1]
+    c = codes.to(torch.uint8)
+    per_byte = 8 // bits
+    if 8 % bits == 0:
+        pad = (-n) % per_byte
+        if pad:
+            c = torch.nn.functional.pad(c, (0, pad))
+        c = c.reshape(*lead, (n + pad) // per_byte, per_byte)
+        out = c[..., 0].clone()
+        for i in range(1, per_byte):
+            out |= c[..., i] << (i * bits)
+        return out
+    # General widths (3, 5, 6, 7): expand to a bit stream, then regroup by bytes.
+    shifts = torch.arange(bits, dtype=torch.uint8, device=c.device)
+    stream = ((c.unsqueeze(-1) >> shifts) & 1).reshape(*lead, n * bits)
+    pad = (-(n * bits)) % 8
+    if pad:
+        stream = torch.nn.functional.pad(stream, (0, pad))
+    stream = stream.reshape(*lead, (n * bits + pad) // 8, 8)
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=c.device)).to(torch.uint8)
+    return (stream * weights).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
 
 
 def pack_float_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """:func:`pack_bits` of float codes that hold whole numbers in ``[0, 2**bits)`` (a quantizer's rounded output).
 
     The same bytes as ``pack_bits(codes.to(torch.uint8), bits)``. On the CPU, for widths whose group of codes
-    spans at most 24 bits (1, 2, 3, 4, 6), one float32 matmul sums the groups, exactly (every product and partial
+    spans at most 24 bits (1, 2, 3, 4, 6), a float32 matmul sums the groups exactly (every product and partial
     sum is a whole number below 2**24), without the uint8 and int64 copies.
     """
-    _check_bits(bits)
-    if bits == 8 or bits in (5, 7) or not codes.is_cpu or codes.dtype != torch.float32:
+    n = codes.shape[-1]
+    plan = _span_plan(codes, 0, n, bits)
+    if plan is None:
         return pack_bits(codes.to(torch.uint8), bits)
-    key = (bits, codes.device)
-    weights = _FLOAT_WEIGHTS.get(key)
-    if weights is None:
-        weights = _FLOAT_WEIGHTS[key] = _pack_consts(bits, codes.device)[0].to(torch.float32)
-    c, lead, n, groups = _grouped(codes, weights.numel())
-    value = c @ weights
-    shifts = _pack_consts(bits, codes.device)[1]
-    if shifts.numel() > 1:
-        value = value.to(torch.int32)  # at most 24 bits
-    return _cut_bytes(value, shifts, lead, n, bits, groups)
+    return _pack_planned(codes, plan)
 
 
 def pack_bits_span(codes: torch.Tensor, start: int, stop: int, bits: int) -> torch.Tensor:
-    """``pack_bits(codes[..., start:stop], bits)``, for contiguous ``codes`` ``[..., n]``.
+    """``pack_bits(codes[..., start:stop], bits)`` for int64 ``codes`` ``[..., n]``.
 
-    Where the span starts and ends on whole groups of codes (:func:`_pack_consts`), every group of the row is
-    summed at once and the span's groups are taken from the result, so the span is never copied out first.
+    On the CPU, where the span starts and ends on whole groups of codes (:func:`_pack_consts`), every group of
+    the row is summed at once and the span's groups are read from the result: the span is never copied out.
     """
-    _check_bits(bits)
-    n = codes.shape[-1]
-    weights, shifts = _pack_consts(bits, codes.device)
-    group = weights.numel()
-    if (
-        bits == 8
-        or start % group
-        or stop % group
-        or n % group
-        or not 0 <= start < stop <= n
-        or codes.dtype != torch.int64
-        or not codes.is_contiguous()
-    ):
+    plan = _span_plan(codes, start, stop, bits)
+    if plan is None:
         return pack_bits(codes[..., start:stop], bits)
-    lead = codes.shape[:-1]
-    c = codes.view(*lead, n // group, group)
-    value = c @ weights if c.device.type == "cpu" else (c * weights).sum(dim=-1)
-    first, last = start // group, stop // group
-    per_group = shifts.numel()
-    if per_group == 1:
-        return (value if first == 0 and last == n // group else value[..., first:last]).to(torch.uint8)
-    if not _LITTLE:
-        return _cut_bytes(value[..., first:last], shifts, lead, stop - start, bits, last - first)
-    index = _byte_index(last, per_group, 8, value.device)[first * per_group :]
-    return value.view(torch.uint8).index_select(-1, index)
+    return _pack_planned(codes, plan)
+
+
+class _SpanPlan(NamedTuple):
+    """How :func:`_pack_planned` packs codes ``[start, stop)`` of contiguous rows of ``n`` codes."""
+
+    weights: torch.Tensor  # [group]: 2**(i*bits), in the codes' dtype
+    groups: int  # groups of codes per row
+    first: int  # the span's groups: first ... last - 1
+    last: int
+    index: torch.Tensor | None  # multi-byte groups: the span's bytes among the group values' bytes (little-endian)
+    to_int: bool  # float group values are made int32 before their bytes are read
+
+
+_PLANS: dict[tuple[int, int, int, int, torch.dtype, torch.device], _SpanPlan | None] = {}
+
+
+def _span_plan(codes: torch.Tensor, start: int, stop: int, bits: int) -> _SpanPlan | None:
+    """The cached plan for packing ``codes[..., start:stop]``, or ``None`` where only :func:`pack_bits` applies."""
+    if not codes.is_contiguous():
+        return None
+    n = codes.shape[-1]
+    key = (n, start, stop, bits, codes.dtype, codes.device)
+    try:
+        return _PLANS[key]
+    except KeyError:
+        pass
+    _check_bits(bits)
+    plan = None
+    exact = codes.dtype == torch.int64 or (codes.dtype == torch.float32 and bits in (1, 2, 3, 4, 6))
+    if bits != 8 and exact and codes.device.type == "cpu" and 0 <= start < stop <= n:  # integer matmul: CPU only
+        weights, shifts = _pack_consts(bits, codes.device)
+        group, per_group = weights.numel(), shifts.numel()
+        if not (start % group or stop % group or n % group) and (per_group == 1 or _LITTLE):
+            first, last = start // group, stop // group
+            index = None
+            if per_group > 1:  # int64 values (8 bytes each), or float ones made int32 (4 bytes)
+                itemsize = 8 if codes.dtype == torch.int64 else 4
+                index = _byte_index(last, per_group, itemsize, codes.device)[first * per_group :]
+            plan = _SpanPlan(weights.to(codes.dtype), n // group, first, last, index, codes.is_floating_point())
+    _PLANS[key] = plan
+    return plan
+
+
+def _pack_planned(codes: torch.Tensor, plan: _SpanPlan) -> torch.Tensor:
+    value = codes.view(*codes.shape[:-1], plan.groups, plan.weights.numel()) @ plan.weights
+    if plan.index is None:  # a group is one byte: every value is below 256
+        if plan.first or plan.last != plan.groups:
+            value = value[..., plan.first : plan.last]
+        return value.to(torch.uint8)
+    if plan.to_int:
+        value = value.to(torch.int32)  # a whole number below 2**24
+    return value.view(torch.uint8).index_select(-1, plan.index)
 
 
 def _grouped(codes: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Size, int, int]:

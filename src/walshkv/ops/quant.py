@@ -22,6 +22,7 @@ __all__ = [
     "divide_by_scale",
     "finite_absmax",
     "fp16_scale_up",
+    "min_max",
     "quantize_symmetric",
     "quantize_symmetric_codes",
     "symmetric_qmax",
@@ -52,11 +53,22 @@ def finite_absmax(x: torch.Tensor, what: str = "input") -> float:
     """
     if not x.numel():
         return 0.0
-    lo_t, hi_t = torch.aminmax(x)
-    lo, hi = lo_t.item(), hi_t.item()
+    lo, hi = min_max(x)
     if not (math.isfinite(lo) and math.isfinite(hi)):
         _refuse_nonfinite(x, what)
     return max(-lo, hi)
+
+
+def min_max(x: torch.Tensor) -> tuple[float, float]:
+    """``(min, max)`` of a non-empty tensor as Python floats, from one ``aminmax`` (NaN if ``x`` has a NaN).
+
+    One transfer to the host: two ``item()`` calls on the CPU, where each is cheap, one list elsewhere.
+    """
+    lo, hi = torch.aminmax(x)
+    if x.is_cpu:
+        return lo.item(), hi.item()
+    pair = torch.stack((lo, hi)).tolist()
+    return pair[0], pair[1]
 
 
 def _refuse_nonfinite(x: torch.Tensor, what: str) -> None:
@@ -98,25 +110,24 @@ def quantize_symmetric_codes(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, 
     scale32 = absmax / cpu_scalar(qmax, absmax)
     smallest, biggest = 0.0, 0.0
     if scale32.numel():
-        lo, hi = torch.aminmax(scale32)
-        smallest, biggest = lo.item(), hi.item()
+        smallest, biggest = min_max(scale32)
     if biggest > FP16_MAX:
         raise ValueError(
             f"a vector with |x| up to {float(absmax.max()):.4g} needs a scale of {biggest:.4g}, beyond the "
             f"fp16 scale range (max {FP16_MAX}) of int{bits}; values this large are not K/V of a healthy "
             "model. Rescale the input or use a float codec (fp32, bf16)."
         )
-    # fp16_scale_up for scales in [+0, FP16_MAX] (or NaN): there nextafter(s, +Inf) is the next bit pattern
+    # fp16_scale_up for scales in [+0, FP16_MAX] (or NaN): there nextafter(s, +Inf) is the next bit pattern. (Mixed
+    # float16/float32 operands are compared and divided in float32, which holds every float16 value exactly.)
     scale16 = scale32.to(torch.float16)
-    scale16 = (scale16.view(torch.int16) + (scale16.to(torch.float32) < scale32)).view(torch.float16)
+    scale16 = (scale16.view(torch.int16) + (scale16 < scale32)).view(torch.float16)
     if math.isnan(biggest):  # NaN input: divide_by_scale's zeros where the scale is NaN
         q = divide_by_scale(xf, scale16)
-    else:
+    elif smallest > 0:  # every scale positive: divide_by_scale's where()s change nothing
+        q = torch.round(xf / scale16)
+    else:  # a zero scale means |x| underflowed to 0 at that vector's scale: round(x / 1) is ±0, the same code
         s = scale16.to(torch.float32)
-        if smallest > 0:  # every scale positive: divide_by_scale's where()s change nothing
-            q = torch.round(xf / s)
-        else:  # a zero scale means |x| underflowed to 0 at that vector's scale: round(x / 1) is ±0, the same code
-            q = torch.round(xf / torch.where(s > cpu_scalar(0.0, s), s, cpu_scalar(1.0, s)))
+        q = torch.round(xf / torch.where(s > cpu_scalar(0.0, s), s, cpu_scalar(1.0, s)))
     return q.clamp_(-qmax, qmax).add_(cpu_scalar(qmax, q)), scale16, biggest
 
 
@@ -144,7 +155,7 @@ def fp16_scale_up(scale32: torch.Tensor) -> torch.Tensor:
     """``scale32`` as fp16, rounded up, never down, so a vector's largest value is never clamped
     (matters for tiny vectors whose scale is an fp16 subnormal). The caller checks the range."""
     scale16 = scale32.to(torch.float16)
-    rounded_down = scale16.to(torch.float32) < scale32
+    rounded_down = scale16 < scale32  # compared in float32, which holds every float16 exactly
     return torch.where(rounded_down, torch.nextafter(scale16, _fp16_inf(scale16.device)), scale16)
 
 
