@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("walshkv.data", "walshkv.models"),  # texts and token windows; models from PyPI packages
     ("walshkv.calibration",),  # K/V statistics from calibration text
     ("walshkv.eval",),  # harness, metrics, reports, sweeps, pareto, rate-distortion
-    ("walshkv.recommend", "walshkv.bench"),  # the preset search; performance benchmarks
+    ("walshkv.recommend", "walshkv.bench", "walshkv.integrations"),  # preset search; benchmarks; LMCache, Ray
     ("walshkv.cli",),  # one module per command
     ("walshkv",),  # the package facade (walshkv/__init__.py) may re-export anything
 )

@@ -4,9 +4,14 @@ A preset is a cache spec whose bits per element (K and V together, every scale a
 fit its budget at every head size walshkv supports, plus the calibration it needs (a K mean:
 ``walshkv calibrate --preset NAME``). The built-in choice of spec was made by measurement on
 calibration text, never on the evaluation text (``walshkv recommend`` on each model; the runs are
-in docs/presets.md). ``walshkv recommend --bits B`` (:mod:`walshkv.recommend`) repeats that choice for a
-model of your own and writes the winner into a calibration file; a file that names a spec for a preset
-overrides the built-in one, for the model it was made on only.
+in docs/presets.md). The measured winner of each known model ships with the package
+(``walshkv/model_presets.json``, written by ``scripts/ship_presets.py`` from docs/results/presets, each
+entry with its provenance), so a preset on a known model resolves to that model's winner; other models get
+the built-in spec and a note that ``walshkv recommend --bits B`` (:mod:`walshkv.recommend`) chooses one for
+them. A calibration file that names a spec for a preset (``recommend``'s output, or ``calibrate --preset``'s)
+overrides both, for the model it was made on only.
+
+Resolution order: the calibration file's spec, then the model's shipped spec, then the built-in one.
 
 This module holds the table and its resolution only; the search lives in :mod:`walshkv.recommend`.
 
@@ -17,8 +22,11 @@ Example:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -44,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BUILTIN",
     "CANDIDATES",
+    "MODEL_PRESETS_FILE",
     "PRESET_BUDGETS",
     "Preset",
     "candidates_for",
@@ -51,6 +60,8 @@ __all__ = [
     "is_preset",
     "k_mean_basis",
     "k_pre_rope",
+    "known_model",
+    "model_presets",
     "preset_name_for_bits",
     "resolve_preset",
     "resolve_specs",
@@ -130,13 +141,93 @@ class Preset:
         name: ``walshkv:3``, ``walshkv:3.5`` or ``walshkv:4.5``.
         budget: bits per element for K and V together.
         spec: the cache spec it stands for (canonical string: presets are written into files and tables).
-        source: ``built-in`` or the calibration file that chose the spec.
+        source: ``built-in``, ``shipped:MODEL`` (the model's measured winner, shipped with the package) or the
+            calibration file that chose the spec.
+        note: what a user should know about the choice (e.g. that the model is unknown and ``walshkv
+            recommend`` can choose a spec for it); empty when there is nothing to say.
+        provenance: for a shipped spec, how it was chosen (selection text, context, windows, the run's
+            result file and commit); empty otherwise.
     """
 
     name: str
     budget: float
     spec: str
     source: str = "built-in"
+    note: str = ""
+    provenance: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+
+#: The package data file with each known model's measured preset specs (``scripts/ship_presets.py``).
+MODEL_PRESETS_FILE = "model_presets.json"
+_SHAPE_KEYS = ("arch", "layers", "q_heads", "kv_heads", "head_dim", "params")
+
+
+@cache
+def model_presets() -> dict[str, dict[str, Any]]:
+    """The shipped table ``{model name: {"shape": {...}, "presets": {preset: {"spec", provenance...}}}}``."""
+    text = resources.files("walshkv").joinpath(MODEL_PRESETS_FILE).read_text(encoding="utf-8")
+    data = json.loads(text)
+    if data.get("format") != 1:
+        raise ValueError(
+            f"walshkv/{MODEL_PRESETS_FILE} has format {data.get('format')!r}, this walshkv reads format 1: "
+            "reinstall walshkv"
+        )
+    return data["models"]
+
+
+def _shape_of(model: Any) -> dict[str, Any] | None:
+    """``{arch, layers, q_heads, kv_heads, head_dim, params}`` of a loaded model, a shape or a transformers model."""
+    shape = getattr(model, "shape", model)
+    if all(hasattr(shape, k) for k in _SHAPE_KEYS):
+        return {k: getattr(shape, k) for k in _SHAPE_KEYS}
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "parameters"):
+        return None
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {
+        "arch": cfg.model_type,
+        "layers": cfg.num_hidden_layers,
+        "q_heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": head_dim,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def known_model(model: Any) -> str | None:
+    """The shipped table's name for ``model``, or ``None`` for a model walshkv has not measured.
+
+    Args:
+        model: a model name (``smollm2-135m``), a :class:`~walshkv.models.LoadedModel` (its name, else its
+            shape), a :class:`~walshkv.models.ModelShape` or a transformers model (matched by shape: decoder
+            type, layers, heads, head size and parameter count, all equal).
+    """
+    if model is None:
+        return None
+    table = model_presets()
+    name = model if isinstance(model, str) else getattr(model, "name", None)
+    shape = None if isinstance(model, str) else _shape_of(model)
+    if isinstance(name, str) and name.strip().lower() in table:
+        key = name.strip().lower()
+        if shape is None or shape == table[key]["shape"]:
+            return key
+        return None  # loaded by a known name, but another model: nothing measured for it
+    if shape is not None:
+        for key, entry in table.items():
+            if entry["shape"] == shape:
+                return key
+    return None
+
+
+def _model_label(model: Any) -> str:
+    if isinstance(model, str):
+        return model
+    name = getattr(model, "name", None)
+    if isinstance(name, str):
+        return name
+    config = getattr(model, "config", None)
+    return str(getattr(config, "_name_or_path", "") or getattr(config, "model_type", "this model"))
 
 
 def is_preset(text: object) -> bool:
@@ -166,13 +257,16 @@ def _preset_file(calibration: CalibrationLike | None) -> PresetMeta | None:
     return None
 
 
-def resolve_preset(name: str, calibration: CalibrationLike | None = None) -> Preset:
+def resolve_preset(name: str, calibration: CalibrationLike | None = None, *, model: Any = None) -> Preset:
     """The spec behind a preset name.
 
     Args:
         name: a preset name.
         calibration: a calibration file (:class:`~walshkv.export.KMeanBias`) or statistics; if it was
             written by ``walshkv recommend``/``calibrate --preset`` for this preset name, its spec wins.
+        model: the model the preset will run on (a name, a :class:`~walshkv.models.LoadedModel` or a
+            transformers model): a known model gets its shipped, measured spec (:func:`known_model`); any other
+            gets the built-in spec with a :attr:`Preset.note`. ``None``: the built-in spec, no note.
 
     Raises:
         ValueError: unknown preset names (the message lists them).
@@ -185,13 +279,29 @@ def resolve_preset(name: str, calibration: CalibrationLike | None = None) -> Pre
         source = str(getattr(calibration, "source", "file"))
         return Preset(key, budget, meta[Keys.Preset.SPEC], source=source)
     key = check_preset_name(name)
-    return Preset(key, PRESET_BUDGETS[key], BUILTIN[key])
+    if model is None:
+        return Preset(key, PRESET_BUDGETS[key], BUILTIN[key])
+    known = known_model(model)
+    entry = model_presets()[known]["presets"].get(key) if known else None
+    if entry is not None:
+        provenance = {k: v for k, v in entry.items() if k != "spec"}
+        return Preset(key, PRESET_BUDGETS[key], entry["spec"], source=f"shipped:{known}", provenance=provenance)
+    label = _model_label(model)
+    why = f"walshkv has no measured {key} spec for {label}" if known else f"{label} is not a model walshkv has measured"
+    note = (
+        f"{why}; {key} uses the built-in spec {BUILTIN[key]}. `walshkv recommend --model {label} --bits "
+        f"{PRESET_BUDGETS[key]:g} --text python-docs -o {key.replace(':', '-')}.gguf` chooses one for it (pass the "
+        "file as --kv-mean-center)"
+    )
+    return Preset(key, PRESET_BUDGETS[key], BUILTIN[key], note=note)
 
 
 def resolve_specs(
-    codecs: Sequence[str], calibration: CalibrationLike | None = None
+    codecs: Sequence[str], calibration: CalibrationLike | None = None, *, model: Any = None
 ) -> tuple[list[str], dict[str, str]]:
-    """Replace preset names by their specs.
+    """Replace preset names by their specs (:func:`resolve_preset`, with the same ``calibration`` and ``model``).
+
+    Notes on the choices (an unknown model) are not returned: use :func:`resolve_preset` to read them.
 
     Returns:
         ``(specs, presets)``: the specs in order, and ``{spec: preset name}`` for the replaced ones.
@@ -199,7 +309,7 @@ def resolve_specs(
     out, names = [], {}
     for c in codecs:
         if is_preset(c):
-            p = resolve_preset(c, calibration)
+            p = resolve_preset(c, calibration, model=model)
             out.append(p.spec)
             names[p.spec] = p.name
         else:

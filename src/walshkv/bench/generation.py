@@ -253,7 +253,7 @@ def resolve_generation_codecs(
             eval_text=bench_text,
             progress=progress,
         )
-        specs, preset_of = resolve_specs(group, cal)
+        specs, preset_of = resolve_specs(group, cal, model=lm)
         made_for = str((getattr(getattr(cal, "bias", cal), "meta", None) or {}).get(Keys.Preset.NAME, ""))
         for codec, spec in zip(group, specs, strict=True):
             if path and made_for and is_preset(codec) and made_for.lower() != codec.lower():

@@ -8,6 +8,7 @@ accounting sums the layers' (full-precision windows and sink tokens included).
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, get_args
 
 import torch
@@ -193,7 +194,9 @@ class CompressedCache(Cache):
 
         The resolved :class:`walshkv.presets.Preset` is kept as ``cache.preset``.
         """
-        preset = resolve_preset(name, calibration)
+        preset = resolve_preset(name, calibration, model=model)
+        if preset.note:
+            warnings.warn(preset.note, UserWarning, stacklevel=2)
         cache = cls(
             preset.spec,
             config=model.config,

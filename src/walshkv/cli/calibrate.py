@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING, get_args
 
 import torch
@@ -55,6 +56,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     preset = resolve_preset(args.preset) if args.preset else None
     text = data.load_text(args.text)
     lm = models.load_model(args.model, progress=not args.quiet)
+    if preset is not None:
+        preset = resolve_preset(args.preset, model=lm)  # a known model's shipped spec
+        print(f"{preset.name} = {preset.spec} ({preset.source})", file=sys.stderr, flush=True)
+        if preset.note:
+            print(f"note: {preset.note}", file=sys.stderr, flush=True)
     stats = calibration.collect_kv_stats(lm, text, tokens=args.tokens, ctx=args.ctx, progress=not args.quiet)
     if preset is not None:
         basis = write_preset_file(args.output, lm, preset, stats)

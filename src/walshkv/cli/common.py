@@ -10,6 +10,7 @@ what it means there (``calibrate --text`` is calibration text).
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +20,7 @@ from walshkv.defaults import CALIB_TOKENS, CTX, DEFAULT_MODEL, DEFAULT_TEXT, WIN
 from walshkv.eval.calibrated import calibration_for
 from walshkv.fileio import check_output_dir, check_output_path
 from walshkv.models import MODELS
+from walshkv.presets import resolve_preset
 
 if TYPE_CHECKING:
     from walshkv.codecs import CacheSpec, HFCacheSpec
@@ -186,3 +188,15 @@ def calibration_from_args(
         eval_text=text,
         progress=not args.quiet,
     )
+
+
+def print_presets(
+    preset_of: dict[str, str], calibration: Calibration | None, lm: LoadedModel, *, quiet: bool = False
+) -> None:
+    """Print on stderr which spec each preset stands for, where it came from, and any note (an unknown model)."""
+    for spec, name in preset_of.items():
+        preset = resolve_preset(name, calibration, model=lm)
+        if not quiet:
+            print(f"{name} = {spec} ({preset.source})", file=sys.stderr, flush=True)
+        if preset.note:
+            print(f"note: {preset.note}", file=sys.stderr, flush=True)

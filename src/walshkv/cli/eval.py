@@ -7,26 +7,78 @@ import sys
 from typing import get_args
 
 from walshkv import data, models
-from walshkv.cli.common import calibration_from_args, calibration_parent, model_parent, output_parent, windows_parent
+from walshkv.calibration import collect_kv_stats
+from walshkv.cli.common import (
+    calibration_from_args,
+    calibration_parent,
+    model_parent,
+    output_parent,
+    print_presets,
+    windows_parent,
+)
 from walshkv.codecs import parse_cache_spec
 from walshkv.constants import Feed, Prefill, Score
-from walshkv.eval import DEFAULT_CODECS, evaluate
+from walshkv.data import Text
+from walshkv.eval import evaluate
 from walshkv.eval.report import command_line, describe_run, format_table, write_csv, write_json, write_markdown
 from walshkv.presets import resolve_specs
+from walshkv.recommend import split_text
 
-__all__ = ["add_parsers"]
+__all__ = ["MAIN_CODECS", "add_parsers", "default_calibration"]
+
+
+#: What ``walshkv eval`` runs with no ``--codec``: the uncompressed reference row, walshkv's presets (the model's
+#: shipped specs) and the peers users compare them with at similar bits: llama.cpp's types with the rotation, as
+#: upstream now applies it (q8_0 K / q4_0 V at 6.5 bits, q4_0 and iq4_nl at 4.5), KIVI (5 and 3 bits with its
+#: fp16 window) and TurboQuant-class tq (4.06 and 3.06 bits at head_dim 64). All run on the core install.
+MAIN_CODECS = (
+    "fp16",
+    "walshkv:4.5",
+    "walshkv:3.5",
+    "walshkv:3",
+    "rot+q8_0/rot+q4_0",
+    "rot+iq4_nl",
+    "rot+q4_0",
+    "kivi4",
+    "kivi2",
+    "tq:4",
+    "tq:3",
+)
+
+
+def default_calibration(text: Text) -> tuple[Text, Text]:
+    """``(calibration text, evaluation text)`` for the default run: never the same text.
+
+    The presets need a K mean (and eq+ transforms): python-docs calibrates them, unless python-docs is what is
+    evaluated; then its first half calibrates and its second half is evaluated (as ``walshkv recommend`` splits
+    its selection text).
+    """
+    docs = data.load_text("python-docs")
+    if text.content != docs.content:
+        return docs, text
+    calib, rest = split_text(text)
+    return calib, Text(f"{text.name}[eval]", rest.source, rest.content)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    codecs = args.codec or list(DEFAULT_CODECS)
+    codecs = args.codec or list(MAIN_CODECS)
     for c in codecs:  # fail before loading anything
         parse_cache_spec(c)
     text = data.load_text(args.text)
     lm = models.load_model(args.model, progress=not args.quiet)
-    calibration = calibration_from_args(lm, codecs, args, text)
-    codecs, preset_of = resolve_specs(codecs, calibration)
-    for spec, name in preset_of.items():
-        print(f"{name} = {spec}", file=sys.stderr)
+    if not args.codec and not args.calib_text and not args.kv_mean_center:
+        calib, text = default_calibration(text)
+        print(
+            f"calibrating the presets on {calib.name} ({args.calib_tokens:,} tokens), evaluating on {text.name}; "
+            "--calib-text or --kv-mean-center choose otherwise",
+            file=sys.stderr,
+            flush=True,
+        )
+        calibration = collect_kv_stats(lm, calib, tokens=args.calib_tokens, progress=not args.quiet)
+    else:
+        calibration = calibration_from_args(lm, codecs, args, text)
+    codecs, preset_of = resolve_specs(codecs, calibration, model=lm)
+    print_presets(preset_of, calibration, lm)
     result = evaluate(
         lm,
         text,
@@ -81,7 +133,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         ],
     )
     ev.add_argument(
-        "--codec", action="append", metavar="SPEC", help=f"cache spec, repeatable (default: {' '.join(DEFAULT_CODECS)})"
+        "--codec",
+        action="append",
+        metavar="SPEC",
+        help=f"cache spec or preset, repeatable (default: {' '.join(MAIN_CODECS)}; the presets calibrated on "
+        "python-docs, or on its first half when python-docs is the evaluation text)",
     )
     ev.add_argument(
         "--score",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import textwrap
 from pathlib import Path
 from typing import get_args
@@ -18,6 +17,7 @@ from walshkv.cli.common import (
     calibration_parent,
     model_parent,
     output_parent,
+    print_presets,
     windows_parent,
 )
 from walshkv.codecs import parse_cache_spec
@@ -102,10 +102,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     head_dim = lm.shape.head_dim
     specs = [substitute_head_dim(s, head_dim) for s in raw_specs]
     calibration = calibration_from_args(lm, specs, args, text)
-    specs, preset_of = resolve_specs(specs, calibration)  # a preset file may choose its spec
-    if not args.quiet:
-        for spec, preset in preset_of.items():
-            print(f"{preset} = {spec}", file=sys.stderr, flush=True)
+    specs, preset_of = resolve_specs(specs, calibration, model=lm)  # a preset file or the model may choose
+    print_presets(preset_of, calibration, lm, quiet=args.quiet)
     out = Path(args.out or f"sweep-{slug(name)}-{slug(lm.name)}")
     rows = run_sweep(
         lm,

@@ -105,6 +105,29 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
             *HF_PEERS,
         ],
     ),
+    "long-context": (
+        "What issue 20 compares at 2k-32k tokens: walshkv's presets (the model's shipped specs; calibrated with "
+        "--calib-text or --kv-mean-center), llama.cpp's types with and without rotation (q8_0, q4_0, iq4_nl, "
+        "q8_0 K with q4_0 V), KIVI (2/4-bit, G=32, R=32), TurboQuant-class (tq:3, tq:4) and Hugging Face's "
+        "QuantizedCache (hf-quanto:4, fed in --decode-chunk steps), plus fp16 as the sanity row.",
+        [
+            "fp16",
+            "walshkv:3",
+            "walshkv:3.5",
+            "walshkv:4.5",
+            "q8_0",
+            "rot+q8_0/rot+q4_0",
+            "q4_0",
+            "rot+q4_0",
+            "iq4_nl",
+            "rot+iq4_nl",
+            "kivi4",
+            "kivi2",
+            "tq:4",
+            "tq:3",
+            "hf-quanto:4",
+        ],
+    ),
     "vht2-claims": (
         "The VHT2 document's remaining claims, one row each: its pairings (natural and squarefree order); "
         "the 3-bit floor (one 2-bit K band, 2-bit V); whether 5,5,4,3 beats the same widths in other orders "

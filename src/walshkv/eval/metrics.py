@@ -3,13 +3,33 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from walshkv.eval.rows import MetricSummary
 
-__all__ = ["TokenMetrics", "compare_logits", "is_finite_number"]
+__all__ = ["BOOTSTRAP_RESAMPLES", "TokenMetrics", "bootstrap_ci95", "compare_logits", "is_finite_number"]
+
+#: Resamples of the per-window bootstrap intervals (seeded: the same windows give the same interval).
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def bootstrap_ci95(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> list[float]:
+    """95% percentile-bootstrap interval of the mean of ``values`` (one number per window), ``[low, high]``.
+
+    Windows, not tokens, are resampled: tokens within a window are correlated, windows far apart are close to
+    independent. With one window the interval is ``[nan, nan]`` (nothing to resample). For a paired
+    comparison of two codecs, pass the per-window differences.
+    """
+    x = torch.tensor(list(values), dtype=torch.float64)
+    if x.numel() < 2:
+        return [math.nan, math.nan]
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, x.numel(), (resamples, x.numel()), generator=gen)
+    means = x[idx].mean(dim=1)
+    return [float(torch.quantile(means, 0.025)), float(torch.quantile(means, 0.975))]
 
 
 def is_finite_number(x: object) -> bool:
@@ -34,13 +54,16 @@ class TokenMetrics:
 
     def summary(self) -> MetricSummary:
         """``kld_mean``, ``kld_p99``, ``kld_median``, ``top1_agreement``, ``ppl``, ``ppl_ref``, ``ppl_ratio``,
-        ``ppl_ratio_ci95``, ``scored_tokens``."""
+        ``ppl_ratio_ci95``, ``scored_tokens``, and per window (one :meth:`add` each): ``window_kld_mean``,
+        ``window_top1``, with their bootstrap intervals ``kld_mean_ci95`` and ``top1_ci95``."""
         kl = torch.cat(self.kl)
         nll = torch.cat(self.nll)
         nll_ref = torch.cat(self.nll_ref)
         ppl = math.exp(float(nll.mean()))
         ppl_ref = math.exp(float(nll_ref.mean()))
         diff = (nll - nll_ref).double()  # paired per-token log perplexity ratio
+        win_kl = [float(k.double().mean()) for k in self.kl]
+        win_top1 = [float(t.double().mean()) for t in self.same_top1]
         half = 1.96 * float(diff.std()) / math.sqrt(diff.numel()) if diff.numel() > 1 else math.inf
         return {
             "kld_mean": float(kl.mean()),
@@ -54,6 +77,10 @@ class TokenMetrics:
             # tokens within a window are correlated, so read it as a lower bound on the uncertainty)
             "ppl_ratio_ci95": [math.exp(float(diff.mean()) - half), math.exp(float(diff.mean()) + half)],
             "scored_tokens": int(kl.numel()),
+            "kld_mean_ci95": bootstrap_ci95(win_kl),
+            "top1_ci95": bootstrap_ci95(win_top1),
+            "window_kld_mean": win_kl,
+            "window_top1": win_top1,
         }
 
 

@@ -27,6 +27,12 @@ class MetricSummary(TypedDict):
     #: 95% interval of ``ppl_ratio`` from the paired per-token differences, ``[low, high]``.
     ppl_ratio_ci95: list[float]
     scored_tokens: int
+    #: 95% percentile-bootstrap intervals over windows (:func:`walshkv.eval.metrics.bootstrap_ci95`).
+    kld_mean_ci95: list[float]
+    top1_ci95: list[float]
+    #: mean KLD and top-1 agreement of each window, in window order (for paired comparisons between rows).
+    window_kld_mean: list[float]
+    window_top1: list[float]
 
 
 class ResultRow(MetricSummary):

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Write src/walshkv/model_presets.json: each known model's measured preset specs, with their provenance.
+
+The specs come from the `walshkv recommend` runs under docs/results/presets/MODEL/recommend-B.json
+(``scripts/presets-reproduce.sh`` makes them: selection on python-docs only, never on Emma or Persuasion).
+Nothing is typed by hand: rerun this script after a new recommend run and commit both.
+
+    python scripts/ship_presets.py            # write the file
+    python scripts/ship_presets.py --check    # exit 1 if the file is out of date (the tests run this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results" / "presets"
+OUT = ROOT / "src" / "walshkv" / "model_presets.json"
+SHAPE_KEYS = ("arch", "layers", "q_heads", "kv_heads", "head_dim", "params")
+
+
+def _commit_of(path: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "log", "-1", "--format=%h", "--", str(path)], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out or None
+
+
+def build() -> dict:
+    models: dict[str, dict] = {}
+    for path in sorted(RESULTS.glob("*/recommend-*.json")):
+        run = json.loads(path.read_text())
+        meta = run["meta"]
+        model = meta["model"]
+        name = model["name"]
+        preset = run["preset"]
+        best = next((r for r in run["results"] if r["codec"] == run["winner"]), None)
+        entry = models.setdefault(name, {"shape": {k: model[k] for k in SHAPE_KEYS}, "presets": {}})
+        if entry["shape"] != {k: model[k] for k in SHAPE_KEYS}:
+            raise SystemExit(f"{path}: model {name} has another shape than its other recommend runs")
+        entry["presets"][preset] = {
+            "spec": run["winner"],
+            "selected_on": meta["text"]["name"],
+            "calibrated_on": (meta.get("calibration") or {}).get("text"),
+            "ctx": meta["ctx"],
+            "windows": meta["windows"],
+            "selection_kld_mean": None if best is None else best["kld_mean"],
+            "bits_per_element": None if best is None else best["bits_per_element"],
+            "candidates": len(run["results"]),
+            "per_layer": "per_layer" in run,
+            "source": str(path.relative_to(ROOT)),
+            "source_commit": _commit_of(path),
+            "date": meta.get("date"),
+        }
+    return {
+        "format": 1,
+        "about": "measured preset specs per model, written by scripts/ship_presets.py from docs/results/presets; "
+        "walshkv.presets.resolve_preset reads it",
+        "models": models,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the shipped file differs (source_commit ignored)")
+    args = ap.parse_args()
+    data = build()
+    text = json.dumps(data, indent=1, sort_keys=True) + "\n"
+    if args.check:
+        old = json.loads(OUT.read_text()) if OUT.exists() else None
+
+        def strip(d: dict | None) -> object:
+            if d is None:
+                return None
+            return {
+                m: {p: {k: v for k, v in e.items() if k != "source_commit"} for p, e in md["presets"].items()}
+                for m, md in d["models"].items()
+            }
+
+        if strip(old) != strip(data):
+            print(f"{OUT} is out of date: run python scripts/ship_presets.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    counts = ", ".join(f"{m} ({len(e['presets'])} presets)" for m, e in data["models"].items())
+    print(f"wrote {OUT.relative_to(ROOT)}: {counts}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

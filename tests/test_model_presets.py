@@ -1,0 +1,112 @@
+"""The per-model preset specs shipped with the package (walshkv/model_presets.json) and their resolution."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from walshkv import CompressedCache
+from walshkv.codecs import parse_cache_spec
+from walshkv.codecs.builtin_presets import BUILTIN, PRESET_BUDGETS
+from walshkv.constants import Keys
+from walshkv.models import ModelShape
+from walshkv.presets import known_model, model_presets, resolve_preset, resolve_specs
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2 = ModelShape(arch="llama", layers=30, q_heads=9, kv_heads=3, head_dim=64, params=134515008)
+
+
+class _Loaded:
+    """What resolve_preset reads of a LoadedModel: its name and shape."""
+
+    def __init__(self, name: str, shape: ModelShape) -> None:
+        self.name, self.shape = name, shape
+
+
+def test_shipped_file_is_up_to_date_with_the_recommend_runs():
+    """Nothing typed by hand: the file is what scripts/ship_presets.py makes of docs/results/presets."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "ship_presets.py"), "--check"], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+
+
+def test_every_shipped_spec_parses_fits_its_budget_and_has_provenance():
+    table = model_presets()
+    assert {"smollm2-135m", "qwen2.5-1.5b", "gemma3-270m"} <= set(table)
+    for name, entry in table.items():
+        shape = entry["shape"]
+        for preset, choice in entry["presets"].items():
+            spec = parse_cache_spec(choice["spec"])
+            bits = spec.bits_at(shape["head_dim"], choice["ctx"], shape["layers"])
+            assert bits <= PRESET_BUDGETS[preset] + 1e-9, (name, preset, bits)
+            assert choice["selected_on"].startswith("python-docs"), "selection on python-docs only"
+            assert choice["source"].startswith("docs/results/presets/") and (ROOT / choice["source"]).is_file()
+
+
+def test_known_model_resolves_to_its_shipped_spec():
+    shipped = json.loads((ROOT / "src" / "walshkv" / "model_presets.json").read_text())
+    want = shipped["models"]["smollm2-135m"]["presets"]["walshkv:3.5"]["spec"]
+    for model in ("smollm2-135m", _Loaded("smollm2-135m", SMOLLM2), SMOLLM2):
+        p = resolve_preset("walshkv:3.5", model=model)
+        assert p.spec == want and p.source == "shipped:smollm2-135m" and not p.note
+        assert p.provenance["selected_on"] == "python-docs[select]"
+    assert resolve_specs(["walshkv:3.5", "q4_0"], model="smollm2-135m") == ([want, "q4_0"], {want: "walshkv:3.5"})
+
+
+def test_unknown_model_keeps_the_builtin_spec_and_is_told_about_recommend(tiny_llama):
+    model = tiny_llama
+    assert known_model(model) is None
+    p = resolve_preset("walshkv:3", model=model)
+    assert p.spec == BUILTIN["walshkv:3"] and p.source == "built-in"
+    assert "walshkv recommend" in p.note and "--bits 3" in p.note
+    # a known name with another model's shape is not that model
+    assert known_model(_Loaded("smollm2-135m", ModelShape("llama", 2, 4, 2, 16, 1000))) is None
+    # no model given: the built-in spec, silently (the old behaviour)
+    assert resolve_preset("walshkv:3").note == ""
+
+
+def test_from_preset_warns_for_an_unknown_model(tiny_llama):
+    model = tiny_llama
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with contextlib.suppress(ValueError):  # no calibration given: refused after resolution, after the note
+            CompressedCache.from_preset(model, "walshkv:3")
+    assert any("walshkv recommend" in str(w.message) for w in caught)
+
+
+def test_calibration_file_for_the_preset_still_wins():
+    class _File:
+        def __init__(self) -> None:
+            self.meta = {Keys.Preset.NAME: "walshkv:3.5", Keys.Preset.SPEC: "center+tq:4/tq:2.5"}
+            self.source = "my.gguf"
+
+    p = resolve_preset("walshkv:3.5", _File(), model="smollm2-135m")
+    assert p.spec == "center+tq:4/tq:2.5" and p.source == "my.gguf"
+
+
+@pytest.mark.parametrize("name", ["walshkv:2", "walshkv"])
+def test_unknown_preset_name_lists_the_presets(name):
+    with pytest.raises(ValueError, match=re.escape("walshkv:3, walshkv:3.5, walshkv:4.5")):
+        resolve_preset(name, model="smollm2-135m")
+
+
+@pytest.mark.model
+def test_calibrate_preset_on_smollm2_writes_the_shipped_spec(tmp_path, capsys):
+    """`walshkv calibrate --preset walshkv:3.5 --model smollm2-135m` uses the model's measured winner."""
+    from walshkv.cli import main
+    from walshkv.export import read_kv_mean_center
+
+    out = tmp_path / "p.gguf"
+    args = ["calibrate", "--preset", "walshkv:3.5", "--model", "smollm2-135m", "--ctx", "64", "--tokens", "128"]
+    assert main([*args, "--quiet", "-o", str(out)]) == 0
+    want = model_presets()["smollm2-135m"]["presets"]["walshkv:3.5"]["spec"]
+    assert read_kv_mean_center(out).meta[Keys.Preset.SPEC] == want
+    assert "shipped:smollm2-135m" in capsys.readouterr().err
