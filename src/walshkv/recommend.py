@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from walshkv.calibration import KVStats, collect_kv_stats
@@ -25,11 +25,12 @@ from walshkv.codecs.spec import CacheSpec, LayeredCacheSpec
 from walshkv.codecs.turbo import TQ_BITS, TurboQuant
 from walshkv.data import Text
 from walshkv.defaults import CALIB_TOKENS, CTX, RECOMMEND_WINDOWS
-from walshkv.eval import evaluate
+from walshkv.eval.sweep import EvalJob, evaluate_specs
 from walshkv.presets import Preset, candidates_for, preset_name_for_bits
 
 if TYPE_CHECKING:
     from walshkv.constants import Kind
+    from walshkv.eval.sweep import Executor
     from walshkv.models import LoadedModel
 
 __all__ = [
@@ -89,6 +90,7 @@ def recommend(
     extra: Sequence[str] = (),
     per_layer: bool = False,
     progress: bool = True,
+    executor: Executor | None = None,
 ) -> Recommendation:
     """Run the candidate specs that fit ``bits`` on calibration text and pick the lowest mean KLD.
 
@@ -104,19 +106,31 @@ def recommend(
             candidate, on the same selection windows), spending any bits it leaves unused, and keep the
             result if it beats the uniform winner.
         progress: progress bars.
+        executor: where the candidates run (:class:`walshkv.eval.sweep.Executor`); ``None``: here, all in one
+            evaluation. ``walshkv.integrations.ray.RayExecutor`` spreads them (and the per-layer moves) over a
+            Ray cluster; the statistics are collected here and the choice is made here, on the same numbers.
     """
     names = candidates_for(bits, lm.shape.head_dim, extra, lm.shape.layers, ctx=ctx)
     specs = {s.spec: s for s in (parse_cache_spec(n) for n in names)}  # canonical string -> spec, in order
     calib, select = split_text(text)
     stats = collect_kv_stats(lm, calib, tokens=calib_tokens, ctx=ctx, progress=progress)
-    result = evaluate(lm, select, list(specs.values()), ctx=ctx, windows=windows, calibration=stats, progress=progress)
+    job = EvalJob(tuple(specs.values()), select, ctx=ctx, windows=windows, calibration=stats)
+    result = evaluate_specs(lm, job, executor, progress=progress)
     rows = sorted(result.results, key=lambda r: (r["kld_mean"], r["bits_per_element"]))
     winner, plan = rows[0]["codec"], None
     if per_layer:  # from the best candidate whose widths can move (tq), which need not be the winner
         movable = [specs[r["codec"]] for r in rows if _movable(specs[r["codec"]])]
         if movable:
             plan = allocate_layers(
-                lm, select, stats, movable[0], windows=windows, ctx=ctx, budget=bits, progress=progress
+                lm,
+                select,
+                stats,
+                movable[0],
+                windows=windows,
+                ctx=ctx,
+                budget=bits,
+                progress=progress,
+                executor=executor,
             )
         if plan is not None and plan.spec != plan.base:
             rows = sorted([*rows, *(r for r in plan.rows if r["codec"] == plan.spec)], key=lambda r: r["kld_mean"])
@@ -220,6 +234,7 @@ def allocate_layers(
     ctx: int = CTX,
     budget: float | None = None,
     progress: bool = True,
+    executor: Executor | None = None,
 ) -> LayerPlan | None:
     """Per-layer widths at the same budget: move ``step`` bits from insensitive layers to sensitive ones.
 
@@ -243,6 +258,7 @@ def allocate_layers(
         windows, ctx: selection windows.
         budget: bits per element the result may use (at ``ctx`` tokens); ``None``: only paired moves.
         progress: progress bars.
+        executor: where the moves run (see :func:`recommend`); ``None``: here, all in one evaluation.
 
     Returns:
         The plan, or ``None`` if ``base`` has no ``tq`` widths to move.
@@ -279,7 +295,8 @@ def allocate_layers(
                 spec = build([move])
                 candidates.append(spec)
                 moves.append({**move, "spec": spec.spec})
-    result = evaluate(lm, select, candidates, ctx=ctx, windows=windows, calibration=stats, progress=progress)
+    job = EvalJob(tuple(candidates), select, ctx=ctx, windows=windows, calibration=stats)
+    result = evaluate_specs(lm, job, executor, progress=progress)
     kld = [r["kld_mean"] for r in result.results]  # in the order of candidates
     for m, value in zip(moves, kld[1:], strict=True):
         m["kld_change"] = value - kld[0]
@@ -313,7 +330,7 @@ def allocate_layers(
     plan = build(chosen)
     rows = list(result.results[:1])
     if plan.spec != uniform.spec:
-        check = evaluate(lm, select, [plan], ctx=ctx, windows=windows, calibration=stats, progress=progress)
+        check = evaluate_specs(lm, replace(job, specs=(plan,)), executor, progress=progress)
         rows = sorted([*rows, *check.results], key=lambda r: r["kld_mean"])
     spec = plan.spec if rows[0]["codec"] == plan.spec else uniform.spec
     return LayerPlan(spec, uniform.spec, moves, chosen, rows)

@@ -78,6 +78,7 @@ def test_presets_structure_and_counts():
         "vht2-sk": 3,
         "vht2-claims": 14,
         "peers": 35,
+        "long-context": 15,
         "vht2-orders": 5,
         "vht2-v": 7,
     }
@@ -277,6 +278,40 @@ def test_run_sweep_without_matplotlib(tmp_path, tiny_lm, monkeypatch, capsys):
     assert "pareto.png skipped" in err and "walshkv[plot]" in err
     assert not (out / "pareto.png").exists()
     assert (out / "results.md").exists() and "pareto.png" not in (out / "results.md").read_text()
+
+
+class _BackwardsExecutor:
+    """An executor that takes every job first, then returns them last to first, in this process, 2 at once."""
+
+    slots = 2
+
+    def __init__(self) -> None:
+        self.jobs: list = []
+
+    def describe(self) -> dict:
+        return {"kind": "backwards"}
+
+    def map(self, lm, jobs, *, progress=False):
+        self.jobs = list(jobs)
+        for i in reversed(range(len(self.jobs))):
+            yield i, walshkv.eval.sweep.run_job(lm, self.jobs[i])
+
+
+def test_run_sweep_and_evaluate_specs_through_another_executor(tmp_path, tiny_lm, stub_plot):
+    specs = ["int8", "int4", "rot+int3/int2"]
+    here = run_sweep(tiny_lm, TEXT, specs, tmp_path / "here", chunk=1, **FAST)
+    backwards = _BackwardsExecutor()
+    there = run_sweep(tiny_lm, TEXT, specs, tmp_path / "there", chunk=1, executor=backwards, **FAST)
+    assert [job.specs for job in backwards.jobs] == [(s,) for s in specs]
+    assert [{**r, "seconds": 0} for r in there] == [{**r, "seconds": 0} for r in here]
+    assert json.loads(row_path(tmp_path / "there", "int4").read_text())["meta"]["executor"] == {"kind": "backwards"}
+    job = walshkv.eval.sweep.EvalJob(tuple(specs), TEXT, ctx=32, windows=1)
+    split = walshkv.eval.sweep.evaluate_specs(tiny_lm, job, backwards)
+    whole = walshkv.eval.sweep.evaluate_specs(tiny_lm, job)  # in process: one evaluate call
+    assert [job.specs for job in backwards.jobs] == [("int8", "int4"), ("rot+int3/int2",)]
+    assert [r["codec"] for r in split.results] == specs and "executor" not in whole.meta
+    assert [r["kld_mean"] for r in split.results] == [r["kld_mean"] for r in whole.results]
+    assert split.meta["executor"] == {"kind": "backwards", "jobs": 2}
 
 
 def test_run_sweep_progress_lines(tmp_path, tiny_lm, capsys, stub_plot):

@@ -20,7 +20,15 @@ from walshkv.codecs import parse_cache_spec
 from walshkv.constants import Feed, Prefill, Score
 from walshkv.data import Text
 from walshkv.eval import evaluate
-from walshkv.eval.report import command_line, describe_run, format_table, write_csv, write_json, write_markdown
+from walshkv.eval.report import (
+    command_line,
+    decode_note,
+    describe_run,
+    format_table,
+    write_csv,
+    write_json,
+    write_markdown,
+)
 from walshkv.presets import resolve_specs
 from walshkv.recommend import split_text
 
@@ -100,6 +108,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             row["preset"] = preset_of[row["codec"]]
     print(describe_run(result.meta))
     print(format_table(result.results))
+    if note := decode_note(result.results):
+        print(f"\n{note}")
     if args.json:
         write_json(args.json, result.to_json())
         print(f"wrote {args.json}")

@@ -17,6 +17,7 @@ from walshkv.cli.common import (
     require_at_least,
     windows_parent,
 )
+from walshkv.cli.sweep import executor_from_args, ray_parent
 from walshkv.defaults import RECOMMEND_WINDOWS
 from walshkv.eval.report import format_table, write_json
 from walshkv.fileio import check_output_dir
@@ -31,6 +32,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     require_at_least(args, ctx=4, windows=1, calib_tokens=1)
     if args.output is None:  # the default file is named after the model: its folder is checked now
         check_output_dir(Path.cwd(), what="-o (not given: MODEL-walshkv-B.gguf in the current directory)")
+    executor = executor_from_args(args)  # --ray errors before loading anything
     text = data.load_text(args.text)
     lm = models.load_model(args.model, progress=not args.quiet)
     n = len(candidates_for(args.bits, lm.shape.head_dim, args.candidate or (), lm.shape.layers, ctx=args.ctx))
@@ -40,17 +42,19 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         "its second half",
         file=sys.stderr,
     )
-    rec = recommend(
-        lm,
-        text,
-        args.bits,
-        windows=args.windows,
-        ctx=args.ctx,
-        calib_tokens=args.calib_tokens,
-        extra=args.candidate or (),
-        per_layer=args.per_layer,
-        progress=not args.quiet,
-    )
+    with executor as runner:
+        rec = recommend(
+            lm,
+            text,
+            args.bits,
+            windows=args.windows,
+            ctx=args.ctx,
+            calib_tokens=args.calib_tokens,
+            extra=args.candidate or (),
+            per_layer=args.per_layer,
+            progress=not args.quiet,
+            executor=runner,
+        )
     print(format_table(rec.rows))
     if rec.plan is not None:
         moved = ", ".join(f"{m['kind'].upper()}{m['layer']} {m['delta']:+g}" for m in rec.plan.chosen) or "none"
@@ -99,6 +103,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
             windows_parent(windows_help="selection windows", windows=RECOMMEND_WINDOWS),
             calibration_parent("tokens for the K mean", inputs=False),
             output_parent(json="write the candidates' results as JSON"),
+            ray_parent(
+                "the candidates (and, with --per-layer, the single-layer moves) are cut into as many tasks as "
+                "the cluster has CPUs, each sharing one reference forward per window. The K mean is collected "
+                "here and the winner is chosen here, by the same rule on the same numbers."
+            ),
         ],
     )
     re_.add_argument("--bits", type=float, required=True, help="budget in bits per element, e.g. 3, 3.5 or 4.5")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import textwrap
 from pathlib import Path
@@ -26,6 +27,7 @@ from walshkv.eval.calibrated import only_centering
 from walshkv.eval.report import command_line, format_table
 from walshkv.eval.sweep import (
     PRESETS,
+    Executor,
     canonical_specs,
     grid_files_hint,
     load_grid,
@@ -35,9 +37,51 @@ from walshkv.eval.sweep import (
     slug,
     substitute_head_dim,
 )
+from walshkv.integrations.ray import RayExecutor, require_ray
 from walshkv.presets import resolve_specs
 
-__all__ = ["add_parsers"]
+__all__ = ["add_parsers", "executor_from_args", "ray_parent"]
+
+
+def ray_parent(what: str) -> argparse.ArgumentParser:
+    """``--ray ADDRESS|auto|local`` and ``--ray-cpus N`` (``what``: how the command splits its work)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group(
+        'Ray cluster (pip install "walshkv[ray]")',
+        f"Spread the evaluations over a Ray cluster: {what} Each worker process loads the model once, by "
+        "name or path (every node needs walshkv, the same version, and the model: a registry name downloads "
+        "it there, a path must exist there); the metrics are the numbers a run without --ray gives at the "
+        "same torch thread count.",
+    )
+    group.add_argument(
+        "--ray",
+        metavar="ADDRESS|auto|local",
+        help="local: start a Ray cluster on this machine (--ray-cpus CPUs, default all) and stop it at the end; "
+        "auto: join the cluster `ray start --head` started on this machine (or RAY_ADDRESS); HOST:PORT: join "
+        "the head node at that address (port 6379 unless changed); ray://HOST:10001: Ray Client",
+    )
+    group.add_argument(
+        "--ray-cpus", type=int, metavar="N", help="CPUs of the --ray local cluster (default: every CPU here)"
+    )
+    return parent
+
+
+def executor_from_args(args: argparse.Namespace) -> contextlib.AbstractContextManager[Executor | None]:
+    """The executor ``--ray`` asks for, as a context manager (``None``: in process, as without Ray).
+
+    Raises:
+        ValueError: ``--ray-cpus`` without ``--ray local``, or below 1.
+        ImportError: ``--ray`` without Ray installed (naming the install line).
+    """
+    address, cpus = getattr(args, "ray", None), getattr(args, "ray_cpus", None)
+    if cpus is not None and address != "local":
+        raise ValueError(f"--ray-cpus sizes a cluster started here: add --ray local (got --ray {address})")
+    if cpus is not None and cpus < 1:
+        raise ValueError(f"--ray-cpus must be at least 1, got {cpus}")
+    if address is None:
+        return contextlib.nullcontext()
+    require_ray()  # before any model is loaded
+    return RayExecutor(address, cpus=cpus)
 
 
 def _head_dim_hint(model: str) -> int | None:
@@ -95,6 +139,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             "--calib-text TEXT (any text other than the evaluation text), or --kv-mean-center FILE for center+"
         )
 
+    executor = executor_from_args(args)  # --ray errors before loading anything
     text = data.load_text(args.text)
     if calibrated and args.calib_text and data.load_text(args.calib_text).content == text.content:
         raise ValueError("--calib-text is the evaluation text; calibrate on different text")
@@ -105,23 +150,25 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     specs, preset_of = resolve_specs(specs, calibration, model=lm)  # a preset file or the model may choose
     print_presets(preset_of, calibration, lm, quiet=args.quiet)
     out = Path(args.out or f"sweep-{slug(name)}-{slug(lm.name)}")
-    rows = run_sweep(
-        lm,
-        text,
-        specs,
-        out,
-        ctx=args.ctx,
-        windows=windows,
-        score=args.score,
-        residual=args.residual,
-        progress=not args.quiet,
-        command=command_line(args),
-        calibration=calibration,
-        chunk=args.chunk,
-        title=name,
-        description=description,
-        decode_chunk=args.decode_chunk,
-    )
+    with executor as runner:
+        rows = run_sweep(
+            lm,
+            text,
+            specs,
+            out,
+            ctx=args.ctx,
+            windows=windows,
+            score=args.score,
+            residual=args.residual,
+            progress=not args.quiet,
+            command=command_line(args),
+            calibration=calibration,
+            chunk=args.chunk,
+            title=name,
+            description=description,
+            decode_chunk=args.decode_chunk,
+            executor=runner,
+        )
     print(format_table(rows))
     print("Pareto front: " + ", ".join(r["codec"] for r in pareto_front(rows)))
     written = ["results.csv", "results.md"]
@@ -144,7 +191,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "examples:\n"
         "  walshkv sweep --grid baseline --ci\n"
         "  walshkv sweep --grid vht2-bits --model qwen2.5-1.5b --out sweeps/bits-qwen\n"
-        "  walshkv sweep --grid my-grid.yaml --windows 4",
+        "  walshkv sweep --grid my-grid.yaml --windows 4\n"
+        "  walshkv sweep --grid vht2-bits --ray local --chunk 2          # a Ray cluster on this machine\n"
+        "  walshkv sweep --grid peers --ray HEAD:6379 --chunk 1          # rows on every node of a cluster",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[
             model_parent(MODEL_HELP + SHOW_DEFAULT, TEXT_HELP + SHOW_DEFAULT),
@@ -153,6 +202,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
             ),
             calibration_parent(),
             output_parent("no progress bars or per-chunk lines", out="output folder (default sweep-GRID-MODEL)"),
+            ray_parent(
+                "each chunk of --chunk pending rows is one task, and each row's file is written here as soon "
+                "as its task comes back, so an interrupted run resumes as without --ray."
+            ),
         ],
     )
     sw.add_argument("--grid", metavar="PRESET|FILE", help="a preset name or a .yaml/.json file with codecs: [...]")

@@ -55,6 +55,7 @@ __all__ = [
     "format_table",
     "library_versions",
     "model_meta",
+    "preset_note",
     "run_meta",
     "run_settings",
     "text_meta",
@@ -259,6 +260,8 @@ def _cells(results: Sequence[ResultRow]) -> list[list[str]]:
         row = []
         for key, _, fmt in TABLE_COLUMNS:
             text = fmt.format(r[key])  # type: ignore[literal-required]
+            if key == "codec" and r.get("preset"):  # a preset's row is named by the preset (spec: preset_note)
+                text = str(r.get("preset"))
             if key == "codec" and (mark := _mark(r)):
                 text += f" {mark}"
             row.append(text[:-1] if key == "top1_agreement" else text)
@@ -286,9 +289,16 @@ def _fp_share(row: ResultRow) -> str:
     )
 
 
+def preset_note(results: Sequence[ResultRow]) -> str:
+    """``Presets: walshkv:3.5 = SPEC, ...``: the spec behind each row named by a preset, or ``""``."""
+    named = [f"`{r.get('preset')}` = `{r['codec']}`" for r in results if r.get("preset")]
+    return f"Presets (the model's specs; docs/presets.md): {'; '.join(named)}." if named else ""
+
+
 def decode_note(results: Sequence[ResultRow]) -> str:
-    """The footnotes of rows marked † (fed token by token) and ‡ (KIVI's fp16 window), or ``""``."""
-    notes = []
+    """The footnotes of rows marked † (fed token by token) and ‡ (KIVI's fp16 window), or ``""``,
+    after the :func:`preset_note`."""
+    notes = [n for n in (preset_note(results),) if n]
     if fed := [r for r in results if _mark(r) == "†"]:
         notes.append(
             "† fed as in generation: the unscored prefix in one forward, then one forward per scored token "

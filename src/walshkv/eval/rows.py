@@ -56,6 +56,8 @@ class ResultRow(MetricSummary):
     prefill: Prefill
     #: whether every token was compressed before attention read it (not so for Hugging Face ``hf-*`` and KIVI).
     quantize_on_write: bool
+    #: the preset name the row was asked for (``walshkv:3.5``), when ``codec`` is a preset's spec
+    preset: NotRequired[str]
     # decode-fed and KIVI rows only:
     fp_context_mean: NotRequired[float]
     scored_quantized_context_share: NotRequired[float]

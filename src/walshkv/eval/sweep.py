@@ -17,9 +17,11 @@ import json
 import math
 import re
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from walshkv.constants import Score
 from walshkv.defaults import CTX, WINDOWS
@@ -34,7 +36,7 @@ from walshkv.eval.grids import (
     substitute_head_dim,
     unrunnable_specs,
 )
-from walshkv.eval.harness import evaluate
+from walshkv.eval.harness import EvalResult, evaluate
 from walshkv.eval.metrics import is_finite_number
 from walshkv.eval.pareto import pareto_front, plot_pareto
 from walshkv.eval.provenance import code_version
@@ -52,13 +54,20 @@ from walshkv.fileio import write_json_atomic, write_text_atomic
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
+    from walshkv.codecs.hf import HFCacheSpec
+    from walshkv.codecs.spec import CacheSpec
     from walshkv.data import Text
     from walshkv.models import LoadedModel
 
 __all__ = [
     "HF_PEERS",
+    "IN_PROCESS",
     "PRESETS",
+    "EvalJob",
+    "Executor",
+    "InProcess",
     "canonical_specs",
+    "evaluate_specs",
     "grid_files_hint",
     "load_grid",
     "needs_calibration",
@@ -66,8 +75,10 @@ __all__ = [
     "plot_pareto",
     "resolve_grid",
     "row_path",
+    "run_job",
     "run_sweep",
     "slug",
+    "split_evenly",
     "substitute_head_dim",
 ]
 
@@ -125,6 +136,160 @@ def _describe_code(code: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Where evaluations run: in this process (the default) or elsewhere (walshkv.integrations.ray)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """One :func:`walshkv.eval.evaluate` call, as data: the specs and every setting besides the model.
+
+    A job holds what a worker elsewhere needs to repeat the call exactly (the text itself, not its name;
+    the calibration object, not a path), so an :class:`Executor` can run it in another process or on another
+    machine that loads the same model.
+
+    Attributes:
+        specs: the cache specs, evaluated together (one reference forward per window is shared by them).
+        text: the evaluation (or selection) text.
+        ctx, windows, score, residual, decode_chunk: as :func:`~walshkv.eval.evaluate` takes them.
+        calibration: the calibration for calibrated specs, or ``None``.
+    """
+
+    specs: tuple[str | CacheSpec | HFCacheSpec, ...]
+    text: Text
+    ctx: int = CTX
+    windows: int | None = WINDOWS
+    score: Score = "half"
+    residual: int = 0
+    decode_chunk: int = 1
+    calibration: CalibrationLike | None = None
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`~walshkv.eval.evaluate` besides text, specs and calibration."""
+        return {
+            "ctx": self.ctx,
+            "windows": self.windows,
+            "score": self.score,
+            "residual": self.residual,
+            "decode_chunk": self.decode_chunk,
+        }
+
+
+def run_job(lm: LoadedModel, job: EvalJob, *, progress: bool = False) -> EvalResult:
+    """Run one :class:`EvalJob` on ``lm`` here: exactly ``evaluate(lm, job.text, job.specs, ...)``."""
+    extra = {} if job.calibration is None else {"calibration": job.calibration}
+    return evaluate(lm, job.text, list(job.specs), **job.options(), **extra, progress=progress)
+
+
+class Executor(Protocol):
+    """Where :func:`run_sweep` and :func:`walshkv.recommend.recommend` run their evaluations.
+
+    :data:`IN_PROCESS` (the default) runs each job here, one after another, exactly as before executors
+    existed; :class:`walshkv.integrations.ray.RayExecutor` sends each job to a Ray cluster as a task.
+    The callers keep every decision (which rows are finished, what wins): an executor only runs jobs.
+    """
+
+    @property
+    def slots(self) -> int:
+        """How many jobs run at once (callers split a batch of specs into this many jobs)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Where the jobs ran, for result files (``{"kind": "in-process"}``, ``{"kind": "ray", ...}``)."""
+        ...
+
+    def map(
+        self, lm: LoadedModel, jobs: Iterable[EvalJob], *, progress: bool = False
+    ) -> Iterator[tuple[int, EvalResult]]:
+        """Run every job of ``jobs`` on ``lm`` (or on the same model loaded elsewhere).
+
+        Args:
+            lm: the loaded model; an executor that runs jobs elsewhere loads the same model by name there.
+            jobs: the jobs; read lazily by an in-process executor (each job is taken when it starts).
+            progress: progress bars (in-process) or one line per finished job (elsewhere).
+
+        Yields:
+            ``(index of the job in jobs, its result)`` as each job finishes, in any order.
+        """
+        ...
+
+
+class InProcess:
+    """The default :class:`Executor`: every job in this process, in order, each as soon as it is taken."""
+
+    @property
+    def slots(self) -> int:
+        return 1
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "in-process"}
+
+    def map(
+        self, lm: LoadedModel, jobs: Iterable[EvalJob], *, progress: bool = False
+    ) -> Iterator[tuple[int, EvalResult]]:
+        for i, job in enumerate(jobs):
+            yield i, run_job(lm, job, progress=progress)
+
+
+#: The in-process executor (what ``executor=None`` means).
+IN_PROCESS = InProcess()
+
+
+def split_evenly(items: Sequence[Any], parts: int) -> list[list[Any]]:
+    """``items`` cut into at most ``parts`` consecutive, non-empty parts whose sizes differ by at most one."""
+    n = max(1, min(parts, len(items)))
+    size, more = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < more else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return [p for p in out if p]
+
+
+def _merge_quantize_on_write(values: list[Any]) -> Any:
+    """The meta's ``quantize_on_write`` of jobs evaluated apart: ``True``, or the per-row notes of all."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    notes: list[str] = []
+    for v in values:
+        if isinstance(v, str) and v.startswith("per row (") and v.endswith(")"):
+            notes.extend(v[len("per row (") : -1].split("; "))
+        elif v is not True:
+            notes.append(str(v))
+    return f"per row ({'; '.join(dict.fromkeys(notes))})"
+
+
+def evaluate_specs(
+    lm: LoadedModel, job: EvalJob, executor: Executor | None = None, *, progress: bool = False
+) -> EvalResult:
+    """Evaluate ``job.specs`` through ``executor``, cut into ``executor.slots`` jobs, as one result.
+
+    In process (``executor`` ``None`` or :data:`IN_PROCESS`) this is one :func:`run_job` call, exactly
+    ``evaluate(lm, job.text, job.specs, ...)``. Elsewhere, each part shares its own reference forward: the
+    metrics of every spec are the same, its ``seconds`` and the meta's ``seconds_total`` are not.
+
+    Returns:
+        One :class:`~walshkv.eval.EvalResult`: the rows in the order of ``job.specs``; the meta of the first
+        part with ``quantize_on_write`` merged and, when there were several parts, ``seconds_total`` the wall
+        time of all and ``executor`` (:meth:`Executor.describe` plus ``jobs``).
+    """
+    executor = executor or IN_PROCESS
+    parts = split_evenly(job.specs, executor.slots)
+    jobs = [replace(job, specs=tuple(p)) for p in parts]
+    started = time.perf_counter()
+    results: dict[int, EvalResult] = dict(executor.map(lm, jobs, progress=progress))
+    ordered = [results[i] for i in range(len(jobs))]
+    if len(ordered) == 1:
+        return ordered[0]
+    meta = dict(ordered[0].meta)
+    meta["quantize_on_write"] = _merge_quantize_on_write([r.meta.get("quantize_on_write") for r in ordered])
+    meta["seconds_total"] = time.perf_counter() - started
+    meta["executor"] = {**executor.describe(), "jobs": len(jobs)}
+    return EvalResult(meta, [row for r in ordered for row in r.results])
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The sweep
 # ---------------------------------------------------------------------------------------------------------
 
@@ -152,6 +317,7 @@ def run_sweep(
     title: str = "sweep",
     description: str = "",
     decode_chunk: int = 1,
+    executor: Executor | None = None,
 ) -> list[ResultRow]:
     """Evaluate every spec not already finished in ``out_dir``, then write the combined outputs.
 
@@ -183,6 +349,9 @@ def run_sweep(
         description: one paragraph under the heading of ``results.md``.
         decode_chunk: scored tokens per forward for Hugging Face ``hf-*`` rows (fed as in generation; see
             :func:`walshkv.eval.evaluate`); part of those rows' settings.
+        executor: where the chunks run (:class:`Executor`); ``None``: here, one after another. Whatever runs
+            them, this process decides what is pending and writes each row's file as soon as its chunk
+            comes back (``walshkv.integrations.ray.RayExecutor``: chunks as Ray tasks, in parallel).
 
     Returns:
         The result rows (``evaluate``'s metric dicts), sorted by ``bits_per_element``.
@@ -234,25 +403,23 @@ def run_sweep(
     total = len(canon)
     _say(progress, f"sweep: {total} rows, {len(records)} already finished in {out}, {len(pending)} to run")
 
-    for start in range(0, len(pending), chunk):
-        part = pending[start : start + chunk]
-        first = len(records) + 1
-        last = first + len(part) - 1
-        _say(progress, f"[{first}{'' if last == first else f'-{last}'}/{total}] {', '.join(part)}")
-        extra = {"calibration": calibration} if calibrated.intersection(part) else {}
-        result = evaluate(
-            lm,
-            text,
-            part,
-            ctx=ctx,
-            windows=windows,
-            score=score,
-            residual=residual,
-            progress=progress,
-            decode_chunk=decode_chunk,
-            **extra,
-        )
+    starts = range(0, len(pending), chunk)
+    parts = [pending[start : start + chunk] for start in starts]
+
+    def jobs() -> Iterator[EvalJob]:  # read lazily: in process, each line comes as its chunk starts
+        done = len(records)
+        for start, part in zip(starts, parts, strict=True):
+            first, last = done + start + 1, done + start + len(part)
+            _say(progress, f"[{first}{'' if last == first else f'-{last}'}/{total}] {', '.join(part)}")
+            job_calibration = calibration if calibrated.intersection(part) else None
+            yield EvalJob(tuple(part), text, ctx, windows, score, residual, decode_chunk, job_calibration)
+
+    runner = executor or IN_PROCESS
+    for i, result in runner.map(lm, jobs(), progress=progress):
+        part = parts[i]
         result.meta["command"] = command
+        if not isinstance(runner, InProcess):
+            result.meta["executor"] = runner.describe()
         for spec, row in zip(part, result.results, strict=True):
             meta = {**result.meta, "sweep": {**settings[spec], "spec": spec, "evaluated_with": part}}
             record = {"meta": meta, "result": row}

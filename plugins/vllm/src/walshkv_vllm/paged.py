@@ -1,0 +1,244 @@
+"""Paged K/V over walshkv codecs: slot writes, block-table reads, decode and prefill attention.
+
+Pure torch and walshkv (no vLLM): the vLLM backend (:mod:`walshkv_vllm.vllm_backend`) calls these with the
+tensors vLLM hands it, and the tests call them directly. Conventions are vLLM's:
+
+- tokens are rows: ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]``, ``query``
+  ``[num_tokens, num_q_heads, head_dim]``; grouped-query attention maps query head ``h`` to kv head
+  ``h // (num_q_heads // num_kv_heads)``;
+- the page tensor is ``uint8 [num_blocks, block_size, num_kv_heads, slot_bytes]`` (:mod:`walshkv_vllm.layout`);
+- ``slot_mapping[i]`` is token ``i``'s slot ``block * block_size + offset``; ``-1`` marks padding (skipped);
+- ``block_table[r, j]`` is the block holding positions ``j * block_size ...`` of request ``r``, ``seq_lens[r]``
+  how many positions it has (the tokens being computed included: they are written before attention runs).
+
+Decode reads a request's pages back into walshkv :class:`~walshkv.codecs.Packed` K and V and calls
+:func:`walshkv.attention.decode_attention` (the fused CPU or Triton kernel where it reads the codecs, else the
+reference). Prefill decodes the cached context to float and runs causal scaled-dot-product attention: in
+``exact`` mode the prompt's own K/V join in full precision (for ``center+`` keys shifted by the same K mean the
+decoded keys lack, so every key a query sees is shifted alike), in ``quantized`` mode they are read back from the
+pages too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from walshkv.attention import decode_attention
+from walshkv.codecs import Codec, Packed, find_wrapper
+from walshkv.codecs.center import Centered
+
+from walshkv_vllm.layout import SlotLayout
+
+__all__ = ["decode_paged", "prefill_paged", "read_sequence", "write_slots"]
+
+
+def _check_pages(pages: torch.Tensor, layout: SlotLayout) -> None:
+    if pages.dtype != torch.uint8 or pages.dim() != 4:
+        raise ValueError(
+            f"pages must be uint8 [num_blocks, block_size, num_kv_heads, slot_bytes], got {pages.dtype} "
+            f"{tuple(pages.shape)}"
+        )
+    if pages.shape[2] != layout.num_kv_heads or pages.shape[3] != layout.slot_bytes:
+        raise ValueError(
+            f"pages {tuple(pages.shape)} do not fit the slot layout ({layout.num_kv_heads} kv heads, "
+            f"{layout.slot_bytes} bytes a slot); allocate them with the layout's page_shape"
+        )
+
+
+def write_slots(
+    pages: torch.Tensor,
+    layout: SlotLayout,
+    k_codec: Codec,
+    v_codec: Codec,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Encode each token's K and V and store them in its slot (in place); slots ``< 0`` are padding, skipped.
+
+    Args:
+        pages: ``uint8 [num_blocks, block_size, num_kv_heads, slot_bytes]``, written in place.
+        layout: the slot layout of ``k_codec``/``v_codec``.
+        k_codec, v_codec: the layer's bound codecs.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` (rows past ``len(slot_mapping)`` are ignored).
+        slot_mapping: ``[n]`` int slots, ``n <= num_tokens``.
+
+    Raises:
+        ValueError: mismatched shapes, or a slot past the end of the pages.
+    """
+    _check_pages(pages, layout)
+    n = slot_mapping.shape[0]
+    if key.shape[0] < n or value.shape[0] < n:
+        raise ValueError(f"slot_mapping has {n} slots but key/value only {key.shape[0]}/{value.shape[0]} tokens")
+    if key.shape[1:] != (layout.num_kv_heads, layout.head_dim) or value.shape[1:] != key.shape[1:]:
+        raise ValueError(
+            f"key/value must be [num_tokens, {layout.num_kv_heads}, {layout.head_dim}], got "
+            f"{tuple(key.shape)}/{tuple(value.shape)}"
+        )
+    slots = slot_mapping.to(device=pages.device, dtype=torch.long)
+    keep = slots >= 0
+    k, v = key[:n], value[:n]
+    if not bool(keep.all()):
+        k, v, slots = k[keep], v[keep], slots[keep]
+    if slots.numel() == 0:
+        return
+    num_blocks, block_size = pages.shape[:2]
+    top = int(slots.max())
+    if top >= num_blocks * block_size:
+        raise ValueError(f"slot {top} is past the pages' {num_blocks} blocks of {block_size} tokens")
+    pk = k_codec.encode(k.transpose(0, 1).unsqueeze(0))  # [1, kv_heads, n, ...]
+    pv = v_codec.encode(v.transpose(0, 1).unsqueeze(0))
+    raw = layout.to_bytes(pk, pv)[0].transpose(0, 1)  # [n, kv_heads, slot_bytes]
+    pages[slots // block_size, slots % block_size] = raw.to(pages.device)
+
+
+def read_sequence(
+    pages: torch.Tensor,
+    layout: SlotLayout,
+    block_row: torch.Tensor,
+    stop: int,
+    dtype: torch.dtype,
+    start: int = 0,
+) -> tuple[Packed, Packed]:
+    """Positions ``start:stop`` of one request, read through its block-table row, as packed K and V.
+
+    Args:
+        pages: the layer's page tensor.
+        layout: its slot layout.
+        block_row: ``[max_blocks]`` the request's block ids.
+        stop, start: the positions to read.
+        dtype: what decoding the result returns (the model's dtype).
+
+    Returns:
+        ``(packed_k, packed_v)``, fields ``[1, num_kv_heads, stop - start, ...]``.
+    """
+    _check_pages(pages, layout)
+    block_size = pages.shape[1]
+    if not 0 <= start <= stop or -(-stop // block_size) > block_row.shape[0]:
+        raise ValueError(
+            f"positions {start}:{stop} need {-(-stop // block_size)} blocks, the block-table row has "
+            f"{block_row.shape[0]}"
+        )
+    pos = torch.arange(start, stop, device=pages.device)
+    blocks = block_row.to(device=pages.device, dtype=torch.long)[pos // block_size]
+    raw = pages[blocks, pos % block_size]  # [T, kv_heads, slot_bytes]
+    return layout.from_bytes(raw.transpose(0, 1).unsqueeze(0), dtype)
+
+
+def decode_paged(
+    query: torch.Tensor,
+    pages: torch.Tensor,
+    layout: SlotLayout,
+    k_codec: Codec,
+    v_codec: Codec,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor | list[int],
+    scale: float,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One decode step per request: ``query[r]`` attends over the ``seq_lens[r]`` tokens in its pages.
+
+    Args:
+        query: ``[num_reqs, num_q_heads, head_dim]``, one token per request.
+        pages, layout: the layer's page tensor and slot layout.
+        k_codec, v_codec: the layer's bound codecs.
+        block_table: ``[num_reqs, max_blocks]``.
+        seq_lens: ``[num_reqs]`` tokens per request (the current one included).
+        scale: softmax scale.
+        backend: :func:`walshkv.attention.decode_attention`'s backend.
+
+    Returns:
+        ``[num_reqs, num_q_heads, head_dim]`` in ``query``'s dtype.
+    """
+    lens = [int(x) for x in seq_lens]
+    if len(lens) != query.shape[0]:
+        raise ValueError(f"{query.shape[0]} decode queries but {len(lens)} sequence lengths")
+    out = torch.empty_like(query)
+    for r, n in enumerate(lens):
+        pk, pv = read_sequence(pages, layout, block_table[r], n, query.dtype)
+        q = query[r].unsqueeze(0).unsqueeze(2)  # [1, q_heads, 1, head_dim]
+        o = decode_attention(q, pk, pv, k_codec, v_codec, scale=scale, backend=backend)  # type: ignore[arg-type]
+        out[r] = o[0, :, 0]
+    return out
+
+
+def _decoded(codec: Codec, packed: Packed) -> torch.Tensor:
+    """``[T, kv_heads, head_dim]`` float32 from packed ``[1, kv_heads, T, ...]``."""
+    return codec.decode(packed)[0].transpose(0, 1).to(torch.float32)
+
+
+def _k_offset(k_codec: Codec) -> torch.Tensor | None:
+    """What decoding leaves subtracted from K (``center+``), ``[kv_heads, head_dim]``, else ``None``."""
+    centered = find_wrapper(k_codec, Centered)
+    return None if centered is None else centered.plain_offset().to(torch.float32)
+
+
+def prefill_paged(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    pages: torch.Tensor,
+    layout: SlotLayout,
+    k_codec: Codec,
+    v_codec: Codec,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor | list[int],
+    seq_lens: torch.Tensor | list[int],
+    scale: float,
+    mode: str = "exact",
+) -> torch.Tensor:
+    """Causal attention of each request's query chunk over its cached context and the chunk itself.
+
+    Request ``r``'s queries are rows ``query_start_loc[r]:query_start_loc[r+1]``, at positions
+    ``seq_lens[r] - q_len ... seq_lens[r] - 1``; the positions before them (an earlier chunk, a cached prefix) are
+    read from the pages. The chunk's own K/V are ``key``/``value`` (``mode="exact"``) or read back from the pages,
+    where :func:`write_slots` put them (``mode="quantized"``).
+
+    Args:
+        query: ``[num_tokens, num_q_heads, head_dim]``.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the same rows.
+        pages, layout, k_codec, v_codec, block_table: as for :func:`decode_paged`.
+        query_start_loc: ``[num_reqs + 1]`` row offsets.
+        seq_lens: ``[num_reqs]``.
+        scale: softmax scale.
+        mode: ``"exact"`` or ``"quantized"``.
+
+    Returns:
+        ``[num_tokens, num_q_heads, head_dim]`` in ``query``'s dtype (rows of no request left as zeros).
+    """
+    if mode not in ("exact", "quantized"):
+        raise ValueError(f"prefill mode {mode!r}; choose 'exact' or 'quantized'")
+    starts = [int(x) for x in query_start_loc]
+    lens = [int(x) for x in seq_lens]
+    if len(starts) != len(lens) + 1:
+        raise ValueError(f"query_start_loc has {len(starts)} entries for {len(lens)} requests (needs one more)")
+    hq, hk = query.shape[1], layout.num_kv_heads
+    if hq % hk:
+        raise ValueError(f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hk})")
+    offset = _k_offset(k_codec) if mode == "exact" else None
+    out = torch.zeros_like(query)
+    for r, n in enumerate(lens):
+        a, b = starts[r], starts[r + 1]
+        q_len = b - a
+        if q_len == 0:
+            continue
+        ctx = n - q_len
+        if ctx < 0:
+            raise ValueError(f"request {r} has {q_len} query tokens but a sequence of only {n}")
+        cached = ctx if mode == "exact" else n
+        ks, vs = [], []
+        if cached > 0:
+            pk, pv = read_sequence(pages, layout, block_table[r], cached, query.dtype)
+            ks.append(_decoded(k_codec, pk))
+            vs.append(_decoded(v_codec, pv))
+        if mode == "exact":
+            k_new = key[a:b].to(torch.float32)
+            ks.append(k_new if offset is None else k_new - offset.to(k_new.device))
+            vs.append(value[a:b].to(torch.float32))
+        k_all = torch.cat(ks).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, d]
+        v_all = torch.cat(vs).transpose(0, 1).unsqueeze(0)
+        q = query[a:b].to(torch.float32).transpose(0, 1).unsqueeze(0)  # [1, q_heads, q_len, d]
+        allowed = torch.arange(n, device=q.device)[None, :] <= (ctx + torch.arange(q_len, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, scale=scale, enable_gqa=hq != hk)
+        out[a:b] = o[0].transpose(0, 1).to(query.dtype)
+    return out

@@ -1,0 +1,78 @@
+"""Hook the backend into vLLM (0.32): the CUSTOM attention backend and the ``walshkv_*`` ``--kv-cache-dtype`` names.
+
+vLLM runs :func:`walshkv_vllm.register` (the ``vllm.general_plugins`` entry point) in every process, before it
+builds its argument parser and before a worker builds the model, possibly several times: everything here is
+idempotent.
+
+vLLM's cache dtypes are a closed ``Literal`` (``vllm.config.cache.CacheDType``) that three places read: the
+argument parser (from the ``CacheConfig`` dataclass field), pydantic's validation of ``CacheConfig`` and an
+assertion in ``vllm.v1.attention.selector.get_attn_backend``; ``STR_DTYPE_TO_TORCH_DTYPE`` maps each to the
+page tensor's dtype. A registration API is proposed upstream but not merged, so :func:`patch_cache_dtypes`
+widens the ``Literal`` in each place (as other third-party KV-cache plugins do), and maps the new names to
+``torch.uint8``.
+
+On vLLM's CPU platform the attention backend is not selectable (``CpuPlatform.get_attn_backend_cls`` always
+returns ``CPU_ATTN``); with ``WALSHKV_VLLM_CPU=1`` in the environment the plugin overrides ``CPU_ATTN`` with its
+backend instead (then every model the process serves must use a ``walshkv_*`` cache dtype).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Literal, get_args
+
+import torch
+
+from walshkv_vllm.specs import KV_CACHE_DTYPES
+
+__all__ = ["BACKEND_PATH", "CPU_ENV", "patch_cache_dtypes", "register_all"]
+
+#: What vLLM imports for the CUSTOM backend.
+BACKEND_PATH = "walshkv_vllm.vllm_backend.WalshKVAttentionBackend"
+#: Set to 1 to override vLLM's CPU attention backend (the CPU platform ignores ``--attention-backend``).
+CPU_ENV = "WALSHKV_VLLM_CPU"
+
+
+def _widened(old: Any, names: tuple[str, ...]) -> Any:
+    have = get_args(old)
+    extra = tuple(n for n in names if n not in have)
+    return old if not extra else Literal[(*have, *extra)]  # type: ignore[valid-type]
+
+
+def patch_cache_dtypes(names: tuple[str, ...] = tuple(KV_CACHE_DTYPES)) -> Any:
+    """Add ``names`` to vLLM's ``CacheDType`` everywhere it is read; return the widened ``Literal``."""
+    import vllm.config.cache as cache_mod
+    from pydantic.dataclasses import rebuild_dataclass
+    from vllm.utils import torch_utils
+
+    old = cache_mod.CacheDType
+    new = _widened(old, names)
+    for name in names:
+        torch_utils.STR_DTYPE_TO_TORCH_DTYPE.setdefault(name, torch.uint8)
+    if new is old:
+        return old
+    for module in list(sys.modules.values()):  # modules that imported the name before the plugin ran
+        if getattr(module, "__name__", "").startswith("vllm") and getattr(module, "CacheDType", None) is old:
+            module.CacheDType = new  # type: ignore[attr-defined]
+    config_cls = cache_mod.CacheConfig
+    config_cls.__dataclass_fields__["cache_dtype"].type = new  # what vLLM's argument parser reads
+    config_cls.__annotations__["cache_dtype"] = new
+    rebuild_dataclass(config_cls, force=True)  # pydantic's validator
+    try:
+        from vllm.engine import arg_utils
+
+        arg_utils._compute_kwargs.cache_clear()  # the parser's cached per-config kwargs
+    except (ImportError, AttributeError):
+        pass
+    return new
+
+
+def register_all() -> None:
+    """Register the backend as ``AttentionBackendEnum.CUSTOM`` (and ``CPU_ATTN`` under ``WALSHKV_VLLM_CPU=1``)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    patch_cache_dtypes()
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    if os.environ.get(CPU_ENV) == "1":
+        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)

@@ -1,0 +1,152 @@
+"""Which walshkv cache specs a vLLM page can hold, and the ``--kv-cache-dtype`` names that stand for them.
+
+A page slot has a fixed size, so only codecs that store every (token, kv head) vector on its own, in the same
+number of bytes, fit: the plain storing codecs (``fp16``, ``intB``, ggml ``q4_0``/``q8_0``/..., ``tq:B``,
+``tqprod:B``, ``vht2``, ``vzc``, ``sqfree``) under ``rot+``/``rrot+`` and ``center+`` (K only, with a calibration
+file). Refused: ``kivi`` (K quantized per channel over groups of tokens), ``prerope+`` (re-rotated by position,
+which vLLM's cache update does not pass), ``eq+`` (not wired yet), ``sink:N:`` and ``layers:`` specs (the pages of
+one vLLM KV cache group must all have one size), and the ``hf-*`` peers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from walshkv.codecs import CacheSpec, Codec, FloatCodec, GGMLCodec, IntCodec, Rotated, parse_cache_spec, wrappers
+from walshkv.codecs.center import Centered
+from walshkv.codecs.spec import LayeredCacheSpec
+from walshkv.codecs.turbo import TurboQuant, TurboQuantProd
+from walshkv.codecs.vht2 import SqfreeCodec, VHT2Codec, VZCCodec
+
+if TYPE_CHECKING:
+    from walshkv.codecs import CalibrationLike
+
+__all__ = [
+    "CALIBRATION_ENV",
+    "DECODE_BACKEND_ENV",
+    "KV_CACHE_DTYPES",
+    "PREFILL_ENV",
+    "PREFILL_MODES",
+    "SPEC_ENV",
+    "PluginSettings",
+    "check_fixed_size",
+    "resolve_spec",
+]
+
+#: ``--kv-cache-dtype`` names the plugin adds to vLLM, and the walshkv cache spec each stands for
+#: (``walshkv_spec``: the spec in ``$WALSHKV_VLLM_SPEC``).
+KV_CACHE_DTYPES: dict[str, str] = {
+    "walshkv_rot_int4": "rot+int4",
+    "walshkv_rot_int4_int3": "rot+int4/rot+int3",
+    "walshkv_q4_0": "q4_0",
+    "walshkv_q8_0": "q8_0",
+    "walshkv_q8_0_q4_0": "q8_0/q4_0",
+    "walshkv_tq3": "tq:3",
+    "walshkv_tq4": "tq:4",
+    "walshkv_center_rot_int4": "center+rot+int4",
+    "walshkv_spec": "",
+}
+
+#: Environment variables the backend reads (they reach vLLM's worker processes).
+SPEC_ENV = "WALSHKV_VLLM_SPEC"
+CALIBRATION_ENV = "WALSHKV_VLLM_CALIBRATION"
+PREFILL_ENV = "WALSHKV_VLLM_PREFILL"
+DECODE_BACKEND_ENV = "WALSHKV_VLLM_DECODE_BACKEND"
+
+#: ``exact``: a prompt's queries attend to its own K/V in full precision (vLLM's convention; earlier chunks and
+#: cached prefixes are read from the pages). ``quantized``: they attend to the K/V as stored (quantize-on-write,
+#: what walshkv's CompressedCache and its KL-divergence numbers do).
+PREFILL_MODES = ("exact", "quantized")
+
+_STORING = (FloatCodec, IntCodec, GGMLCodec, TurboQuant, TurboQuantProd, VHT2Codec, VZCCodec, SqfreeCodec)
+_WRAPPING = (Rotated, Centered)
+_WHY_NOT = {
+    "prerope": "it re-rotates K by position, which vLLM's cache update does not pass",
+    "eq": "its per-head matrices are not wired into the plugin yet",
+}
+
+
+def check_fixed_size(codec: Codec, what: str = "codec") -> None:
+    """Refuse a codec that cannot live in a fixed-size page slot (the module docstring says which do).
+
+    Raises:
+        ValueError: naming the codec, what the slots need and the codecs that fit.
+    """
+    fits = "fp16, intB, q4_0, q8_0 (and the other ggml types), tq:B, tqprod:B, vht2, vzc, sqfree, under rot+/center+"
+    for w in wrappers(codec):
+        if not isinstance(w, _WRAPPING):
+            why = _WHY_NOT.get(w.name, "it is not wired into the plugin")
+            raise ValueError(
+                f"{what} {codec.spec!r}: the vLLM plugin cannot store {w.prefix}+ ({why}); use one of: {fits}"
+            )
+    core = wrappers(codec)[-1].inner if wrappers(codec) else codec
+    if not isinstance(core, _STORING):
+        raise ValueError(
+            f"{what} {codec.spec!r}: {core.spec!r} does not store each token vector on its own in a fixed number "
+            f"of bytes, which a vLLM page slot needs; use one of: {fits}"
+        )
+
+
+def resolve_spec(name: str, env: dict[str, str] | None = None) -> CacheSpec:
+    """The cache spec a ``--kv-cache-dtype`` name (``walshkv_q4_0``) or a walshkv spec string stands for.
+
+    Args:
+        name: a key of :data:`KV_CACHE_DTYPES`, or a spec such as ``"rot+int4/q8_0"``.
+        env: where ``walshkv_spec`` reads ``$WALSHKV_VLLM_SPEC`` (default ``os.environ``).
+
+    Raises:
+        ValueError: an unknown name, ``walshkv_spec`` without the variable, or a spec the slots cannot hold.
+    """
+    env = os.environ if env is None else env
+    text = name
+    if name.startswith("walshkv_"):
+        if name not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv cache dtype {name!r}; the plugin adds {', '.join(KV_CACHE_DTYPES)}")
+        text = KV_CACHE_DTYPES[name] or env.get(SPEC_ENV, "")
+        if not text:
+            raise ValueError(f"--kv-cache-dtype walshkv_spec reads the spec from ${SPEC_ENV}: set it, e.g. 'rot+int4'")
+    spec = parse_cache_spec(text)
+    if not isinstance(spec, CacheSpec) or isinstance(spec, LayeredCacheSpec):
+        raise ValueError(
+            f"{text!r}: the vLLM plugin takes one K codec and one V codec for every layer (KSPEC/VSPEC); "
+            "layers: specs and hf-* peers give pages of other sizes per layer or are not walshkv codecs"
+        )
+    if spec.sink:
+        raise ValueError(f"{text!r}: sink:N: tokens are not supported in vLLM pages; drop the sink: prefix")
+    check_fixed_size(spec.k, "K codec")
+    check_fixed_size(spec.v, "V codec")
+    return spec
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """What the backend reads from the environment, checked once.
+
+    Attributes:
+        prefill: one of :data:`PREFILL_MODES`.
+        decode_backend: ``walshkv.attention.decode_attention``'s ``backend`` (``auto``, ``reference``, ``cpu``,
+            ``triton``).
+        calibration: path of a ``walshkv calibrate`` K-mean file (``center+`` specs), or ``""``.
+    """
+
+    prefill: str = "exact"
+    decode_backend: str = "auto"
+    calibration: str = ""
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> PluginSettings:
+        env = os.environ if env is None else env
+        prefill = env.get(PREFILL_ENV, "exact")
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"${PREFILL_ENV}={prefill!r}; choose one of {', '.join(PREFILL_MODES)}")
+        return cls(prefill, env.get(DECODE_BACKEND_ENV, "auto"), env.get(CALIBRATION_ENV, ""))
+
+    def load_calibration(self, model_arch: str | None = None) -> CalibrationLike | None:
+        """The K-mean file named by ``$WALSHKV_VLLM_CALIBRATION`` (``None`` when unset)."""
+        if not self.calibration:
+            return None
+        from walshkv.export import read_kv_mean_center  # needs gguf; only center+ specs read a file
+
+        return read_kv_mean_center(self.calibration, model_arch)
