@@ -38,7 +38,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
-from walshkv.cli import bench, calibrate, codecs, eval, models, rd, recommend, sweep
+from walshkv.cli import bench, calibrate, codecs, eval, models, needle, rd, recommend, sweep
 from walshkv.cli.common import check_outputs
 
 __all__ = ["COMMANDS", "PLUGIN_GROUP", "build_parser", "error_line", "main"]
@@ -47,7 +47,7 @@ __all__ = ["COMMANDS", "PLUGIN_GROUP", "build_parser", "error_line", "main"]
 PLUGIN_GROUP = "walshkv.commands"
 
 #: The core commands, in the order ``walshkv --help`` lists them.
-COMMANDS = (eval, calibrate, recommend, models, codecs, sweep, rd, bench)
+COMMANDS = (eval, calibrate, recommend, models, codecs, sweep, rd, bench, needle)
 
 _EPILOG = """\
 examples:
