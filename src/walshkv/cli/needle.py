@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from typing import get_args
 
@@ -16,6 +15,7 @@ from walshkv.cli.common import (
     calibration_parent,
     model_parent,
     output_parent,
+    print_presets,
 )
 from walshkv.codecs import parse_cache_spec
 from walshkv.constants import Prefill
@@ -88,9 +88,8 @@ def _cmd_needle(args: argparse.Namespace) -> int:
             max_positions=_max_positions(lm),
         )
     calibration = calibration_from_args(lm, codecs, args, text)
-    codecs, preset_of = resolve_specs(codecs, calibration)
-    for spec, name in preset_of.items():
-        print(f"{name} = {spec}", file=sys.stderr)
+    codecs, preset_of = resolve_specs(codecs, calibration, model=lm)  # a known model's shipped specs
+    print_presets(preset_of, calibration, lm)
     result = needle.run_needle(
         lm,
         text,
