@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Every figure of docs/long-context.md. Resumable: each sweep keeps one JSON per finished row under its
+# folder and skips it on the next run, and each needle run keeps its finished trials; rerun after an
+# interruption and only what is missing is computed.
+#
+#   bash docs/long-context-reproduce.sh                 # what docs/long-context.md shows (hours on 2 cores)
+#   STAGES="kld" MODELS="smollm2-135m" bash docs/long-context-reproduce.sh
+#   CTXS_qwen2.5-1.5b is spelled CTXS_qwen (see below); 16k/32k rows need the time and memory noted there.
+#
+# Selection and calibration use python-docs only; Emma is the development text (every long-context table);
+# Persuasion is the frozen holdout (stage "holdout": run once, never used to choose anything).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
+OUT=docs/results/long-context
+DATA="${DATA:-../shared/data}"
+EMMA="$DATA/austen_emma.txt"
+PERSUASION="$DATA/austen_persuasion.txt"
+STAGES="${STAGES:-kld select needle holdout report}"
+MODELS="${MODELS:-smollm2-135m qwen2.5-1.5b}"
+# contexts per model (smollm2-135m's limit is 8192 positions) and windows per context (fewer, longer windows
+# at longer contexts); the 512-token column of the report is the holdout stage's Emma run
+CTXS_smollm="${CTXS_smollm:-2048 4096 8192}"
+CTXS_qwen="${CTXS_qwen:-2048 4096}"
+SELECT_MODELS="${SELECT_MODELS:-smollm2-135m}"
+SELECT_BITS="${SELECT_BITS:-3 3.5 4.5}"
+windows_for() { case "$1" in 512) echo 16 ;; 2048) echo 4 ;; 4096) echo 2 ;; *) echo 1 ;; esac; }
+
+# holdout windows of 512 tokens per text (qwen2.5-1.5b: fewer, each forward costs ten times smollm2's)
+holdout_windows() { case "$1" in qwen2.5-1.5b) echo "${HOLDOUT_WINDOWS_qwen:-8}" ;; *) echo "${HOLDOUT_WINDOWS:-16}" ;; esac; }
+# the grid per context: every row up to 2k; beyond, the core rows (docs/grids/long-context-core.json), which fit
+# 2 cores (GRID_LONG=long-context runs every row there too)
+grid_for() { if [ "$1" -le 2048 ]; then echo long-context; else echo "${GRID_LONG:-docs/grids/long-context-core.json}"; fi; }
+ctxs_for() { case "$1" in smollm2-135m) echo "$CTXS_smollm" ;; qwen2.5-1.5b) echo "$CTXS_qwen" ;; *) echo "512 2048" ;; esac; }
+
+for stage in $STAGES; do
+  case "$stage" in
+  kld)
+    for model in $MODELS; do
+      for ctx in $(ctxs_for "$model"); do
+        walshkv sweep --model "$model" --text "$EMMA" --grid "$(grid_for "$ctx")" --ctx "$ctx" --windows "$(windows_for "$ctx")" \
+          --calib-text python-docs --decode-chunk 64 --chunk 16 --quiet --out "$OUT/kld/$model/ctx$ctx"
+      done
+    done
+    ;;
+  select)
+    # do the 512-token winners stay best at 4k? recommend again at --ctx 4096 on python-docs (selection text
+    # only), the shipped spec among the candidates; the report ranks it there
+    for model in $SELECT_MODELS; do
+      for bits in $SELECT_BITS; do
+        shipped=$(python -c "from walshkv.presets import resolve_preset as r; print(r('walshkv:$bits', model='$model').spec)")
+        mkdir -p "$OUT/select/$model"
+        [ -f "$OUT/select/$model/recommend-$bits-ctx4096.json" ] || walshkv recommend --model "$model" --bits "$bits" \
+          --ctx 4096 --windows 2 --candidate "$shipped" --quiet --json "$OUT/select/$model/recommend-$bits-ctx4096.json" \
+          -o "$OUT/select/$model/walshkv-$bits-ctx4096.gguf"
+      done
+    done
+    ;;
+  needle)
+    # single needle, depths 0/0.5/1, one sample per cell (the 2-core budget; NEEDLE_SAMPLES=3 for more)
+    for model in $MODELS; do
+      case "$model" in smollm2-135m) lengths="2048,4096,8192" ;; *) lengths="2048,4096" ;; esac
+      mkdir -p "$OUT/needle/$model"
+      walshkv needle --model "$model" --text "$EMMA" --lengths "$lengths" --depths 0,0.5,1 \
+        --samples "${NEEDLE_SAMPLES:-1}" --task single --calib-text python-docs --fused \
+        --codec walshkv:3 --codec walshkv:3.5 --codec rot+q4_0 --quiet \
+        --json "$OUT/needle/$model/needle.json" --csv "$OUT/needle/$model/needle.csv" \
+        --markdown "$OUT/needle/$model/needle.md" --png "$OUT/needle/$model/heatmap.png"
+    done
+    ;;
+  holdout)
+    # the frozen holdout: the final presets and peers at 512 tokens, Emma (development) next to Persuasion
+    for model in $MODELS; do
+      for text in "$EMMA" "$PERSUASION"; do
+        name=$(basename "$text" .txt)
+        walshkv sweep --model "$model" --text "$text" --grid long-context --ctx 512 --windows "$(holdout_windows "$model")" \
+          --calib-text python-docs --decode-chunk 16 --chunk 16 --quiet --out "$OUT/holdout/$model/$name"
+      done
+    done
+    ;;
+  report)
+    python scripts/long_context_report.py --results "$OUT" --out docs/long-context.md
+    ;;
+  *) echo "unknown stage $stage (kld select needle holdout report)" >&2; exit 2 ;;
+  esac
+done
