@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every figure of docs/long-context.md. Resumable: each sweep keeps one JSON per finished row under its
-# folder and skips it on the next run, and each needle run keeps its finished trials; rerun after an
-# interruption and only what is missing is computed.
+# Every figure of docs/long-context.md. The KLD stages resume: each sweep keeps one JSON per finished row under
+# its folder and skips it on the next run; the needle stage runs whole (about an hour on a shared 2-core machine);
+# rerun after an interruption and only what is missing is computed.
 #
 #   bash docs/long-context-reproduce.sh                 # what docs/long-context.md shows (hours on 2 cores)
 #   STAGES="kld" MODELS="smollm2-135m" bash docs/long-context-reproduce.sh

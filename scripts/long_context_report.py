@@ -42,9 +42,9 @@ def _link(path: Path) -> str:
 TARGETS: list[tuple[str, str, list[str]]] = [
     ("moonshot", "walshkv:3", ["rot+iq4_nl", "rot+q4_0"]),
     ("moonshot", "walshkv:4.5", ["rot+q8_0/rot+q4_0"]),
-    ("same bits", "walshkv:3", ["kivi2", "tq:3"]),
-    ("same bits", "walshkv:3.5", ["tq:3", "kivi2"]),
-    ("same bits", "walshkv:4.5", ["rot+iq4_nl", "rot+q4_0", "iq4_nl", "q4_0", "tq:4", "kivi4"]),
+    ("peers at similar bits", "walshkv:3", ["kivi2", "tq:3"]),
+    ("peers at similar bits", "walshkv:3.5", ["tq:3", "kivi2"]),
+    ("peers at similar bits", "walshkv:4.5", ["rot+iq4_nl", "rot+q4_0", "iq4_nl", "q4_0", "tq:4", "kivi4"]),
 ]
 
 
@@ -258,7 +258,10 @@ def holdout_section(results: Path, summary: dict[str, Any]) -> list[str]:
                 + f"{_fmt(100 * p['top1_agreement'], 2)}{_ci(p, 'top1_ci95', 2, 100)} |"
             )
         lines += ["", "Targets, judged on Persuasion (preset minus peer, per-window paired bootstrap):", ""]
-        lines += ["| target | preset | peer | KLD difference [95%] | verdict |", "|---|---|---|---|---|"]
+        lines += [
+            "| target | preset | bits/el | peer | bits/el | KLD difference [95%] | verdict |",
+            "|---|---|---|---|---|---|---|",
+        ]
         verdicts = []
         for kind, preset, peers in TARGETS:
             if preset not in pers:
@@ -274,7 +277,11 @@ def holdout_section(results: Path, summary: dict[str, Any]) -> list[str]:
                 verdicts.append(
                     {"target": kind, "preset": preset, "peer": peer, "diff": mean, "ci95": [lo, hi], "verdict": verdict}
                 )
-                lines.append(f"| {kind} | {preset} | {peer} | {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] | {verdict} |")
+                pb, qb = pers[preset]["bits_per_element"], pers[peer]["bits_per_element"]
+                lines.append(
+                    f"| {kind} | {preset} | {pb:.3f} | {peer} | {qb:.3f} | {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] | "
+                    f"{verdict} |"
+                )
         summary.setdefault("holdout", {})[model] = {
             "persuasion": {
                 k: {kk: v.get(kk) for kk in ("kld_mean", "kld_mean_ci95", "top1_agreement", "top1_ci95")}
