@@ -201,7 +201,8 @@ def needle_section(results: Path, summary: dict[str, Any]) -> list[str]:
         if not md.is_file():
             continue
         found = True
-        lines += [f"### {model_dir.name}", "", md.read_text().strip(), ""]
+        body = [("##" + ln if ln.startswith("#") else ln) for ln in md.read_text().strip().splitlines()]
+        lines += [f"### {model_dir.name}", "", *[ln for ln in body if not ln.startswith("### Needle")], ""]
         for png in sorted(model_dir.glob("*.png")):
             lines += [f"![{png.stem}]({_link(png)})", ""]
         js = model_dir / "needle.json"
