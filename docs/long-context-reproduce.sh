@@ -24,13 +24,19 @@ CTXS_smollm="${CTXS_smollm:-2048 4096 8192}"
 CTXS_qwen="${CTXS_qwen:-2048 4096}"
 SELECT_MODELS="${SELECT_MODELS:-smollm2-135m}"
 SELECT_BITS="${SELECT_BITS:-3 3.5 4.5}"
-windows_for() { case "$1" in 512) echo 16 ;; 2048) echo 4 ;; 4096) echo 2 ;; *) echo 1 ;; esac; }
+windows_for() {
+  [ "$2" = qwen2.5-1.5b ] && { echo "${WINDOWS_qwen:-1}"; return; }
+  case "$1" in 512) echo 16 ;; 2048) echo 4 ;; 4096) echo 2 ;; *) echo 1 ;; esac
+}
 
 # holdout windows of 512 tokens per text (qwen2.5-1.5b: fewer, each forward costs ten times smollm2's)
 holdout_windows() { case "$1" in qwen2.5-1.5b) echo "${HOLDOUT_WINDOWS_qwen:-8}" ;; *) echo "${HOLDOUT_WINDOWS:-16}" ;; esac; }
 # the grid per context: every row up to 2k; beyond, the core rows (docs/grids/long-context-core.json), which fit
 # 2 cores (GRID_LONG=long-context runs every row there too)
-grid_for() { if [ "$1" -le 2048 ]; then echo long-context; else echo "${GRID_LONG:-docs/grids/long-context-core.json}"; fi; }
+# qwen2.5-1.5b (ten times smollm2's cost per forward): the core grid and one window at every context
+grid_for() {
+  if [ "$1" -le 2048 ] && [ "$2" != qwen2.5-1.5b ]; then echo long-context; else echo "${GRID_LONG:-docs/grids/long-context-core.json}"; fi
+}
 ctxs_for() { case "$1" in smollm2-135m) echo "$CTXS_smollm" ;; qwen2.5-1.5b) echo "$CTXS_qwen" ;; *) echo "512 2048" ;; esac; }
 
 for stage in $STAGES; do
@@ -38,7 +44,8 @@ for stage in $STAGES; do
   kld)
     for model in $MODELS; do
       for ctx in $(ctxs_for "$model"); do
-        walshkv sweep --model "$model" --text "$EMMA" --grid "$(grid_for "$ctx")" --ctx "$ctx" --windows "$(windows_for "$ctx")" \
+        walshkv sweep --model "$model" --text "$EMMA" --grid "$(grid_for "$ctx" "$model")" --ctx "$ctx" \
+          --windows "$(windows_for "$ctx" "$model")" \
           --calib-text python-docs --decode-chunk 64 --chunk 16 --quiet --out "$OUT/kld/$model/ctx$ctx"
       done
     done
