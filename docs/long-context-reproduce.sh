@@ -16,7 +16,7 @@ OUT=docs/results/long-context
 DATA="${DATA:-../shared/data}"
 EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
-STAGES="${STAGES:-kld select needle holdout report}"
+STAGES="${STAGES:-kld select needle holdout select-check report}"
 MODELS="${MODELS:-smollm2-135m qwen2.5-1.5b}"
 # contexts per model (smollm2-135m's limit is 8192 positions) and windows per context (fewer, longer windows
 # at longer contexts); the 512-token column of the report is the holdout stage's Emma run
@@ -63,6 +63,18 @@ for stage in $STAGES; do
       done
     done
     ;;
+  select-check)
+    # the 4k winner (docs/grids/long-context-select.json) added as a row to the holdout and 8k sweeps, so that
+    # the report pairs it with every other row on the same windows (reported, never chosen by)
+    for text in "$PERSUASION" "$EMMA"; do
+      name=$(basename "$text" .txt)
+      walshkv sweep --model smollm2-135m --text "$text" --grid docs/grids/long-context-select.json --ctx 512 \
+        --windows "$(holdout_windows smollm2-135m)" --calib-text python-docs --decode-chunk 16 --chunk 16 --quiet \
+        --out "$OUT/holdout/smollm2-135m/$name"
+    done
+    walshkv sweep --model smollm2-135m --text "$EMMA" --grid docs/grids/long-context-select.json --ctx 8192 --windows 1 \
+      --calib-text python-docs --decode-chunk 64 --chunk 16 --quiet --out "$OUT/kld/smollm2-135m/ctx8192"
+    ;;
   needle)
     # single needle, depths 0/0.5/1, one sample per cell (the 2-core budget; NEEDLE_SAMPLES=3 for more)
     for model in $MODELS; do
@@ -88,6 +100,6 @@ for stage in $STAGES; do
   report)
     python scripts/long_context_report.py --results "$OUT" --out docs/long-context.md
     ;;
-  *) echo "unknown stage $stage (kld select needle holdout report)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (kld select needle holdout select-check report)" >&2; exit 2 ;;
   esac
 done

@@ -45,6 +45,13 @@ TARGETS: list[tuple[str, str, list[str]]] = [
     ("peers at similar bits", "walshkv:3", ["kivi2", "tq:3"]),
     ("peers at similar bits", "walshkv:3.5", ["tq:3", "kivi2"]),
     ("peers at similar bits", "walshkv:4.5", ["rot+iq4_nl", "rot+q4_0", "iq4_nl", "q4_0", "tq:4", "kivi4"]),
+    # the 4.5-bit winner of `recommend --ctx 4096` (stage select, python-docs only; not shipped): against the moonshot
+    # peer, the shipped walshkv:4.5 and the peers above
+    (
+        "4k winner",
+        "sink:1:prerope+center+eq+rot+iq4_nl/tq:4",
+        ["rot+q8_0/rot+q4_0", "walshkv:4.5", "rot+iq4_nl", "kivi4"],
+    ),
 ]
 
 
