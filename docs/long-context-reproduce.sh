@@ -64,8 +64,11 @@ for stage in $STAGES; do
     done
     ;;
   select-check)
-    # the 4k winner (docs/grids/long-context-select.json) added as a row to the holdout and 8k sweeps, so that
-    # the report pairs it with every other row on the same windows (reported, never chosen by)
+    # the 4k winner at 4.5 bits (written into docs/grids/long-context-select.json from the select run) added as a
+    # row to the holdout and 8k sweeps, so that the report pairs it with every other row on the same windows
+    # (reported, never chosen by)
+    python -c "import json, sys; w = json.load(open(sys.argv[1]))['winner']; json.dump({'description': 'the 4.5-bit winner of recommend --ctx 4096 on python-docs (stage select)', 'codecs': [w]}, open(sys.argv[2], 'w'))" \
+      "$OUT/select/smollm2-135m/recommend-4.5-ctx4096.json" docs/grids/long-context-select.json
     for text in "$PERSUASION" "$EMMA"; do
       name=$(basename "$text" .txt)
       walshkv sweep --model smollm2-135m --text "$text" --grid docs/grids/long-context-select.json --ctx 512 \

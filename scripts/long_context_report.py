@@ -45,14 +45,23 @@ TARGETS: list[tuple[str, str, list[str]]] = [
     ("peers at similar bits", "walshkv:3", ["kivi2", "tq:3"]),
     ("peers at similar bits", "walshkv:3.5", ["tq:3", "kivi2"]),
     ("peers at similar bits", "walshkv:4.5", ["rot+iq4_nl", "rot+q4_0", "iq4_nl", "q4_0", "tq:4", "kivi4"]),
-    # the 4.5-bit winner of `recommend --ctx 4096` (stage select, python-docs only; not shipped): against the moonshot
-    # peer, the shipped walshkv:4.5 and the peers above
-    (
-        "4k winner",
-        "sink:1:prerope+center+eq+rot+iq4_nl/tq:4",
-        ["rot+q8_0/rot+q4_0", "walshkv:4.5", "rot+iq4_nl", "kivi4"],
-    ),
 ]
+# The winners of `recommend --ctx 4096` (stage select, python-docs only; not shipped) are judged too, against these
+# peers of their preset (read from the select runs: see _select_targets).
+SELECT_PEERS: dict[str, list[str]] = {
+    "walshkv:4.5": ["rot+q8_0/rot+q4_0", "walshkv:4.5", "rot+iq4_nl", "kivi4"],
+    "walshkv:3.5": ["walshkv:3.5", "tq:3", "kivi2"],
+    "walshkv:3": ["walshkv:3", "rot+iq4_nl", "kivi2"],
+}
+
+
+def _select_targets(results: Path, model: str) -> list[tuple[str, str, list[str]]]:
+    """``("4k winner", spec, peers)`` for each ``recommend --ctx 4096`` run of ``model`` (stage select)."""
+    out = []
+    for path in sorted((results / "select" / model).glob("recommend-*-ctx4096.json")):
+        run = json.loads(path.read_text())
+        out.append(("4k winner", run["winner"], SELECT_PEERS.get(run["preset"], [run["preset"]])))
+    return out
 
 
 def _rows(folder: Path) -> list[dict[str, Any]]:
@@ -306,7 +315,7 @@ def holdout_section(results: Path, summary: dict[str, Any]) -> list[str]:
             "|---|---|---|---|---|---|---|",
         ]
         verdicts = []
-        for kind, preset, peers in TARGETS:
+        for kind, preset, peers in [*TARGETS, *_select_targets(results, model)]:
             if preset not in pers:
                 continue
             for peer in peers:
