@@ -58,6 +58,22 @@ def test_compare_logits_matches_definition():
     assert torch.allclose(kl, (p * (p / q).log()).sum(-1))
 
 
+def test_compare_logits_in_row_chunks_equals_one_pass():
+    # long contexts compare a few rows at a time (memory); every position's numbers must not change
+    a, b = torch.randn(11, 13), torch.randn(11, 13)
+    t = torch.randint(0, 13, (11,))
+    whole = compare_logits(a, b, t, rows=1000)
+    for rows in (1, 3, 11):
+        for x, y in zip(whole, compare_logits(a, b, t, rows=rows), strict=True):
+            assert torch.equal(x, y)
+    empty = compare_logits(a[:0], b[:0], t[:0])
+    assert all(x.numel() == 0 for x in empty) and empty[3].dtype == torch.bool
+    with pytest.raises(ValueError, match=r"\[positions, vocab\]"):
+        compare_logits(a, b[:5], t)
+    with pytest.raises(ValueError, match="rows must be at least 1"):
+        compare_logits(a, b, t, rows=0)
+
+
 def test_evaluate_on_tiny_model(tiny_lm):
     res = evaluate(tiny_lm, TEXT, ["fp32", "int8", "int2", "rot+int4/int3"], ctx=64, windows=3, progress=False)
     rows = {r["codec"]: r for r in res.results}

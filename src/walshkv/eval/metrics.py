@@ -85,23 +85,45 @@ class TokenMetrics:
 
 
 def compare_logits(
-    ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor
+    ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, rows: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-position KL(ref || test), NLL of targets under test and ref, and top-1 agreement.
+
+    Positions are compared ``rows`` at a time in float64 over the full vocabulary, so the extra memory is a few
+    ``[rows, vocab]`` float64 tensors however many positions are scored (at 16k tokens of context a 152k-token
+    vocabulary would otherwise need tens of GB); every position's numbers are the same as in one pass.
 
     Args:
         ref_logits: ``[positions, vocab]`` logits of the reference model.
         logits: ``[positions, vocab]`` logits with the compressed cache.
         targets: ``[positions]`` next-token ids.
+        rows: positions per float64 pass (at least 1).
 
     Returns:
         ``(kl, nll, nll_ref, same_top1)``, each ``[positions]`` (float64 / bool).
+
+    Raises:
+        ValueError: the shapes disagree or ``rows`` is below 1.
     """
-    lp_ref = torch.log_softmax(ref_logits.to(torch.float64), dim=-1)
-    lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
-    kl = (lp_ref.exp() * (lp_ref - lp)).sum(dim=-1).clamp_min_(0.0)
-    idx = targets.view(-1, 1)
-    nll = -lp.gather(1, idx).squeeze(1)
-    nll_ref = -lp_ref.gather(1, idx).squeeze(1)
-    same = ref_logits.argmax(dim=-1) == logits.argmax(dim=-1)
+    if ref_logits.shape != logits.shape or ref_logits.dim() != 2 or targets.shape != ref_logits.shape[:1]:
+        raise ValueError(
+            f"compare_logits needs ref_logits and logits [positions, vocab] and targets [positions]; got "
+            f"{tuple(ref_logits.shape)}, {tuple(logits.shape)} and {tuple(targets.shape)}"
+        )
+    if rows < 1:
+        raise ValueError(f"rows must be at least 1, got {rows}")
+    parts = []
+    for a in range(0, ref_logits.shape[0], rows):
+        r, t = ref_logits[a : a + rows], logits[a : a + rows]
+        lp_ref = torch.log_softmax(r.to(torch.float64), dim=-1)
+        lp = torch.log_softmax(t.to(torch.float64), dim=-1)
+        kl = (lp_ref.exp() * (lp_ref - lp)).sum(dim=-1).clamp_min_(0.0)
+        idx = targets[a : a + rows].view(-1, 1)
+        nll = -lp.gather(1, idx).squeeze(1)
+        nll_ref = -lp_ref.gather(1, idx).squeeze(1)
+        parts.append((kl, nll, nll_ref, r.argmax(dim=-1) == t.argmax(dim=-1)))
+    if not parts:
+        empty = torch.zeros(0, dtype=torch.float64)
+        return empty, empty.clone(), empty.clone(), torch.zeros(0, dtype=torch.bool)
+    kl, nll, nll_ref, same = (torch.cat(x) for x in zip(*parts, strict=True))
     return kl, nll, nll_ref, same
