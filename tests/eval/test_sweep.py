@@ -78,6 +78,7 @@ def test_presets_structure_and_counts():
         "vht2-sk": 3,
         "vht2-claims": 14,
         "peers": 35,
+        "rotation-int4": 9,
         "long-context": 15,
         "vht2-orders": 5,
         "vht2-v": 7,

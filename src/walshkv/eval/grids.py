@@ -48,6 +48,11 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
         "without the Walsh-Hadamard rotation). Small and fast; handy for CI.",
         list(DEFAULT_CODECS),
     ),
+    "rotation-int4": (
+        "The rotation+INT4 document's claims: per-vector intB at 8, 4, 3 and 2 bits with and without the "
+        "Walsh-Hadamard rotation, next to KIVI-2 (scripts/rotation_int4_claims.py judges them).",
+        ["int8", "rot+int8", "int4", "rot+int4", "int3", "rot+int3", "int2", "rot+int2", "kivi2"],
+    ),
     "vht2-bits": (
         "VHT2 bit allocation: banded K (per-band bit widths 5,5,4,3 / 5,4,4,3 / 4,4,4,3 / 4,3,3,3 / "
         "3,3,3,3 / 5,4,4 / 8,8,8,8) crossed with flat V of 3, 4 and 5 bits (vht2:K/vht2:V).",
