@@ -21,7 +21,7 @@ MODELS="${MODELS:-smollm2-135m qwen2.5-1.5b}"
 # contexts per model (smollm2-135m's limit is 8192 positions) and windows per context (fewer, longer windows
 # at longer contexts); the 512-token column of the report is the holdout stage's Emma run
 CTXS_smollm="${CTXS_smollm:-2048 4096 8192}"
-CTXS_qwen="${CTXS_qwen:-2048 4096}"
+CTXS_qwen="${CTXS_qwen:-2048 4096 16384}"
 SELECT_MODELS="${SELECT_MODELS:-smollm2-135m}"
 SELECT_BITS="${SELECT_BITS:-3 3.5 4.5}"
 windows_for() {
@@ -34,8 +34,11 @@ holdout_windows() { case "$1" in qwen2.5-1.5b) echo "${HOLDOUT_WINDOWS_qwen:-8}"
 # the grid per context: every row up to 2k; beyond, the core rows (docs/grids/long-context-core.json), which fit
 # 2 cores (GRID_LONG=long-context runs every row there too)
 # qwen2.5-1.5b (ten times smollm2's cost per forward): the core grid and one window at every context
+# from 16k tokens on, the 16k grid (docs/grids/long-context-16k.json: presets, rotated q8_0 K / q4_0 V, q4_0)
 grid_for() {
-  if [ "$1" -le 2048 ] && [ "$2" != qwen2.5-1.5b ]; then echo long-context; else echo "${GRID_LONG:-docs/grids/long-context-core.json}"; fi
+  if [ "$1" -le 2048 ] && [ "$2" != qwen2.5-1.5b ]; then echo long-context
+  elif [ "$1" -ge 16384 ]; then echo "${GRID_16K:-docs/grids/long-context-16k.json}"
+  else echo "${GRID_LONG:-docs/grids/long-context-core.json}"; fi
 }
 ctxs_for() { case "$1" in smollm2-135m) echo "$CTXS_smollm" ;; qwen2.5-1.5b) echo "$CTXS_qwen" ;; *) echo "512 2048" ;; esac; }
 

@@ -12,7 +12,7 @@ import walshkv.eval
 import walshkv.eval.sweep
 import walshkv.models
 from walshkv.cli import main
-from walshkv.codecs import available_codecs
+from walshkv.codecs import available_codecs, parse_cache_spec
 from walshkv.data import Text
 from walshkv.eval.harness import DEFAULT_CODECS
 from walshkv.eval.sweep import (
@@ -431,3 +431,16 @@ def test_docs_cover_every_preset():
         assert f"`{name}`" in doc
     for name in ("results.csv", "results.md", "pareto.png", "--list-grids", "--ci"):
         assert name in doc
+
+
+def test_repository_grid_files_load_and_parse():
+    # docs/grids/*.json drive the reproduce scripts: each must load and every spec must parse (presets by name)
+    from walshkv.presets import resolve_preset
+
+    files = sorted((Path(__file__).resolve().parents[2] / "docs" / "grids").glob("*.json"))
+    assert files
+    for path in files:
+        _, description, specs = load_grid(str(path))
+        assert description and specs, path
+        for spec in specs:
+            parse_cache_spec(resolve_preset(spec, model="smollm2-135m").spec if spec.startswith("walshkv:") else spec)
