@@ -2,7 +2,10 @@
 """Write src/walshkv/model_presets.json: each known model's measured preset specs, with their provenance.
 
 The specs come from the `walshkv recommend` runs under docs/results/presets/MODEL/recommend-B.json
-(``scripts/presets-reproduce.sh`` makes them: selection on python-docs only, never on Emma or Persuasion).
+(``scripts/presets-reproduce.sh`` makes them, at 512 tokens) and docs/results/long-context/select/MODEL/
+recommend-B-ctxN.json (``docs/long-context-reproduce.sh`` stage ``select``, at N tokens); selection on python-docs
+only, never on Emma or Persuasion. Where a preset was selected at more than one context, the longest one ships:
+users compress caches for long prompts, and docs/long-context.md shows a 512-token winner degrading with context.
 Nothing is typed by hand: rerun this script after a new recommend run and commit both.
 
     python scripts/ship_presets.py            # write the file
@@ -19,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "presets"
+LONG = ROOT / "docs" / "results" / "long-context" / "select"
 OUT = ROOT / "src" / "walshkv" / "model_presets.json"
 SHAPE_KEYS = ("arch", "layers", "q_heads", "kv_heads", "head_dim", "params")
 
@@ -35,8 +39,9 @@ def _commit_of(path: Path) -> str | None:
 
 def build() -> dict:
     models: dict[str, dict] = {}
-    for path in sorted(RESULTS.glob("*/recommend-*.json")):
-        run = json.loads(path.read_text())
+    runs = [(path, json.loads(path.read_text())) for path in sorted(RESULTS.glob("*/recommend-*.json"))]
+    runs += [(path, json.loads(path.read_text())) for path in sorted(LONG.glob("*/recommend-*-ctx*.json"))]
+    for path, run in sorted(runs, key=lambda pr: pr[1]["meta"]["ctx"]):  # a longer context's selection wins
         meta = run["meta"]
         model = meta["model"]
         name = model["name"]
@@ -61,7 +66,8 @@ def build() -> dict:
         }
     return {
         "format": 1,
-        "about": "measured preset specs per model, written by scripts/ship_presets.py from docs/results/presets; "
+        "about": "measured preset specs per model, written by scripts/ship_presets.py from docs/results/presets and "
+        "docs/results/long-context/select (the longest selection context wins); "
         "walshkv.presets.resolve_preset reads it",
         "models": models,
     }

@@ -48,7 +48,18 @@ def test_every_shipped_spec_parses_fits_its_budget_and_has_provenance():
             bits = spec.bits_at(shape["head_dim"], choice["ctx"], shape["layers"])
             assert bits <= PRESET_BUDGETS[preset] + 1e-9, (name, preset, bits)
             assert choice["selected_on"].startswith("python-docs"), "selection on python-docs only"
-            assert choice["source"].startswith("docs/results/presets/") and (ROOT / choice["source"]).is_file()
+            assert choice["source"].startswith(("docs/results/presets/", "docs/results/long-context/select/"))
+            assert (ROOT / choice["source"]).is_file()
+            run = json.loads((ROOT / choice["source"]).read_text())
+            assert (run["winner"], run["meta"]["ctx"]) == (choice["spec"], choice["ctx"])
+
+
+def test_the_longest_selection_context_ships():
+    # smollm2-135m's walshkv:4.5 was re-selected at 4k tokens (docs/long-context.md): that run ships, not the 512 one
+    choice = model_presets()["smollm2-135m"]["presets"]["walshkv:4.5"]
+    run = json.loads((ROOT / "docs/results/long-context/select/smollm2-135m/recommend-4.5-ctx4096.json").read_text())
+    assert choice["ctx"] == 4096 and choice["spec"] == run["winner"]
+    assert choice["source"] == "docs/results/long-context/select/smollm2-135m/recommend-4.5-ctx4096.json"
 
 
 def test_known_model_resolves_to_its_shipped_spec():
