@@ -66,7 +66,8 @@ def quality_claims(rows: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]
         verdict = (
             "holds"
             if near
-            else f"does not hold: rot+int4 KLD {r4['kld_mean']:.4f} is {times:.0f}x int8's, top-1 {gap:+.1%} behind it"
+            else f"does not hold: rot+int4 KLD {r4['kld_mean']:.4f} is {times:.0f}x int8's, "
+            f"top-1 {100 * gap:.1f} points behind it"
         )
         out.append(
             (
@@ -86,7 +87,7 @@ def quality_claims(rows: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]
         rising = all(x < y for x, y in itertools.pairwise(order))
         helps = [b for b, g in gains.items() if g[3] is not None and g[3][1][0] > 0]
         measured = "; ".join(
-            f"int{b}: {g[0]['kld_mean']:.4f} -> rot {g[1]['kld_mean']:.4f} (x{g[2]:.2f} less; int - rot {_diff(g[3])})"
+            f"int{b}: {g[0]['kld_mean']:.4f} -> rot {g[1]['kld_mean']:.4f} (ratio {g[2]:.2f}; int - rot {_diff(g[3])})"
             for b, g in gains.items()
         )
         if rising:
