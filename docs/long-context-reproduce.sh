@@ -55,7 +55,8 @@ for stage in $STAGES; do
     ;;
   select)
     # do the 512-token winners stay best at 4k? recommend again at --ctx 4096 on python-docs (selection text
-    # only), the shipped spec among the candidates; the report ranks it there
+    # only), the shipped spec among the candidates; the report ranks it there. A run here ships once
+    # scripts/ship_presets.py is rerun (the longest selection context wins), and every table must then be rerun
     for model in $SELECT_MODELS; do
       for bits in $SELECT_BITS; do
         shipped=$(python -c "from walshkv.presets import resolve_preset as r; print(r('walshkv:$bits', model='$model').spec)")
@@ -67,11 +68,12 @@ for stage in $STAGES; do
     done
     ;;
   select-check)
-    # the 4k winner at 4.5 bits (written into docs/grids/long-context-select.json from the select run) added as a
-    # row to the holdout and 8k sweeps, so that the report pairs it with every other row on the same windows
-    # (reported, never chosen by)
-    python -c "import json, sys; w = json.load(open(sys.argv[1]))['winner']; json.dump({'description': 'the 4.5-bit winner of recommend --ctx 4096 on python-docs (stage select)', 'codecs': [w]}, open(sys.argv[2], 'w'))" \
-      "$OUT/select/smollm2-135m/recommend-4.5-ctx4096.json" docs/grids/long-context-select.json
+    # the 4k winner at 4.5 bits ships (scripts/ship_presets.py: the longest selection context wins), so the grids'
+    # walshkv:4.5 is it; the 512-token winner it replaced (written into docs/grids/long-context-select.json from
+    # docs/results/presets) is added as a row to the holdout and 8k sweeps, so that the report pairs the two on the
+    # same windows (reported, never chosen by)
+    python -c "import json, sys; w = json.load(open(sys.argv[1]))['winner']; json.dump({'description': 'the 4.5-bit winner of recommend at 512 tokens on python-docs, replaced by the 4k winner (stage select)', 'codecs': [w]}, open(sys.argv[2], 'w'))" \
+      docs/results/presets/smollm2-135m/recommend-4.5.json docs/grids/long-context-select.json
     for text in "$PERSUASION" "$EMMA"; do
       name=$(basename "$text" .txt)
       walshkv sweep --model smollm2-135m --text "$text" --grid docs/grids/long-context-select.json --ctx 512 \

@@ -46,21 +46,26 @@ TARGETS: list[tuple[str, str, list[str]]] = [
     ("peers at similar bits", "walshkv:3.5", ["tq:3", "kivi2"]),
     ("peers at similar bits", "walshkv:4.5", ["rot+iq4_nl", "rot+q4_0", "iq4_nl", "q4_0", "tq:4", "kivi4"]),
 ]
-# The winners of `recommend --ctx 4096` (stage select, python-docs only; not shipped) are judged too, against these
-# peers of their preset (read from the select runs: see _select_targets).
-SELECT_PEERS: dict[str, list[str]] = {
-    "walshkv:4.5": ["rot+q8_0/rot+q4_0", "walshkv:4.5", "rot+iq4_nl", "kivi4"],
-    "walshkv:3.5": ["walshkv:3.5", "tq:3", "kivi2"],
-    "walshkv:3": ["walshkv:3", "rot+iq4_nl", "kivi2"],
-}
+# The winners of `recommend --ctx 4096` (stage select, python-docs only) are judged against their preset's
+# 512-token winner too (docs/results/presets/MODEL/recommend-B.json): see _select_targets.
+PRESET_RUNS = ROOT / "docs" / "results" / "presets"
+
+
+def _winner_512(model: str, preset: str) -> str | None:
+    """The spec ``walshkv recommend`` chose for ``preset`` at 512 tokens (docs/presets.md), or ``None``."""
+    path = PRESET_RUNS / model / f"recommend-{preset.split(':', 1)[1]}.json"
+    return json.loads(path.read_text())["winner"] if path.is_file() else None
 
 
 def _select_targets(results: Path, model: str) -> list[tuple[str, str, list[str]]]:
-    """``("4k winner", spec, peers)`` for each ``recommend --ctx 4096`` run of ``model`` (stage select)."""
-    out = []
+    """``("4k vs 512 selection", 4k winner, [512 winner])`` per ``recommend --ctx 4096`` run (stage select),
+    each by its label in the tables (a shipped preset's name, else its spec)."""
+    names, out = _name_of(model), []
     for path in sorted((results / "select" / model).glob("recommend-*-ctx4096.json")):
         run = json.loads(path.read_text())
-        out.append(("4k winner", run["winner"], SELECT_PEERS.get(run["preset"], [run["preset"]])))
+        old = _winner_512(model, run["preset"])
+        if old and old != run["winner"]:
+            out.append(("4k vs 512 selection", names.get(run["winner"], run["winner"]), [names.get(old, old)]))
     return out
 
 
@@ -230,7 +235,7 @@ def needle_section(results: Path, summary: dict[str, Any]) -> list[str]:
 
 
 def select_section(results: Path, summary: dict[str, Any]) -> list[str]:
-    """``recommend --ctx 4096`` runs (stage select): where the shipped 512-token winner ranks at 4k."""
+    """``recommend --ctx 4096`` runs (stage select): where the 512-token winner ranks at 4k, and what ships."""
     lines = ["## Do the 512-token winners stay best at 4k? (`recommend --ctx 4096`, python-docs only)", ""]
     root = results / "select"
     found = False
@@ -240,6 +245,7 @@ def select_section(results: Path, summary: dict[str, Any]) -> list[str]:
         run = json.loads(path.read_text())
         meta = run["meta"]
         shipped = {p["spec"] for p in model_presets().get(model, {"presets": {}})["presets"].values()}
+        old = _winner_512(model, run["preset"])
         rows = sorted(run["results"], key=lambda r: r["kld_mean"])
         lines += [
             f"### {model}, {run['preset']}",
@@ -248,12 +254,15 @@ def select_section(results: Path, summary: dict[str, Any]) -> list[str]:
             f"(K mean from {(meta.get('calibration') or {}).get('text')}); winner `{run['winner']}`. "
             f"Code {meta['versions']['commit']}; CPU {meta.get('cpu', {}).get('model', '?')}.",
             "",
-            "| rank | spec | bits/el | mean KLD | shipped (chosen at 512) |",
-            "|---|---|---|---|---|",
+            "| rank | spec | bits/el | mean KLD | shipped | chosen at 512 |",
+            "|---|---|---|---|---|---|",
         ]
         for i, r in enumerate(rows, 1):
             mark = "yes" if r["codec"] in shipped else ""
-            lines.append(f"| {i} | `{r['codec']}` | {r['bits_per_element']:.3f} | {r['kld_mean']:.4f} | {mark} |")
+            at512 = "yes" if r["codec"] == old else ""
+            lines.append(
+                f"| {i} | `{r['codec']}` | {r['bits_per_element']:.3f} | {r['kld_mean']:.4f} | {mark} | {at512} |"
+            )
         summary.setdefault("select", {})[f"{model}/{run['preset']}"] = {
             "winner": run["winner"],
             "ranking": [(r["codec"], r["kld_mean"]) for r in rows],
