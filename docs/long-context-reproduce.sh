@@ -34,7 +34,7 @@ holdout_windows() { case "$1" in qwen2.5-1.5b) echo "${HOLDOUT_WINDOWS_qwen:-8}"
 # the grid per context: every row up to 2k; beyond, the core rows (docs/grids/long-context-core.json), which fit
 # 2 cores (GRID_LONG=long-context runs every row there too)
 # qwen2.5-1.5b (ten times smollm2's cost per forward): the core grid and one window at every context
-# from 16k tokens on, the 16k grid (docs/grids/long-context-16k.json: presets, rotated q8_0 K / q4_0 V, q4_0)
+# from 16k tokens on, the 16k grid (docs/grids/long-context-16k.json: walshkv:3, walshkv:3.5, rotated q8_0 K / q4_0 V, q4_0)
 grid_for() {
   if [ "$1" -le 2048 ] && [ "$2" != qwen2.5-1.5b ]; then echo long-context
   elif [ "$1" -ge 16384 ]; then echo "${GRID_16K:-docs/grids/long-context-16k.json}"
