@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every figure of docs/long-context.md. The KLD stages resume: each sweep keeps one JSON per finished row under
-# its folder and skips it on the next run; the needle stage runs whole (about an hour on a shared 2-core machine);
+# its folder and skips it on the next run, even one measured by an earlier commit (--reuse-rows: each row keeps the
+# commit that measured it); the needle stage runs whole (about an hour on a shared 2-core machine);
 # rerun after an interruption and only what is missing is computed.
 #
 #   bash docs/long-context-reproduce.sh                 # what docs/long-context.md shows (hours on 2 cores)
@@ -49,7 +50,7 @@ for stage in $STAGES; do
       for ctx in $(ctxs_for "$model"); do
         walshkv sweep --model "$model" --text "$EMMA" --grid "$(grid_for "$ctx" "$model")" --ctx "$ctx" \
           --windows "$(windows_for "$ctx" "$model")" \
-          --calib-text python-docs --decode-chunk 64 --chunk 16 --quiet --out "$OUT/kld/$model/ctx$ctx"
+          --calib-text python-docs --decode-chunk 64 --chunk 16 --reuse-rows --quiet --out "$OUT/kld/$model/ctx$ctx"
       done
     done
     ;;
@@ -77,11 +78,11 @@ for stage in $STAGES; do
     for text in "$PERSUASION" "$EMMA"; do
       name=$(basename "$text" .txt)
       walshkv sweep --model smollm2-135m --text "$text" --grid docs/grids/long-context-select.json --ctx 512 \
-        --windows "$(holdout_windows smollm2-135m)" --calib-text python-docs --decode-chunk 16 --chunk 16 --quiet \
+        --windows "$(holdout_windows smollm2-135m)" --calib-text python-docs --decode-chunk 16 --chunk 16 --reuse-rows --quiet \
         --out "$OUT/holdout/smollm2-135m/$name"
     done
     walshkv sweep --model smollm2-135m --text "$EMMA" --grid docs/grids/long-context-select.json --ctx 8192 --windows 1 \
-      --calib-text python-docs --decode-chunk 64 --chunk 16 --quiet --out "$OUT/kld/smollm2-135m/ctx8192"
+      --calib-text python-docs --decode-chunk 64 --chunk 16 --reuse-rows --quiet --out "$OUT/kld/smollm2-135m/ctx8192"
     ;;
   needle)
     # single needle, depths 0/0.5/1, one sample per cell (the 2-core budget; NEEDLE_SAMPLES=3 for more)
@@ -101,7 +102,7 @@ for stage in $STAGES; do
       for text in "$EMMA" "$PERSUASION"; do
         name=$(basename "$text" .txt)
         walshkv sweep --model "$model" --text "$text" --grid long-context --ctx 512 --windows "$(holdout_windows "$model")" \
-          --calib-text python-docs --decode-chunk 16 --chunk 16 --quiet --out "$OUT/holdout/$model/$name"
+          --calib-text python-docs --decode-chunk 16 --chunk 16 --reuse-rows --quiet --out "$OUT/holdout/$model/$name"
       done
     done
     ;;

@@ -15,7 +15,7 @@ TEXT="${DATA:-../shared/data}/austen_emma.txt"
 MODELS="${MODELS:-smollm2-135m}"  # MODELS="smollm2-135m qwen2.5-1.5b": qwen too (8 windows, about ten times the time)
 for model in $MODELS; do
   case "$model" in qwen2.5-1.5b) windows=8 ;; *) windows=16 ;; esac
-  walshkv sweep --model "$model" --text "$TEXT" --grid rotation-int4 --ctx 512 --windows "$windows" --chunk 9 --quiet \
+  walshkv sweep --model "$model" --text "$TEXT" --grid rotation-int4 --ctx 512 --windows "$windows" --chunk 9 --reuse-rows --quiet \
     --out "$OUT/$model"
 done
 if [ "${BENCH:-1}" != 0 ]; then

@@ -263,6 +263,26 @@ def test_run_sweep_meta_mismatch_reruns(tmp_path, tiny_lm, count_evaluate, stub_
     assert count_evaluate == [["int4"]]
 
 
+def test_run_sweep_rows_of_other_code_rerun_unless_reused(tmp_path, tiny_lm, count_evaluate, stub_plot, capsys):
+    out = tmp_path / "sw"
+    run_sweep(tiny_lm, TEXT, ["int4", "int8"], out, **FAST)
+    record = json.loads(row_path(out, "int8").read_text())
+    record["meta"]["sweep"]["code"] = {"walshkv": "0.0.9", "commit": "abc1234"}
+    row_path(out, "int8").write_text(json.dumps(record))
+    count_evaluate.clear()
+    # --reuse-rows: kept, said so, and results.md names both versions
+    run_sweep(tiny_lm, TEXT, ["int4", "int8"], out, reuse_rows=True, **{**FAST, "progress": True})
+    assert count_evaluate == []
+    assert "keeping them (--reuse-rows) int8" in capsys.readouterr().err
+    md = (out / "results.md").read_text()
+    assert "more than one version of the code" in md and "walshkv 0.0.9 at abc1234: `int8`" in md
+    # the default: re-run, said so
+    run_sweep(tiny_lm, TEXT, ["int4", "int8"], out, **{**FAST, "progress": True})
+    assert count_evaluate == [["int8"]]
+    assert "re-running int8" in capsys.readouterr().err
+    assert "more than one version" not in (out / "results.md").read_text()
+
+
 def test_run_sweep_bad_spec_fails_before_running(tmp_path, tiny_lm, count_evaluate):
     with pytest.raises(ValueError, match="unknown codec"):
         run_sweep(tiny_lm, TEXT, ["int4", "nope"], tmp_path / "sw", **FAST)

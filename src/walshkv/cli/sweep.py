@@ -168,6 +168,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             description=description,
             decode_chunk=args.decode_chunk,
             executor=runner,
+            reuse_rows=args.reuse_rows,
         )
     print(format_table(rows))
     print("Pareto front: " + ", ".join(r["codec"] for r in pareto_front(rows)))
@@ -218,6 +219,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     sw.add_argument(
         "--residual", type=int, default=0, help="keep this many recent tokens in full precision (default 0)"
+    )
+    sw.add_argument(
+        "--reuse-rows",
+        action="store_true",
+        help="keep finished rows another commit of walshkv measured (same settings otherwise) instead of re-running "
+        "them, for a long run resumed across commits that do not change what is measured; each row keeps the commit "
+        "that measured it (default: such rows are re-run)",
     )
     sw.add_argument(
         "--chunk", type=int, default=4, help="specs per evaluation pass, sharing one reference (default %(default)s)"

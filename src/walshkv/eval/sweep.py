@@ -318,13 +318,15 @@ def run_sweep(
     description: str = "",
     decode_chunk: int = 1,
     executor: Executor | None = None,
+    reuse_rows: bool = False,
 ) -> list[ResultRow]:
     """Evaluate every spec not already finished in ``out_dir``, then write the combined outputs.
 
     A row is finished when ``OUT/rows/<slug>-<hash>.json`` exists and its ``meta["sweep"]`` matches this
     run's settings (model, text name and content hash, ctx, windows, score, residual, the code's version and
     commit, and for calibrated specs the calibration's model, text and token count); anything else is
-    (re)run, a row measured by other code with a line that says so. Pending specs go
+    (re)run, a row measured by other code with a line that says so (``reuse_rows``: kept, with a line that says
+    so; each row records the commit that measured it, and ``results.md`` lists them). Pending specs go
     through :func:`walshkv.eval.evaluate` ``chunk`` at a time (one reference forward per window per
     chunk), and each row's JSON is written as soon as its chunk finishes.
 
@@ -352,6 +354,9 @@ def run_sweep(
         executor: where the chunks run (:class:`Executor`); ``None``: here, one after another. Whatever runs
             them, this process decides what is pending and writes each row's file as soon as its chunk
             comes back (``walshkv.integrations.ray.RayExecutor``: chunks as Ray tasks, in parallel).
+        reuse_rows: keep finished rows that another version or commit of walshkv measured (same settings
+            otherwise) instead of re-running them: for long runs resumed across commits that do not change
+            what is measured. Off by default: a row belongs to the code that measured it.
 
     Returns:
         The result rows (``evaluate``'s metric dicts), sorted by ``bits_per_element``.
@@ -390,16 +395,15 @@ def run_sweep(
         record = _finished_row(row_path(out, spec), spec, settings[spec])
         if record is not None and (stored := record["meta"]["sweep"].get("code")) != base["code"]:
             other_code.setdefault(_describe_code(stored), []).append(spec)
-            record = None
+            record = record if reuse_rows else None
         if record is None:
             pending.append(spec)
         else:
             records[spec] = record
     for old, specs_of in other_code.items():
         now = _describe_code(base["code"])
-        _say(
-            progress, f"sweep: {len(specs_of)} rows were measured by {old}, not {now}: re-running {', '.join(specs_of)}"
-        )
+        verb = "keeping them (--reuse-rows)" if reuse_rows else "re-running"
+        _say(progress, f"sweep: {len(specs_of)} rows were measured by {old}, not {now}: {verb} {', '.join(specs_of)}")
     total = len(canon)
     _say(progress, f"sweep: {total} rows, {len(records)} already finished in {out}, {len(pending)} to run")
 
@@ -441,6 +445,15 @@ def run_sweep(
         )
     if skipped:
         notes.append("Left out: " + "; ".join(f"`{k}` ({v})" for k, v in skipped.items()) + ".")
+    measured_by: dict[str, list[str]] = {}
+    for s in canon:
+        measured_by.setdefault(_describe_code(records[s]["meta"]["sweep"].get("code")), []).append(s)
+    if len(measured_by) > 1:  # rows kept with --reuse-rows
+        notes.append(
+            "Rows measured by more than one version of the code: "
+            + "; ".join(f"{who}: {', '.join(f'`{s}`' for s in specs_of)}" for who, specs_of in measured_by.items())
+            + "."
+        )
     _write_outputs(out, rows, meta, command, title, description, notes)
     return rows
 
