@@ -72,7 +72,7 @@ def quality_claims(rows: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]
         out.append(
             (
                 f"1. INT4+ROT is near-lossless next to INT8 (rule: rot+int4 mean KLD <= {NEAR_LOSSLESS_KLD} and top-1 "
-                f"within {NEAR_LOSSLESS_TOP1_GAP:.0%} of int8's)",
+                f"within {100 * NEAR_LOSSLESS_TOP1_GAP:.0f} points of int8's)",
                 f"rot+int4: {_row(r4)}; int8: {_row(r8)}; rot+int4 - int8: {_diff(paired(r4, r8))}",
                 verdict,
             )
