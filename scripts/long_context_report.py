@@ -26,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from walshkv.eval.metrics import bootstrap_ci95
+from walshkv.eval.metrics import paired_difference
 from walshkv.presets import model_presets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,14 +273,6 @@ def select_section(results: Path, summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _paired(a: dict[str, Any], b: dict[str, Any], key: str) -> tuple[float, list[float]] | None:
-    wa, wb = a.get(key), b.get(key)
-    if not wa or not wb or len(wa) != len(wb):
-        return None
-    diff = [x - y for x, y in zip(wa, wb, strict=True)]
-    return sum(diff) / len(diff), bootstrap_ci95(diff)
-
-
 def holdout_section(results: Path, summary: dict[str, Any]) -> list[str]:
     lines = ["## The frozen holdout: Persuasion next to Emma", ""]
     root = results / "holdout"
@@ -330,7 +322,7 @@ def holdout_section(results: Path, summary: dict[str, Any]) -> list[str]:
             for peer in peers:
                 if peer not in pers:
                     continue
-                paired = _paired(pers[preset], pers[peer], "window_kld_mean")
+                paired = paired_difference(pers[preset].get("window_kld_mean"), pers[peer].get("window_kld_mean"))
                 if paired is None:
                     continue
                 mean, (lo, hi) = paired

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from walshkv.eval.metrics import bootstrap_ci95
+from walshkv.eval.metrics import paired_difference
 
 BITS = (8, 4, 3, 2)
 #: KLD (nats per token) at or below which a cache is called near-lossless here, and the top-1 gap to int8 allowed
@@ -39,12 +39,8 @@ def load_rows(folder: Path) -> dict[str, dict[str, Any]]:
 
 
 def paired(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, list[float]] | None:
-    """Mean and bootstrap 95% interval of the per-window KLD of ``a`` minus ``b`` (None: not paired)."""
-    wa, wb = a.get("window_kld_mean"), b.get("window_kld_mean")
-    if not wa or not wb or len(wa) != len(wb) or len(wa) < 3:
-        return None
-    diff = [x - y for x, y in zip(wa, wb, strict=True)]
-    return sum(diff) / len(diff), bootstrap_ci95(diff)
+    """Mean and bootstrap 95% interval of the per-window KLD of ``a`` minus ``b`` (None: under 3 paired windows)."""
+    return paired_difference(a.get("window_kld_mean"), b.get("window_kld_mean"), min_windows=3)
 
 
 def _row(r: dict[str, Any]) -> str:

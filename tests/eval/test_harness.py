@@ -13,6 +13,7 @@ from walshkv.cli import main
 from walshkv.codecs import parse_cache_spec
 from walshkv.data import Text
 from walshkv.eval import compare_logits, evaluate, make_windows, scored_positions
+from walshkv.eval.metrics import bootstrap_ci95, paired_difference
 from walshkv.eval.report import format_table, write_csv, write_json, write_markdown
 from walshkv.models import LoadedModel, _describe
 
@@ -72,6 +73,14 @@ def test_compare_logits_in_row_chunks_equals_one_pass():
         compare_logits(a, b[:5], t)
     with pytest.raises(ValueError, match="rows must be at least 1"):
         compare_logits(a, b, t, rows=0)
+
+
+def test_paired_difference_of_windows():
+    a, b = [0.3, 0.5, 0.4, 0.6], [0.1, 0.2, 0.2, 0.3]
+    mean, ci = paired_difference(a, b)
+    assert mean == pytest.approx(0.25) and ci == bootstrap_ci95([0.2, 0.3, 0.2, 0.3])
+    assert paired_difference(a, b[:3]) is None and paired_difference(None, b) is None
+    assert paired_difference(a, b, min_windows=5) is None
 
 
 def test_evaluate_on_tiny_model(tiny_lm):

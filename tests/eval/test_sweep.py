@@ -26,6 +26,7 @@ from walshkv.eval.sweep import (
     substitute_head_dim,
 )
 from walshkv.models import LoadedModel, _describe
+from walshkv.presets import resolve_preset
 
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(2000)))
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "sweep.md"
@@ -455,8 +456,6 @@ def test_docs_cover_every_preset():
 
 def test_repository_grid_files_load_and_parse():
     # docs/grids/*.json drive the reproduce scripts: each must load and every spec must parse (presets by name)
-    from walshkv.presets import resolve_preset
-
     files = sorted((Path(__file__).resolve().parents[2] / "docs" / "grids").glob("*.json"))
     assert files
     for path in files:

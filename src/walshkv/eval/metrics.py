@@ -10,7 +10,14 @@ import torch
 
 from walshkv.eval.rows import MetricSummary
 
-__all__ = ["BOOTSTRAP_RESAMPLES", "TokenMetrics", "bootstrap_ci95", "compare_logits", "is_finite_number"]
+__all__ = [
+    "BOOTSTRAP_RESAMPLES",
+    "TokenMetrics",
+    "bootstrap_ci95",
+    "compare_logits",
+    "is_finite_number",
+    "paired_difference",
+]
 
 #: Resamples of the per-window bootstrap intervals (seeded: the same windows give the same interval).
 BOOTSTRAP_RESAMPLES = 2000
@@ -30,6 +37,25 @@ def bootstrap_ci95(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES
     idx = torch.randint(0, x.numel(), (resamples, x.numel()), generator=gen)
     means = x[idx].mean(dim=1)
     return [float(torch.quantile(means, 0.025)), float(torch.quantile(means, 0.975))]
+
+
+def paired_difference(
+    a: Sequence[float] | None, b: Sequence[float] | None, min_windows: int = 1
+) -> tuple[float, list[float]] | None:
+    """Mean and :func:`bootstrap_ci95` of the per-window differences ``a - b`` of two rows on the same windows.
+
+    Args:
+        a, b: one number per window (e.g. a result row's ``window_kld_mean``), in the same window order.
+        min_windows: fewer paired windows than this give ``None``.
+
+    Returns:
+        ``(mean, [low, high])``, or ``None`` when either side is missing, the lengths differ or there are too
+        few windows.
+    """
+    if not a or not b or len(a) != len(b) or len(a) < min_windows:
+        return None
+    diff = [x - y for x, y in zip(a, b, strict=True)]
+    return sum(diff) / len(diff), bootstrap_ci95(diff)
 
 
 def is_finite_number(x: object) -> bool:
