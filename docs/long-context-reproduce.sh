@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every figure of docs/long-context.md. The KLD stages resume: each sweep keeps one JSON per finished row under
 # its folder and skips it on the next run, even one measured by an earlier commit (--reuse-rows: each row keeps the
-# commit that measured it); the needle stage runs whole (about an hour on a shared 2-core machine);
+# commit that measured it); the needle stage skips each part whose JSON exists (a part runs whole: about an hour);
 # rerun after an interruption and only what is missing is computed.
 #
 #   bash docs/long-context-reproduce.sh                 # what docs/long-context.md shows (hours on 2 cores)
@@ -85,15 +85,25 @@ for stage in $STAGES; do
       --calib-text python-docs --decode-chunk 64 --chunk 16 --reuse-rows --quiet --out "$OUT/kld/smollm2-135m/ctx8192"
     ;;
   needle)
-    # single needle, depths 0/0.5/1, one sample per cell (the 2-core budget; NEEDLE_SAMPLES=3 for more)
+    # single needle, depths 0/0.5/1, one sample per cell (the 2-core budget; NEEDLE_SAMPLES=3 for more). Each part
+    # is skipped once its JSON exists (delete it to rerun). qwen2.5-1.5b runs in two parts added together
+    # (walshkv needle --add-to): 2k and 4k at every depth, then 16k at depth 0.5 alone (a 16k prefill is about a
+    # quarter of an hour per cache on 2 cores)
     for model in $MODELS; do
-      case "$model" in smollm2-135m) lengths="2048,4096,8192" ;; *) lengths="2048,4096" ;; esac
-      mkdir -p "$OUT/needle/$model"
-      walshkv needle --model "$model" --text "$EMMA" --lengths "$lengths" --depths 0,0.5,1 \
-        --samples "${NEEDLE_SAMPLES:-1}" --task single --calib-text python-docs --fused \
-        --codec walshkv:3 --codec walshkv:3.5 --codec rot+q4_0 --quiet \
-        --json "$OUT/needle/$model/needle.json" --csv "$OUT/needle/$model/needle.csv" \
-        --markdown "$OUT/needle/$model/needle.md" --png "$OUT/needle/$model/heatmap.png"
+      dir="$OUT/needle/$model"
+      mkdir -p "$dir"
+      files=(--json "$dir/needle.json" --csv "$dir/needle.csv" --markdown "$dir/needle.md" --png "$dir/heatmap.png")
+      [ -f "$dir/needle.json" ] && { echo "needle: $dir/needle.json exists (delete it to rerun)"; continue; }
+      common=(--model "$model" --text "$EMMA" --samples "${NEEDLE_SAMPLES:-1}" --task single --calib-text python-docs
+        --fused --codec walshkv:3 --codec walshkv:3.5 --codec rot+q4_0 --quiet)
+      case "$model" in
+      smollm2-135m) walshkv needle "${common[@]}" --lengths 2048,4096,8192 --depths 0,0.5,1 "${files[@]}" ;;
+      *)
+        [ -f "$dir/run-2k-4k.json" ] || walshkv needle "${common[@]}" --lengths 2048,4096 --depths 0,0.5,1 \
+          --json "$dir/run-2k-4k.json"
+        walshkv needle "${common[@]}" --lengths 16384 --depths 0.5 --add-to "$dir/run-2k-4k.json" "${files[@]}"
+        ;;
+      esac
     done
     ;;
   holdout)

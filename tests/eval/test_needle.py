@@ -369,3 +369,74 @@ def test_an_unknown_task_is_a_usage_error(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "argument --task: invalid choice: 'haystack'" in err and "multivalue" in err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Runs added together (--add-to)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_two_runs_added_together_equal_one_run_of_both(tiny_lm):
+    trials = make_trials(tiny_lm.tokenizer, TEXT.content, lengths=(500, 700), depths=(0.0, 1.0), samples=1)
+    whole = run_needle(tiny_lm, TEXT, trials, ["int4"], prefill_chunk=128, progress=False)
+    short = [t for t in trials if t.length == 500]
+    long = [t for t in trials if t.length == 700 and t.depth == 1.0]  # one depth at the longer length
+    first = run_needle(tiny_lm, TEXT, short, ["int4"], prefill_chunk=128, progress=False, command="run 1")
+    second = run_needle(tiny_lm, TEXT, long, ["int4"], prefill_chunk=128, progress=False, command="run 2")
+    merged = needle.merge_needle_results(first, second)
+    same = {(r["codec"], r["length"], r["depth"]): r["output"] for r in whole.trials}
+    assert {(r["codec"], r["length"], r["depth"]): r["output"] for r in merged.trials} == {
+        k: v for k, v in same.items() if k[1] == 500 or k[2] == 1.0
+    }
+    assert [r["codec"] for r in merged.trials[:2]] == [BASELINE, "int4"]  # the reference first, per trial
+    meta = merged.meta
+    assert meta["lengths"] == [500, 700] and meta["depths"] == [0.0, 1.0] and meta["trials"] == 3
+    assert [r["command"] for r in meta["runs"]] == ["run 1", "run 2"] and meta["command"] is None
+    assert meta["codecs"]["int4"]["measured_at_length"] == 700
+    cells = {(c["length"], c["depth"]) for c in merged.cells if c["codec"] == "int4"}
+    assert cells == {(500, 0.0), (500, 1.0), (700, 1.0)}
+    assert "2 runs added together" in needle.describe_needle(meta)
+    md = needle.needle_markdown(merged)
+    assert "Run 1 (code " in md and "`run 2`" in md
+    rest = [t for t in trials if t.length == 700 and t.depth == 0.0]
+    third = run_needle(tiny_lm, TEXT, rest, ["int4"], prefill_chunk=128, progress=False)
+    again = needle.merge_needle_results(merged, third)
+    assert len(again.meta["runs"]) == 3  # runs accumulate
+
+
+def test_runs_that_do_not_fit_together_are_refused(tiny_lm):
+    trials = make_trials(tiny_lm.tokenizer, TEXT.content, lengths=(500,), depths=(0.0, 1.0), samples=1)
+    first = run_needle(tiny_lm, TEXT, trials[:1], ["int4"], prefill_chunk=128, progress=False)
+    with pytest.raises(ValueError, match=r"the runs share 1 trial\(s\), e.g. single L=500 d=0 sample 0"):
+        needle.merge_needle_results(first, first)
+    other = run_needle(tiny_lm, TEXT, trials[1:], ["int8"], prefill_chunk=128, progress=False)
+    with pytest.raises(ValueError, match="same --codec list"):
+        needle.merge_needle_results(first, other)
+    chunked = run_needle(tiny_lm, TEXT, trials[1:], ["int4"], prefill_chunk=64, progress=False)
+    with pytest.raises(ValueError, match="prefill_chunk = 128"):
+        needle.merge_needle_results(first, chunked)
+    with pytest.raises(ValueError, match="this run is other-model on"):
+        needle.check_can_add(first, model="other-model", text=TEXT.name, codecs=["int4"])
+
+
+def test_the_command_adds_a_run_to_an_earlier_file(tiny_lm, text_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(walshkv.models, "load_model", lambda name, progress=True: tiny_lm)
+    base = ["needle", "--text", str(text_file), "--samples", "1", "--codec", "int4", "--new-tokens", "3", "--quiet"]
+    first, both = tmp_path / "first.json", tmp_path / "both.json"
+    assert main([*base, "--lengths", "500", "--depths", "0,1", "--json", str(first)]) == 0
+    md, png = tmp_path / "both.md", tmp_path / "both.png"
+    argv = [*base, "--lengths", "700", "--depths", "0.5", "--add-to", str(first), "--json", str(both)]
+    assert main([*argv, "--markdown", str(md), "--png", str(png)]) == 0
+    payload = json.loads(both.read_text())
+    assert payload["meta"]["lengths"] == [500, 700] and len(payload["meta"]["runs"]) == 2
+    assert len(payload["trials"]) == 3 * 2 and len(json.loads(first.read_text())["trials"]) == 2 * 2  # kept as it was
+    assert "2 runs added together" in md.read_text() and png.read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    # refused before any trial runs: a repeated trial, a missing file, another --codec list
+    assert main([*base, "--lengths", "500", "--depths", "1", "--add-to", str(first), "--json", str(both)]) == 2
+    assert "already holds 1 of this run's trials (single L=500 d=1 sample 0)" in capsys.readouterr().err
+    assert main([*base, "--lengths", "700", "--add-to", str(tmp_path / "none.json")]) == 2
+    assert "none.json: no such file" in capsys.readouterr().err
+    bad = [*base[:5], "--codec", "int8", *base[7:], "--lengths", "700", "--add-to", str(first)]
+    assert main(bad) == 2
+    assert "same --codec list" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from walshkv.cli.common import (
 from walshkv.codecs import parse_cache_spec
 from walshkv.constants import Prefill
 from walshkv.eval import needle
-from walshkv.eval.report import command_line
+from walshkv.eval.report import calibration_meta, command_line
 from walshkv.fileio import check_output_path
 from walshkv.presets import resolve_specs
 
@@ -69,6 +69,7 @@ def _cmd_needle(args: argparse.Namespace) -> int:
     for c in codecs:
         parse_cache_spec(c)
     tasks = list(dict.fromkeys(args.task or ["single"]))
+    earlier = needle.load_needle_result(args.add_to) if args.add_to else None  # a bad file fails before any work
     text = data.load_text(args.text)
     lm = models.load_model(args.model, progress=not args.quiet)
     trials = []
@@ -90,6 +91,24 @@ def _cmd_needle(args: argparse.Namespace) -> int:
     calibration = calibration_from_args(lm, codecs, args, text)
     codecs, preset_of = resolve_specs(codecs, calibration, model=lm)  # a known model's shipped specs
     print_presets(preset_of, calibration, lm)
+    if earlier is not None:  # refused here, before the first trial, rather than after hours of them
+        needle.check_can_add(
+            earlier,
+            model=lm.name,
+            text=text.name,
+            codecs=codecs,
+            trials=trials,
+            settings={
+                "seed": args.seed,
+                "prompt": " / ".join(dict.fromkeys(t.prompt for t in trials)),
+                "min_baseline": args.min_baseline,
+                "prefill": args.prefill,
+                "prefill_chunk": args.prefill_chunk,
+                "fused": args.fused,
+                "residual": args.residual,
+                "calibration": calibration_meta(calibration),
+            },
+        )
     result = needle.run_needle(
         lm,
         text,
@@ -107,6 +126,8 @@ def _cmd_needle(args: argparse.Namespace) -> int:
         command=command_line(args),
         seed=args.seed,
     )
+    if earlier is not None:
+        result = needle.merge_needle_results(earlier, result)
     print(needle.describe_needle(result.meta))
     for task in result.meta["tasks"]:
         print(f"\n{task}:")
@@ -229,6 +250,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="prefill every trial from an empty cache (default: the depths of one length and sample reuse the "
         "haystack they share, cropped back to the first token that differs: same codes, less work)",
+    )
+    np_.add_argument(
+        "--add-to",
+        metavar="JSON",
+        help="the --json file of an earlier run with the same model, text, --codec list and settings: this run's "
+        "trials (other lengths, depths or samples) are added to its trials, and every output holds both, with each "
+        "run's command, commit and CPU (a long grid in parts; the file itself is only rewritten if --json names it)",
     )
     np_.add_argument(
         "--png", metavar="PATH", help="write the depth x length heatmaps, a panel per cache (needs matplotlib)"
