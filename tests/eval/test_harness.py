@@ -75,6 +75,74 @@ def test_compare_logits_in_row_chunks_equals_one_pass():
         compare_logits(a, b, t, rows=0)
 
 
+def _tiny_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(4)
+    cfg = Qwen2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_gemma3", "qwen2"])
+def test_scored_hidden_states_give_the_models_own_logits(name, request):
+    # the long-context path keeps [positions, hidden] and applies the head by rows (32k tokens of a 152k vocabulary
+    # would be 10 GB of logits): it must be the model's own forward, gemma's final softcap included
+    from transformers import DynamicCache
+
+    from walshkv.eval.harness import HEAD_LOGITS_MODELS, forward_logits, forward_scored
+    from walshkv.eval.metrics import HeadLogits
+
+    model = _tiny_qwen2() if name == "qwen2" else request.getfixturevalue(name)
+    if name == "tiny_gemma3":
+        model.config.final_logit_softcapping = 3.0  # a cap that bites: random logits go past it
+    assert type(model).__name__ in HEAD_LOGITS_MODELS
+    ids = torch.randint(3, 90, (1, 40))
+    with torch.inference_mode():
+        full = forward_logits(model, ids, DynamicCache(config=model.config), 17)
+        lazy = forward_scored(model, ids, DynamicCache(config=model.config), 17)
+    assert isinstance(lazy, HeadLogits) and lazy.shape == full.shape and len(lazy[:9]) == 9
+    torch.testing.assert_close(lazy.rows(0, 17), full, rtol=1e-6, atol=1e-6)
+    if name == "tiny_gemma3":
+        assert float(full.abs().max()) <= 3.0
+    t = ids[0, -17:]
+    noisy = full + 0.1 * torch.randn_like(full)
+    for rows in (1, 5, 256):
+        kl, nll, nll_ref, same = compare_logits(lazy, noisy, t, rows=rows)
+        kl0, nll0, nll_ref0, same0 = compare_logits(full, noisy, t)
+        torch.testing.assert_close(kl, kl0, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(nll_ref, nll_ref0, rtol=1e-6, atol=1e-9)
+        assert torch.equal(nll, nll0) and torch.equal(same, same0)
+    both = HeadLogits.cat([lazy[:5], lazy[5:]])
+    assert isinstance(both, HeadLogits) and torch.equal(both.hidden, lazy.hidden)
+    mixed = HeadLogits.cat([lazy[:5], full[5:]])
+    assert isinstance(mixed, torch.Tensor) and mixed.shape == full.shape
+    with pytest.raises(TypeError, match="slice of positions"):
+        lazy[3]
+
+
+def test_models_outside_the_list_keep_their_full_logits(tiny_llama):
+    from transformers import DynamicCache
+
+    from walshkv.eval.harness import forward_scored, output_head
+
+    class Wrapped(torch.nn.Module):  # an unknown architecture: its forward is the only thing trusted
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, **kw):
+            return self.inner(**kw)
+
+    wrapped = Wrapped(tiny_llama)
+    assert output_head(wrapped) is None
+    with torch.inference_mode():
+        out = forward_scored(wrapped, torch.randint(3, 90, (1, 12)), DynamicCache(config=tiny_llama.config), 4)
+    assert isinstance(out, torch.Tensor) and out.shape == (4, tiny_llama.config.vocab_size)
+
+
 def test_paired_difference_of_windows():
     a, b = [0.3, 0.5, 0.4, 0.6], [0.1, 0.2, 0.2, 0.3]
     mean, ci = paired_difference(a, b)

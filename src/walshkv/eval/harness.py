@@ -23,7 +23,7 @@ float64 over the full vocabulary.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +37,7 @@ from walshkv.codecs.spec import CacheSpec, HFCacheSpec, parse_cache_spec
 from walshkv.constants import Feed, Prefill, Score
 from walshkv.data import describe_scored, make_windows, scored_positions
 from walshkv.defaults import CTX, WINDOWS
-from walshkv.eval.metrics import TokenMetrics, compare_logits
+from walshkv.eval.metrics import HeadLogits, TokenMetrics, compare_logits
 from walshkv.eval.report import calibration_meta, run_meta
 from walshkv.eval.rows import ResultRow
 
@@ -46,7 +46,17 @@ if TYPE_CHECKING:
     from walshkv.data import Text
     from walshkv.models import LoadedModel
 
-__all__ = ["DEFAULT_CODECS", "FEEDS", "EvalResult", "ResultRow", "evaluate"]
+__all__ = [
+    "DEFAULT_CODECS",
+    "FEEDS",
+    "HEAD_LOGITS_MODELS",
+    "EvalResult",
+    "ResultRow",
+    "evaluate",
+    "forward_logits",
+    "forward_scored",
+    "output_head",
+]
 
 DEFAULT_CODECS = ("fp16", "int8", "int4", "rot+int4", "int3", "rot+int3", "int2", "rot+int2")
 
@@ -82,6 +92,41 @@ def forward_logits(model: Any, ids: torch.Tensor, cache: Any, keep: int) -> torc
     return out.logits[0]
 
 
+#: Causal LMs whose forward is ``logits = head(decoder(...).last_hidden_state[-keep:])``, with gemma's final
+#: logit softcap where the config sets one: for these :func:`forward_scored` keeps hidden states, not logits
+#: (tests/eval/test_harness.py checks each against the model's own forward).
+HEAD_LOGITS_MODELS = frozenset(
+    {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM"}
+)
+
+
+def output_head(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The model's hidden-states-to-logits step (``lm_head``, then the final logit softcap if the config has one),
+    or ``None`` for a model outside :data:`HEAD_LOGITS_MODELS`."""
+    if type(model).__name__ not in HEAD_LOGITS_MODELS:
+        return None
+    lm_head = model.lm_head
+    cap = getattr(model.config, "final_logit_softcapping", None)
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        logits = lm_head(hidden)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    return head
+
+
+def forward_scored(model: Any, ids: torch.Tensor, cache: Any, keep: int) -> torch.Tensor | HeadLogits:
+    """As :func:`forward_logits`, but for a model of :data:`HEAD_LOGITS_MODELS` the last ``keep`` positions come
+    back as :class:`~walshkv.eval.metrics.HeadLogits` (hidden states ``[keep, hidden]``, logits made by rows in
+    :func:`~walshkv.eval.metrics.compare_logits`): at 32k tokens the float32 logits of a scored half would take
+    about 10 GB per forward on a 152k-token vocabulary."""
+    head = output_head(model)
+    if head is None:
+        return forward_logits(model, ids, cache, keep)
+    out = model.model(input_ids=ids, cache=cache, use_cache=True)
+    return HeadLogits(out.last_hidden_state[0, -keep:], head, model.lm_head.out_features)
+
+
 def _decode(
     model: Any, ids: torch.Tensor, cache: Any, first: int, last: int, chunk: int = 1
 ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
@@ -93,7 +138,7 @@ def _decode(
         :func:`~walshkv.cache.context_state` of layer 0.
     """
     if first > 0:
-        forward_logits(model, ids[:, :first], cache, 1)
+        forward_scored(model, ids[:, :first], cache, 1)
     rows, states = [], []
     for p in range(first, last, chunk):
         n = min(chunk, last - p)
@@ -102,8 +147,8 @@ def _decode(
         for j in range(n):  # earlier tokens of this forward are full precision too if the cache shows them so
             earlier = window + (j if exact else 0)
             states.append((cached + j + 1, earlier + exact, earlier))
-        rows.append(forward_logits(model, ids[:, p : p + n], cache, n))
-    return torch.cat(rows), states
+        rows.append(forward_scored(model, ids[:, p : p + n], cache, n))
+    return HeadLogits.cat(rows), states
 
 
 def _window_states(cache: Any, first: int, last: int) -> list[tuple[int, int, int]]:
@@ -222,7 +267,7 @@ def evaluate(
         ids = win.ids[w : w + 1].to(device)
         targets = win.ids[w, first + 1 : last + 1].to(device)
         bar.set_postfix_str(f"window {w + 1}/{n_win}: reference")
-        ref = forward_logits(model, ids, DynamicCache(config=model.config), keep)[: last - first]
+        ref = forward_scored(model, ids, DynamicCache(config=model.config), keep)[: last - first]
         bar.update()
         for spec in specs:
             bar.set_postfix_str(f"window {w + 1}/{n_win}: {spec.spec}")
@@ -232,7 +277,7 @@ def evaluate(
                 logits, states = _decode(model, ids, cache, first, last, decode_chunk)
                 fp_context[spec.spec].extend(states)
             else:
-                logits = forward_logits(model, ids, cache, keep)[: last - first]
+                logits = forward_scored(model, ids, cache, keep)[: last - first]
                 if spec.spec in fp_context:  # KIVI: its newest tokens stayed in fp16
                     fp_context[spec.spec].extend(_window_states(cache, first, last))
             seconds[spec.spec] += time.perf_counter() - t0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +12,7 @@ from walshkv.eval.rows import MetricSummary
 
 __all__ = [
     "BOOTSTRAP_RESAMPLES",
+    "HeadLogits",
     "TokenMetrics",
     "bootstrap_ci95",
     "compare_logits",
@@ -110,8 +111,64 @@ class TokenMetrics:
         }
 
 
+class HeadLogits:
+    """Logits ``[positions, vocab]`` held as the model's final hidden states ``[positions, hidden]``, made a few
+    rows at a time by the output head (:func:`walshkv.eval.harness.forward_scored`).
+
+    At 32k tokens of context the scored half's float32 logits over a 152k-token vocabulary take about 10 GB
+    per forward; the hidden states take a hundredth of that. Slicing (``x[a:b]``) slices the hidden states;
+    :meth:`rows` applies the head.
+
+    Args:
+        hidden: ``[positions, hidden]`` final hidden states (after the final norm).
+        head: maps ``[n, hidden]`` to ``[n, vocab]`` logits exactly as the model's forward does (softcap included).
+        vocab: the head's output size.
+    """
+
+    def __init__(self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], vocab: int) -> None:
+        if hidden.dim() != 2:
+            raise ValueError(f"HeadLogits needs hidden states [positions, hidden], got {tuple(hidden.shape)}")
+        self.hidden, self.head, self.vocab = hidden, head, int(vocab)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.hidden.shape[0], self.vocab])
+
+    def dim(self) -> int:
+        return 2
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def __getitem__(self, index: slice) -> HeadLogits:
+        if not isinstance(index, slice):
+            raise TypeError("HeadLogits takes a slice of positions (x[a:b]); use rows(a, b) for logits")
+        return HeadLogits(self.hidden[index], self.head, self.vocab)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Logits ``[stop - start, vocab]`` of positions ``start..stop-1`` (no autograd: scoring only)."""
+        with torch.inference_mode():
+            return self.head(self.hidden[start:stop])
+
+    @staticmethod
+    def cat(parts: Sequence[torch.Tensor | HeadLogits]) -> torch.Tensor | HeadLogits:
+        """Parts along positions: one :class:`HeadLogits` when every part is one (same head), else a tensor."""
+        if parts and all(isinstance(p, HeadLogits) for p in parts):
+            first = parts[0]
+            assert isinstance(first, HeadLogits)
+            return HeadLogits(torch.cat([p.hidden for p in parts]), first.head, first.vocab)  # type: ignore[union-attr]
+        return torch.cat([p.rows(0, len(p)) if isinstance(p, HeadLogits) else p for p in parts])
+
+
+def _logit_rows(x: torch.Tensor | HeadLogits, start: int, stop: int) -> torch.Tensor:
+    return x.rows(start, stop) if isinstance(x, HeadLogits) else x[start:stop]
+
+
 def compare_logits(
-    ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, rows: int = 256
+    ref_logits: torch.Tensor | HeadLogits,
+    logits: torch.Tensor | HeadLogits,
+    targets: torch.Tensor,
+    rows: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-position KL(ref || test), NLL of targets under test and ref, and top-1 agreement.
 
@@ -120,8 +177,9 @@ def compare_logits(
     vocabulary would otherwise need tens of GB); every position's numbers are the same as in one pass.
 
     Args:
-        ref_logits: ``[positions, vocab]`` logits of the reference model.
-        logits: ``[positions, vocab]`` logits with the compressed cache.
+        ref_logits: ``[positions, vocab]`` logits of the reference model (a tensor, or :class:`HeadLogits`, whose
+            rows are made ``rows`` at a time).
+        logits: ``[positions, vocab]`` logits with the compressed cache (likewise).
         targets: ``[positions]`` next-token ids.
         rows: positions per float64 pass (at least 1).
 
@@ -140,7 +198,7 @@ def compare_logits(
         raise ValueError(f"rows must be at least 1, got {rows}")
     parts = []
     for a in range(0, ref_logits.shape[0], rows):
-        r, t = ref_logits[a : a + rows], logits[a : a + rows]
+        r, t = _logit_rows(ref_logits, a, a + rows), _logit_rows(logits, a, a + rows)
         lp_ref = torch.log_softmax(r.to(torch.float64), dim=-1)
         lp = torch.log_softmax(t.to(torch.float64), dim=-1)
         kl = (lp_ref.exp() * (lp_ref - lp)).sum(dim=-1).clamp_min_(0.0)
