@@ -108,8 +108,9 @@ for stage in $STAGES; do
     ;;
   holdout)
     # the frozen holdout: the final presets and peers at 512 tokens, Emma (development) next to Persuasion
+    # (Persuasion first: the targets are judged on it)
     for model in $MODELS; do
-      for text in "$EMMA" "$PERSUASION"; do
+      for text in "$PERSUASION" "$EMMA"; do
         name=$(basename "$text" .txt)
         walshkv sweep --model "$model" --text "$text" --grid long-context --ctx 512 --windows "$(holdout_windows "$model")" \
           --calib-text python-docs --decode-chunk 16 --chunk 16 --reuse-rows --quiet --out "$OUT/holdout/$model/$name"
