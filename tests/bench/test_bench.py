@@ -161,3 +161,29 @@ def test_device_errors():
     if not __import__("torch").cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             bench_attention([16], ["int4"], repeats=1, device="cuda", progress=False)
+
+
+def test_prerope_rows_time_their_key_transform_alone():
+    # what limits a prerope+ row: mapping every cached key with a d x d matrix; torch's own matmul of the same
+    # multiply-adds is timed in the same rounds and bounds what any float32 kernel doing that could reach
+    from pathlib import Path
+
+    from walshkv.bench.report import format_attention_table, targets
+    from walshkv.export import read_kv_mean_center
+
+    path = Path(__file__).resolve().parents[2] / "docs/results/presets/smollm2-135m/walshkv-4.5.gguf"
+    cal = read_kv_mean_center(path)
+    rows = bench_attention([64, 1000], ["walshkv:4.5", "rot+int4"], calibration=cal, layer=3, repeats=1, progress=False)
+    assert [r["method"] for r in rows[:5]] == ["sdpa-fp16", "sdpa-bf16", "sdpa-fp32", "walshkv:4.5", "rot+int4"]
+    pre = [r for r in rows if r["method"] == "walshkv:4.5"]
+    assert pre[1]["k_transform_macs"] == 3 * 1000 * 64 * 64  # kv heads x keys x head_dim^2
+    for r in pre:
+        assert r["k_transform_matmul_ms"] > 0 and r["k_transform_bound_vs_best_sdpa"] > 0
+        assert r["k_transform_kernel_gmacs"] == pytest.approx(r["k_transform_macs"] / r["seconds"] / 1e9)
+    assert all("k_transform_macs" not in r for r in rows if r["method"] != "walshkv:4.5")
+    table = format_attention_table(rows, 10.0, "github")
+    assert "K stored before RoPE (`prerope+`)" in table and "bound: x vs fastest SDPA" in table
+    result = {"meta": {"copy_bandwidth_gb_per_s": 10.0}, "attention": [r | {"kv_len": 16384} for r in rows]}
+    (line,) = [t for t in targets(result) if "the presets' codecs" in t]
+    assert "its prerope+ K transform alone, as a torch matmul, allows at most x" in line
+    assert format_attention_table(rows[:3], 10.0).count("prerope") == 0

@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from walshkv.attention import cpu_supports, decode_attention, triton_supports
+from walshkv.attention.keys import split_prerope
 from walshkv.bench.machine import interleaved_seconds, median_seconds
 from walshkv.codecs import CacheSpec, Packed, parse_cache_spec
 from walshkv.constants import Backend
@@ -18,7 +19,7 @@ from walshkv.presets import resolve_specs
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
 
-__all__ = ["DEFAULT_ATTENTION_CODECS", "DEFAULT_KV_LENS", "SDPA_DTYPES", "bench_attention"]
+__all__ = ["DEFAULT_ATTENTION_CODECS", "DEFAULT_KV_LENS", "SDPA_DTYPES", "TRANSFORM_SUFFIX", "bench_attention"]
 
 DEFAULT_ATTENTION_CODECS: tuple[str, ...] = (
     "rot+int4",
@@ -34,6 +35,8 @@ DEFAULT_KV_LENS: tuple[int, ...] = (1024, 4096, 16384, 65536)
 SDPA_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 #: The suffix of the rows that time the pure-torch reference backend (``reference=True``).
 REFERENCE_SUFFIX = " (reference)"
+#: The suffix of the timings of a ``prerope+`` row's K transform done by torch alone (never a row of its own).
+TRANSFORM_SUFFIX = " [K transform as a torch matmul]"
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -94,6 +97,12 @@ def bench_attention(
         "speedup_vs_sdpa_fp16", "speedup_vs_sdpa_fp32", "speedup_vs_best_sdpa", "rounds"}``
         (``speedup_vs_best_sdpa``: against the fastest SDPA dtype of each round); codec rows also ``encode_ms``,
         the time to write one token's K and V (what every decode step adds), and ``spec`` (a preset's spec).
+        Rows whose K is stored before RoPE (``prerope+``) also time, in the same rounds, the multiply-adds that
+        mapping every cached key to its pre-RoPE vector costs (one ``[head_dim, head_dim]`` matrix per kv head
+        and key) done by torch alone as one float32 batched matmul: ``k_transform_macs``,
+        ``k_transform_matmul_ms``, ``k_transform_matmul_gmacs`` (torch's rate), ``k_transform_kernel_gmacs`` (the
+        kernel's rate if it did nothing else) and ``k_transform_bound_vs_best_sdpa`` (the fastest SDPA over the
+        matmul's time: what a float32 kernel that maps every key at torch's matmul rate could reach at most).
 
     Raises:
         ValueError: an unknown device, CUDA without a CUDA device, or a spec that does not fit ``head_dim``.
@@ -126,7 +135,14 @@ def bench_attention(
             info[f"sdpa-{name}"] = (2 * kc.numel() * kc.element_size(), "torch")
         encode_ms: dict[str, float] = {}
         errors: dict[str, float] = {}
+        macs: dict[str, int] = {}
         for spec_name, spec in specs.items():
+            if split_prerope(spec.k) is not None:  # what mapping every key costs, done by torch's matmul
+                tgen = torch.Generator().manual_seed(seed + 1)
+                rows_in = torch.randn(batch * kv_heads, n, head_dim, generator=tgen).to(device)
+                mats = torch.randn(batch * kv_heads, head_dim, head_dim, generator=tgen).to(device)
+                fns[spec_name + TRANSFORM_SUFFIX] = lambda a=rows_in, m=mats: torch.bmm(a, m)
+                macs[spec_name] = batch * kv_heads * n * head_dim * head_dim
             pk, pv = spec.k.encode(k, spec.sink), spec.v.encode(v, spec.sink)
             fast = supports(spec.k, head_dim) and supports(spec.v, head_dim)
             fns[spec_name] = _step(q, pk, pv, spec, "auto")
@@ -143,14 +159,16 @@ def bench_attention(
                 lambda s=spec, a=k1, b=v1, at=n: (s.k.encode(a, at), s.v.encode(b, at)), repeats, device=device
             )
         times = interleaved_seconds(fns, repeats, device=device)
+        best = [min(times[f"sdpa-{d}"][i] for d in SDPA_DTYPES) for i in range(len(times["sdpa-fp16"]))]
         for method, ts in times.items():
+            if method.endswith(TRANSFORM_SUFFIX):
+                continue  # reported in its codec's row
             nbytes, backend = info[method]
             row = _row(n, method, statistics.median(ts), nbytes, backend)
             # paired ratios: each round times every method once, so a slow phase of a shared machine
             # hits the baseline and the method alike; the median over rounds of the per-round ratio
             row["speedup_vs_sdpa_fp16"] = statistics.median(b / t for b, t in zip(times["sdpa-fp16"], ts, strict=True))
             row["speedup_vs_sdpa_fp32"] = statistics.median(b / t for b, t in zip(times["sdpa-fp32"], ts, strict=True))
-            best = [min(times[f"sdpa-{d}"][i] for d in SDPA_DTYPES) for i in range(len(ts))]
             row["speedup_vs_best_sdpa"] = statistics.median(b / t for b, t in zip(best, ts, strict=True))
             row["rounds"] = len(ts)
             if method in spec_text and spec_text[method] != method:
@@ -159,6 +177,13 @@ def bench_attention(
                 row["encode_ms"] = encode_ms[method]
             if method in errors:
                 row["max_abs_err_vs_sdpa_on_decoded"] = errors[method]
+            if method in macs:
+                tm = times[method + TRANSFORM_SUFFIX]
+                row["k_transform_macs"] = macs[method]
+                row["k_transform_matmul_ms"] = 1e3 * statistics.median(tm)
+                row["k_transform_matmul_gmacs"] = macs[method] / statistics.median(tm) / 1e9
+                row["k_transform_kernel_gmacs"] = macs[method] / row["seconds"] / 1e9
+                row["k_transform_bound_vs_best_sdpa"] = statistics.median(b / t for b, t in zip(best, tm, strict=True))
             rows.append(row)
             bar.update()
     bar.close()

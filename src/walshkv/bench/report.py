@@ -52,7 +52,45 @@ def format_attention_table(rows: Sequence[dict[str, Any]], copy_gbs: float, fmt:
     ]
     table = tabulate(body, headers=headers, tablefmt=fmt, disable_numparse=True)
     specs = {r["method"]: r["spec"] for r in rows if r.get("spec")}
-    return table + "".join(f"\n\n{name} = `{spec}`" for name, spec in specs.items())
+    return table + "".join(f"\n\n{name} = `{spec}`" for name, spec in specs.items()) + _transform_note(rows, fmt)
+
+
+def _transform_note(rows: Sequence[dict[str, Any]], fmt: str) -> str:
+    """What the ``prerope+`` rows' K transform costs on its own (:func:`walshkv.bench.bench_attention`)."""
+    rows = [r for r in rows if "k_transform_macs" in r]
+    if not rows:
+        return ""
+    body = [
+        [
+            f"{r['kv_len']:,}",
+            r["method"],
+            f"{r['k_transform_macs'] / 1e6:,.0f}",
+            f"{r['ms']:.3f}",
+            f"{r['k_transform_kernel_gmacs']:.1f}",
+            f"{r['k_transform_matmul_ms']:.3f}",
+            f"{r['k_transform_matmul_gmacs']:.1f}",
+            f"{r['k_transform_bound_vs_best_sdpa']:.2f}",
+        ]
+        for r in rows
+    ]
+    headers = [
+        "kv_len",
+        "method",
+        "K transform (M multiply-adds)",
+        "kernel ms/step",
+        "kernel GMAC/s if that were all",
+        "torch matmul ms",
+        "torch matmul GMAC/s",
+        "bound: x vs fastest SDPA",
+    ]
+    return (
+        "\n\nK stored before RoPE (`prerope+`): every step maps each cached key with one head_dim x head_dim matrix "
+        "per kv head (`eq+`'s inverse and the codec's rotations folded in) before RoPE, since RoPE depends on the "
+        "key's position and cannot move onto the query. The same multiply-adds as one float32 torch matmul, timed "
+        "in the same rounds: `bound` is the fastest SDPA's time over the matmul's, the most a float32 kernel that "
+        "maps every key at torch's matmul rate could reach, before it reads a single code.\n\n"
+        + tabulate(body, headers=headers, tablefmt=fmt, disable_numparse=True)
+    )
 
 
 def _cell(value: Any, spec: str) -> str:
@@ -229,6 +267,11 @@ def _attention_targets_19(att: Sequence[dict[str, Any]], copy_gbs: float | None)
             share = min(r["gb_per_s"] for r in rows) / copy_gbs
             verdict = "met" if share >= 0.5 else "missed"
             line += f"; bytes read at {100 * share:.0f}% of the copy bandwidth or more (target 50%): {verdict}"
+        if "k_transform_bound_vs_best_sdpa" in worst:
+            line += (
+                f" (its prerope+ K transform alone, as a torch matmul, allows at most "
+                f"x{worst['k_transform_bound_vs_best_sdpa']:.2f})"
+            )
         out.append(line + ".")
     return out
 
