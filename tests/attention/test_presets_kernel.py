@@ -33,6 +33,9 @@ K_SPECS = (
     "center+eq+tq:3",
     "center+rot+iq4_nl",
     "iq4_nl",
+    "prerope+center+rot+iq4_nl",  # without eq+: the kernel maps keys by a fast Walsh-Hadamard transform
+    "prerope+center+rrot+iq4_nl",
+    "prerope+center+tq:4.5",
 )
 V_SPECS = ("tq:3", "tq:2.5", "tq:4", "eq+tq:3")
 
@@ -80,3 +83,45 @@ def test_positions_matter_to_prerope_keys():
     assert (right - wrong).abs().max() > 1e-3
     with pytest.raises(ValueError, match="start must be a position"):
         decode_attention(q, pk, pv, kc, vc, start=-1)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("kspec", ["prerope+center+tq:3.5", "prerope+rot+iq4_nl", "prerope+center+eq+tq:3.5"])
+def test_prerope_keys_without_eq_take_the_hadamard_path(kspec, head_dim):
+    """A prerope+ K without eq+ maps its rows by the core's Walsh-Hadamard rotation with sign flips: the kernel then
+    runs a fast Walsh-Hadamard transform per key (d log2 d additions) instead of the d x d matrix, with the same
+    result as the reference; eq+'s dense transform keeps the matrix."""
+    from walshkv.attention import cpu
+
+    if "iq4_nl" in kspec and head_dim < 32:
+        pytest.skip("iq4_nl blocks hold 32 values")
+    cal = CalibrationStub(head_dim, KV)
+    kc, vc = parse_codec(kspec).bind(1, "k", cal), parse_codec("tq:3").bind(1, "v", cal)
+    gen = torch.Generator().manual_seed(head_dim)
+    k, v = torch.randn(1, KV, 70, head_dim, generator=gen), torch.randn(1, KV, 70, head_dim, generator=gen)
+    pk, pv = kc.encode(k, 2), vc.encode(v, 2)
+    q = torch.randn(1, KV * 3, 1, head_dim, generator=gen)
+    cpu._KPOST.clear()
+    want = decode_attention(q, pk, pv, kc, vc, backend="reference", start=2)
+    got = decode_attention(q, pk, pv, kc, vc, backend="cpu", start=2)
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=0)
+    fast = [arrays[2] is not None for arrays in cpu._KPOST.values()]
+    assert fast == ([False] if "eq+" in kspec else [True])
+
+
+def test_hadamard_factors_find_signed_walsh_hadamard_matrices_only():
+    from walshkv.attention.keys import hadamard_factors
+    from walshkv.ops.hadamard import hadamard_matrix
+
+    d = 32
+    h = hadamard_matrix(d).float() * d**0.5
+    r = torch.where(torch.rand(2, d) < 0.5, -1.0, 1.0)
+    c = torch.where(torch.rand(2, d) < 0.5, -1.0, 1.0) * 0.3
+    mt = r[:, :, None] * h[None] * c[:, None, :]
+    got = hadamard_factors(mt)
+    assert got is not None
+    torch.testing.assert_close(got[0][:, :, None] * h[None] * got[1][:, None, :], mt)
+    assert hadamard_factors(mt + 1e-3 * torch.randn_like(mt)) is None  # eq+'s dense matrix
+    assert hadamard_factors(torch.eye(d).expand(2, d, d)) is None  # identity: no rotation at all
+    assert hadamard_factors(mt[:, :16]) is None  # L != d
+    assert hadamard_factors(torch.zeros(2, 24, 24)) is None  # no power of two

@@ -101,10 +101,11 @@ from walshkv.attention.cpu_formats import (
     MAX_BANDS,
     CpuPlan,
     KernelFormat,
+    cpu_plan,
     cpu_supports,
 )
-from walshkv.attention.keys import key_transform, rope_half_tables
-from walshkv.codecs.base import Packed
+from walshkv.attention.keys import hadamard_factors, key_transform, rope_half_tables
+from walshkv.codecs.base import Codec, Packed
 from walshkv.ops.packing import packed_nbytes
 
 __all__ = [
@@ -116,6 +117,7 @@ __all__ = [
     "kernel_available",
     "kernel_source",
     "load_kernel",
+    "prerope_key_map",
 ]
 
 _MIN_SPLIT_TOKENS = 256  # no parallel range shorter than this many tokens
@@ -283,17 +285,37 @@ def _kpost(plan: CpuPlan, kv: int, start: int, t: int) -> tuple[list[int], list[
         mt[..., :d] = tr.mt
         mu = torch.zeros(kv, ld)
         mu[:, :d] = tr.mu
+        factors = hadamard_factors(tr.mt)  # no eq+: a fast Walsh-Hadamard transform per key, not a matrix
+        had = None
+        if factors is not None:
+            had = (torch.zeros(kv, ld), torch.zeros(kv, ld))
+            had[0][:, :d], had[1][:, :d] = factors
         if len(_KPOST) >= 256:
             _KPOST.clear()
-        arrays = _KPOST[key] = (mt.contiguous(), mu.contiguous(), plan)  # (the plan: its id stays unique)
-    mt, mu = arrays[0], arrays[1]
+        arrays = _KPOST[key] = (mt.contiguous(), mu.contiguous(), had, plan)  # (the plan: its id stays unique)
+    mt, mu, had = arrays[0], arrays[1], arrays[2]
     cos, sin = rope_half_tables(parts.table, start + t)
     d = parts.table.head_dim
     desc = [mt.data_ptr(), mu.data_ptr(), cos.data_ptr(), sin.data_ptr(), start, cos.shape[0], d, plan.k.length]
-    return desc, [mt, mu, cos, sin]
+    keep = [mt, mu, cos, sin]
+    if had is not None:
+        desc += [had[0].data_ptr(), had[1].data_ptr()]
+        keep += list(had)
+    return desc, keep
 
 
-_KPOST: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, CpuPlan]] = {}
+def prerope_key_map(k_codec: Codec, v_codec: Codec, head_dim: int, kv_heads: int) -> str | None:
+    """How the CPU kernel maps a ``prerope+`` K codec's decoded rows to keys: ``"hadamard"`` (a fast Walsh-Hadamard
+    transform with sign flips, ``d log2 d`` additions per key: no ``eq+``), ``"matrix"`` (one ``d x d`` matrix per
+    kv head: ``eq+``), or ``None`` (not ``prerope+``, or a pair the kernel does not read)."""
+    plan = cpu_plan(k_codec, v_codec, head_dim, 1.0)
+    if plan is None or plan.prerope is None:
+        return None
+    tr = key_transform(plan.prerope, plan.k.basis, kv_heads, 0)
+    return "hadamard" if hadamard_factors(tr.mt) is not None else "matrix"
+
+
+_KPOST: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, CpuPlan]] = {}
 
 
 def _lanes() -> int:

@@ -149,12 +149,18 @@ struct Src {
 // Keys stored before RoPE (prerope+, see walshkv/attention/keys.py): each decoded K row b (row factor rs) becomes
 // z = rs * (b @ mt[h]) + mu[h], rotated to its position p: [z1 c - z2 s, z2 c + z1 s] (c, s: cos/sin[p][d/2]).
 // mt: [H][L][ld] floats (zero columns from d to ld), mu: [H][ld], cos/sin: [positions][d/2].
+// Hadamard form (had = true; the caller found mt[h] = diag(r[h]) H diag(c[h]) with H the d x d Sylvester
+// Hadamard matrix, L = d, as every prerope+ spec without eq+ has): z = rs * (fwht(b * r[h]) * c[h]) + mu[h],
+// d log2(d) additions per key instead of the L x d multiply-adds of the matrix. r, c: [H][ld] (zero padded).
 struct KPost {
   bool on = false;
+  bool had = false;
   const float* mt = nullptr;
   const float* mu = nullptr;
   const float* cs = nullptr;
   const float* sn = nullptr;
+  const float* r = nullptr;
+  const float* c = nullptr;
   int64_t pos0 = 0, npos = 0;
   int d = 0, L = 0;
   int64_t ld = 0;
@@ -163,7 +169,7 @@ struct KPost {
 static KPost make_kpost(const std::vector<int64_t>& a, int64_t H, int64_t T) {
   KPost k;
   if (a.empty()) return k;
-  if (a.size() != 8) throw std::invalid_argument("walshkv decode attention: bad prerope descriptor");
+  if (a.size() != 8 && a.size() != 10) throw std::invalid_argument("walshkv decode attention: bad prerope descriptor");
   k.on = true;
   k.mt = reinterpret_cast<const float*>(a[0]);
   k.mu = reinterpret_cast<const float*>(a[1]);
@@ -176,7 +182,63 @@ static KPost make_kpost(const std::vector<int64_t>& a, int64_t H, int64_t T) {
   k.ld = (k.d + 2 * VW - 1) / (2 * VW) * (2 * VW);  // two output vectors per register block
   if (k.d < 2 || k.d % 2 || k.pos0 < 0 || k.pos0 + T > k.npos || H < 1)
     throw std::invalid_argument("walshkv decode attention: prerope positions outside the RoPE table");
+  if (a.size() == 10) {
+    k.had = true;
+    k.r = reinterpret_cast<const float*>(a[8]);
+    k.c = reinterpret_cast<const float*>(a[9]);
+    if (k.L != k.d || (k.d & (k.d - 1)))
+      throw std::invalid_argument("walshkv decode attention: a Hadamard prerope transform needs L = d, a power of 2");
+  }
   return k;
+}
+
+// x[0 .. d) := x @ H (the Sylvester Hadamard matrix, unnormalised), in place; d a power of two; x aligned to a
+// vector when d >= VW. Butterflies within a vector: lane k takes x[k ^ len] + sign * x[k] (one permute, one FMA).
+static inline void fwht_row(float* __restrict x, int d) {
+  if (d < VW) {
+    for (int len = 1; len < d; len <<= 1)
+      for (int i = 0; i < d; i += 2 * len)
+        for (int j = i; j < i + len; ++j) {
+          const float a = x[j], b = x[j + len];
+          x[j] = a + b;
+          x[j + len] = a - b;
+        }
+    return;
+  }
+  vf* __restrict xv = (vf*)x;
+  const int nv = d / VW;
+#if WK_VW == 16
+  const vf s1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
+  const vf s2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
+  const vf s4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
+  const vf s8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
+  for (int v = 0; v < nv; ++v) {
+    vf a = xv[v];
+    a = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14) + a * s1;
+    a = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) + a * s2;
+    a = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) + a * s4;
+    a = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) + a * s8;
+    xv[v] = a;
+  }
+#else
+  const vf s1 = {1, -1, 1, -1, 1, -1, 1, -1};
+  const vf s2 = {1, 1, -1, -1, 1, 1, -1, -1};
+  const vf s4 = {1, 1, 1, 1, -1, -1, -1, -1};
+  for (int v = 0; v < nv; ++v) {
+    vf a = xv[v];
+    a = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6) + a * s1;
+    a = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5) + a * s2;
+    a = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3) + a * s4;
+    xv[v] = a;
+  }
+#endif
+  for (int len = 1; len < nv; len <<= 1)  // butterflies between whole vectors
+    for (int i = 0; i < nv; i += 2 * len)
+      for (int j = i; j < i + len; ++j) {
+        const vf a = xv[j], b = xv[j + len];
+        xv[j] = a + b;
+        xv[j + len] = a - b;
+      }
 }
 
 // NR rows of the K tile times mt[h] (two output vectors at a time in registers), row factor, plus the mean.
@@ -208,12 +270,26 @@ static inline void key_rows(const KPost& kp, const float* __restrict M, const fl
 // ktile rows (ld_in floats, L used) -> ztile rows (kp.ld floats): the pre-RoPE key, then RoPE at pos0 + t + i.
 static void transform_keys(const KPost& kp, int64_t h, int64_t t, int nt, const float* __restrict ktile, int64_t ld_in,
                            const float* __restrict rs, float* __restrict ztile) {
-  const float* __restrict M = kp.mt + h * (int64_t)kp.L * kp.ld;
   const float* __restrict mu = kp.mu + h * kp.ld;
   float* __restrict z = ztile;
-  int i0 = 0;
-  for (; i0 + 6 <= nt; i0 += 6) key_rows<6>(kp, M, mu, ktile + i0 * ld_in, ld_in, rs + i0, z + i0 * kp.ld);
-  for (; i0 < nt; ++i0) key_rows<1>(kp, M, mu, ktile + i0 * ld_in, ld_in, rs + i0, z + i0 * kp.ld);
+  if (kp.had) {  // z = rs * fwht(b * r) * c + mu, row by row
+    const float* __restrict r = kp.r + h * kp.ld;
+    const float* __restrict c = kp.c + h * kp.ld;
+    for (int i = 0; i < nt; ++i) {
+      const float* __restrict b = ktile + i * ld_in;
+      float* __restrict zi = z + i * kp.ld;
+      for (int j = 0; j < kp.d; ++j) zi[j] = b[j] * r[j];
+      fwht_row(zi, kp.d);
+      const float f = rs[i];
+      for (int j = 0; j < kp.d; ++j) zi[j] = zi[j] * c[j] * f + mu[j];
+      for (int64_t j = kp.d; j < kp.ld; ++j) zi[j] = 0.0f;
+    }
+  } else {
+    const float* __restrict M = kp.mt + h * (int64_t)kp.L * kp.ld;
+    int i0 = 0;
+    for (; i0 + 6 <= nt; i0 += 6) key_rows<6>(kp, M, mu, ktile + i0 * ld_in, ld_in, rs + i0, z + i0 * kp.ld);
+    for (; i0 < nt; ++i0) key_rows<1>(kp, M, mu, ktile + i0 * ld_in, ld_in, rs + i0, z + i0 * kp.ld);
+  }
   const int half = kp.d / 2;
   for (int i = 0; i < nt; ++i) {  // RoPE in place: entry j and j + half only read each other
     const int64_t pos = kp.pos0 + t + i;

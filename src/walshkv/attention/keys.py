@@ -14,7 +14,9 @@ for a buffer row ``b``::
 
 with ``cos_p, sin_p = cos(p * inv_freq) * scaling, sin(p * inv_freq) * scaling`` (:func:`rope_half_tables`,
 float32 angles as the model computes them). ``mt[h]`` costs ``L x d`` multiply-adds per key: the price of
-``eq+`` under ``prerope+`` (without ``eq+`` the same matrix is the core's inverse rotation).
+``eq+`` under ``prerope+``. Without ``eq+`` the same matrix is the core's inverse rotation, a Walsh-Hadamard
+matrix with sign flips (:func:`hadamard_factors`), which the CPU kernel applies as a fast Walsh-Hadamard
+transform instead: ``d log2 d`` additions per key.
 
 The tables are cached per RoPE table and grown by doubling, so a decode step costs no trigonometry; their
 size is ``positions x head_dim`` floats (8 MiB at 32k tokens and head_dim 64), reported by
@@ -23,6 +25,7 @@ size is ``positions x head_dim`` floats (8 MiB at 32k tokens and head_dim 64), r
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -33,9 +36,17 @@ from walshkv.codecs.base import Codec
 from walshkv.codecs.center import Centered
 from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.rotation import Rotated
+from walshkv.ops.hadamard import hadamard_matrix
 from walshkv.ops.rope import RopeTable
 
-__all__ = ["KeyTransform", "key_transform", "rope_cache_nbytes", "rope_half_tables", "split_prerope"]
+__all__ = [
+    "KeyTransform",
+    "hadamard_factors",
+    "key_transform",
+    "rope_cache_nbytes",
+    "rope_half_tables",
+    "split_prerope",
+]
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,35 @@ def key_transform(parts: PreRopeParts, basis: torch.Tensor | None, kv_heads: int
         )
     mu = parts.mu if parts.mu is not None else torch.zeros(kv_heads, d)
     return KeyTransform(mt.contiguous(), mu.contiguous(), parts.table, int(start))
+
+
+def hadamard_factors(mt: torch.Tensor, rtol: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(r, c)`` ``[kv_heads, d]`` with ``mt[h] = diag(r[h]) H diag(c[h])`` (``H`` the unnormalised ``d x d``
+    Sylvester Hadamard matrix), or ``None`` if ``mt`` is not of that form.
+
+    Every ``prerope+`` spec without ``eq+`` maps its decoded rows through the core's and the wrappers' Walsh-Hadamard
+    rotations only (``tq``'s signed WHT, ``rot+``'s WHT, at most one of them with sign flips), which is this form:
+    a kernel then maps a key with a fast Walsh-Hadamard transform, ``d log2 d`` additions, instead of ``d x d``
+    multiply-adds (``z = fwht(b * r) * c``). ``eq+``'s dense ``A⁻¹``, or two stacked rotations with different
+    signs, are not of this form.
+
+    Args:
+        mt: ``[kv_heads, L, d]`` float32 (:attr:`KeyTransform.mt`).
+        rtol: largest entry error allowed, relative to the largest entry.
+    """
+    _, length, d = mt.shape
+    if length != d or d < 2 or d & (d - 1):
+        return None
+    m = mt.to(torch.float64)
+    c = m[:, 0, :]  # H's first row and column are all +1, so with r[0] = 1: c = mt[0, :], r = mt[:, 0] / c[0]
+    if bool((c[:, 0] == 0).any()):
+        return None
+    r = m[:, :, 0] / c[:, :1]
+    h = hadamard_matrix(d) * math.sqrt(d)
+    want = r[:, :, None] * h[None] * c[:, None, :]
+    if not bool(((want - m).abs() <= rtol * m.abs().amax()).all()):
+        return None
+    return r.to(torch.float32).contiguous(), c.to(torch.float32).contiguous()
 
 
 _lock = threading.Lock()

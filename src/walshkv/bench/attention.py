@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from walshkv.attention import cpu_supports, decode_attention, triton_supports
+from walshkv.attention.cpu import prerope_key_map
 from walshkv.attention.keys import split_prerope
 from walshkv.bench.machine import interleaved_seconds, median_seconds
 from walshkv.codecs import CacheSpec, Packed, parse_cache_spec
@@ -97,11 +98,12 @@ def bench_attention(
         "speedup_vs_sdpa_fp16", "speedup_vs_sdpa_fp32", "speedup_vs_best_sdpa", "rounds"}``
         (``speedup_vs_best_sdpa``: against the fastest SDPA dtype of each round); codec rows also ``encode_ms``,
         the time to write one token's K and V (what every decode step adds), and ``spec`` (a preset's spec).
-        Rows whose K is stored before RoPE (``prerope+``) also time, in the same rounds, the multiply-adds that
-        mapping every cached key to its pre-RoPE vector costs (one ``[head_dim, head_dim]`` matrix per kv head
-        and key) done by torch alone as one float32 batched matmul: ``k_transform_macs``,
-        ``k_transform_matmul_ms``, ``k_transform_matmul_gmacs`` (torch's rate), ``k_transform_kernel_gmacs`` (the
-        kernel's rate if it did nothing else) and ``k_transform_bound_vs_best_sdpa`` (the fastest SDPA over the
+        Rows whose K is stored before RoPE (``prerope+``) say how the CPU kernel maps each cached key to its
+        pre-RoPE vector (``k_map``: ``matrix``, one ``[head_dim, head_dim]`` matrix per kv head, for ``eq+``;
+        ``hadamard``, a fast Walsh-Hadamard transform, without it); ``matrix`` rows also time, in the same
+        rounds, the multiply-adds of that mapping done by torch alone as one float32 batched matmul:
+        ``k_transform_macs``, ``k_transform_matmul_ms``, ``k_transform_matmul_gmacs`` (torch's rate),
+        ``k_transform_kernel_gmacs`` (the kernel's rate if it did nothing else) and ``k_transform_bound_vs_best_sdpa`` (the fastest SDPA over the
         matmul's time: what a float32 kernel that maps every key at torch's matmul rate could reach at most).
 
     Raises:
@@ -136,8 +138,12 @@ def bench_attention(
         encode_ms: dict[str, float] = {}
         errors: dict[str, float] = {}
         macs: dict[str, int] = {}
+        key_map: dict[str, str] = {}  # prerope+ rows: how the CPU kernel maps keys (matrix, hadamard)
         for spec_name, spec in specs.items():
-            if split_prerope(spec.k) is not None:  # what mapping every key costs, done by torch's matmul
+            kmap = None if cuda else prerope_key_map(spec.k, spec.v, head_dim, kv_heads)
+            if kmap is not None:
+                key_map[spec_name] = kmap
+            if kmap == "matrix" or (cuda and split_prerope(spec.k) is not None):  # torch's matmul of the same work
                 tgen = torch.Generator().manual_seed(seed + 1)
                 rows_in = torch.randn(batch * kv_heads, n, head_dim, generator=tgen).to(device)
                 mats = torch.randn(batch * kv_heads, head_dim, head_dim, generator=tgen).to(device)
@@ -177,6 +183,8 @@ def bench_attention(
                 row["encode_ms"] = encode_ms[method]
             if method in errors:
                 row["max_abs_err_vs_sdpa_on_decoded"] = errors[method]
+            if method in key_map:
+                row["k_map"] = key_map[method]
             if method in macs:
                 tm = times[method + TRANSFORM_SUFFIX]
                 row["k_transform_macs"] = macs[method]

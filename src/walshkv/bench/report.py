@@ -57,9 +57,16 @@ def format_attention_table(rows: Sequence[dict[str, Any]], copy_gbs: float, fmt:
 
 def _transform_note(rows: Sequence[dict[str, Any]], fmt: str) -> str:
     """What the ``prerope+`` rows' K transform costs on its own (:func:`walshkv.bench.bench_attention`)."""
+    fast = list(dict.fromkeys(r["method"] for r in rows if r.get("k_map") == "hadamard"))
     rows = [r for r in rows if "k_transform_macs" in r]
+    note = (
+        f"\n\n{', '.join(fast)}: K stored before RoPE without `eq+`, so the CPU kernel maps each key by the core's "
+        "Walsh-Hadamard rotation, as a fast Walsh-Hadamard transform (head_dim log2 head_dim additions per key)."
+        if fast
+        else ""
+    )
     if not rows:
-        return ""
+        return note
     body = [
         [
             f"{r['kv_len']:,}",
@@ -90,6 +97,7 @@ def _transform_note(rows: Sequence[dict[str, Any]], fmt: str) -> str:
         "in the same rounds: `bound` is the fastest SDPA's time over the matmul's, the most a float32 kernel that "
         "maps every key at torch's matmul rate could reach, before it reads a single code.\n\n"
         + tabulate(body, headers=headers, tablefmt=fmt, disable_numparse=True)
+        + note
     )
 
 
