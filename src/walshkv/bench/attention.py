@@ -103,8 +103,9 @@ def bench_attention(
         ``hadamard``, a fast Walsh-Hadamard transform, without it); ``matrix`` rows also time, in the same
         rounds, the multiply-adds of that mapping done by torch alone as one float32 batched matmul:
         ``k_transform_macs``, ``k_transform_matmul_ms``, ``k_transform_matmul_gmacs`` (torch's rate),
-        ``k_transform_kernel_gmacs`` (the kernel's rate if it did nothing else) and ``k_transform_bound_vs_best_sdpa`` (the fastest SDPA over the
-        matmul's time: what a float32 kernel that maps every key at torch's matmul rate could reach at most).
+        ``k_transform_kernel_gmacs`` (the kernel's rate if it did nothing else) and
+        ``k_transform_bound_vs_best_sdpa`` (the fastest SDPA over the matmul's time: what a float32 kernel that
+        maps every key at torch's matmul rate could reach at most).
 
     Raises:
         ValueError: an unknown device, CUDA without a CUDA device, or a spec that does not fit ``head_dim``.
