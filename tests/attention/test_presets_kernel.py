@@ -85,7 +85,7 @@ def test_positions_matter_to_prerope_keys():
         decode_attention(q, pk, pv, kc, vc, start=-1)
 
 
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128, 256])  # 8, 256: the generic path (AVX2)
 @pytest.mark.parametrize("kspec", ["prerope+center+tq:3.5", "prerope+rot+iq4_nl", "prerope+center+eq+tq:3.5"])
 def test_prerope_keys_without_eq_take_the_hadamard_path(kspec, head_dim):
     """A prerope+ K without eq+ maps its rows by the core's Walsh-Hadamard rotation with sign flips: the kernel then

@@ -267,11 +267,79 @@ static inline void key_rows(const KPost& kp, const float* __restrict M, const fl
   }
 }
 
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));  // an unaligned load
+
+// In-vector butterflies of the fast Walsh-Hadamard transform: lane k := x[k ^ len] + sign * x[k], len < VW.
+static inline vf fwht_lanes(vf a) {
+#if WK_VW == 16
+  const vf s1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
+  const vf s2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
+  const vf s4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
+  const vf s8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
+  a = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14) + a * s1;
+  a = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) + a * s2;
+  a = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) + a * s4;
+  return __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) + a * s8;
+#else
+  const vf s1 = {1, -1, 1, -1, 1, -1, 1, -1};
+  const vf s2 = {1, 1, -1, -1, 1, 1, -1, -1};
+  const vf s4 = {1, 1, 1, 1, -1, -1, -1, -1};
+  a = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6) + a * s1;
+  a = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5) + a * s2;
+  return __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3) + a * s4;
+#endif
+}
+
+// One key, NV vectors, in registers: z = rope_p(fwht(b * r) * (c * f) + mu) (Hadamard form of KPost).
+template <int NV>
+static inline void had_key(const float* __restrict b, const vf* __restrict r, const vf* __restrict c,
+                           const vf* __restrict mu, float f, const float* __restrict cs, const float* __restrict sn,
+                           float* __restrict z) {
+  vf x[NV];
+  for (int v = 0; v < NV; ++v) x[v] = fwht_lanes(((const vf*)b)[v] * r[v]);
+  for (int len = 1; len < NV; len <<= 1)
+    for (int i = 0; i < NV; i += 2 * len)
+      for (int j = i; j < i + len; ++j) {
+        const vf a = x[j], bb = x[j + len];
+        x[j] = a + bb;
+        x[j + len] = a - bb;
+      }
+  const vf fv = splat(f);
+  for (int v = 0; v < NV; ++v) x[v] = x[v] * (c[v] * fv) + mu[v];
+  for (int v = 0; v < NV / 2; ++v) {  // RoPE: entry j pairs with j + d/2, i.e. vector v with v + NV/2
+    const vf cc = *(const vfu*)(cs + v * VW), ss = *(const vfu*)(sn + v * VW);
+    const vf a = x[v], bb = x[v + NV / 2];
+    x[v] = a * cc - bb * ss;
+    x[v + NV / 2] = bb * cc + a * ss;
+  }
+  for (int v = 0; v < NV; ++v) ((vf*)z)[v] = x[v];
+}
+
 // ktile rows (ld_in floats, L used) -> ztile rows (kp.ld floats): the pre-RoPE key, then RoPE at pos0 + t + i.
 static void transform_keys(const KPost& kp, int64_t h, int64_t t, int nt, const float* __restrict ktile, int64_t ld_in,
                            const float* __restrict rs, float* __restrict ztile) {
   const float* __restrict mu = kp.mu + h * kp.ld;
   float* __restrict z = ztile;
+  const int nv = kp.d / VW;
+  if (kp.had && kp.ld == kp.d && (nv == 2 || nv == 4 || nv == 8 || nv == 16)) {  // all in registers, RoPE included
+    const vf* r = (const vf*)(kp.r + h * kp.ld);
+    const vf* c = (const vf*)(kp.c + h * kp.ld);
+    const vf* m = (const vf*)mu;
+    for (int i = 0; i < nt; ++i) {
+      const int64_t pos = kp.pos0 + t + i;
+      const float* cs = kp.cs + pos * (kp.d / 2);
+      const float* sn = kp.sn + pos * (kp.d / 2);
+      const float* b = ktile + i * ld_in;
+      float* zi = z + i * kp.ld;
+      switch (nv) {
+        case 2: had_key<2>(b, r, c, m, rs[i], cs, sn, zi); break;
+        case 4: had_key<4>(b, r, c, m, rs[i], cs, sn, zi); break;
+        case 8: had_key<8>(b, r, c, m, rs[i], cs, sn, zi); break;
+        default: had_key<16>(b, r, c, m, rs[i], cs, sn, zi); break;
+      }
+    }
+    return;
+  }
   if (kp.had) {  // z = rs * fwht(b * r) * c + mu, row by row
     const float* __restrict r = kp.r + h * kp.ld;
     const float* __restrict c = kp.c + h * kp.ld;
