@@ -62,6 +62,18 @@ def test_queries_shaped_like_the_keys_need_no_transform():
     assert torch.allclose(k_equalizer(c, 3.0 * c), torch.eye(8, dtype=torch.float64), atol=1e-6)
 
 
+def test_slightly_indefinite_moments_still_give_a_finite_transform():
+    # float32 sums over 4k-token windows left a qwen2.5-1.5b pre-RoPE K covariance with an eigenvalue of -1.5e-4
+    # next to 9.4: the inverse square root turned it into NaN and recommend --ctx 4096 stopped
+    c = _spd(8, 5)
+    e, u = torch.linalg.eigh(c)
+    e[0] = -1.6e-5 * float(e.max())
+    indefinite = (u * e) @ u.T
+    a = k_equalizer(torch.stack([indefinite, c]), torch.stack([_spd(8, 6), _spd(8, 6)]))
+    assert bool(torch.isfinite(a).all()) and torch.allclose(torch.linalg.det(a), torch.ones(2, dtype=a.dtype))
+    assert torch.equal(a[1], k_equalizer(c, _spd(8, 6)))  # a positive definite head is left exactly as it was
+
+
 def test_the_condition_number_is_capped():
     c = torch.diag(torch.tensor([1e6, 1.0, 1e-6, 1.0], dtype=torch.float64))
     a = k_equalizer(c, torch.eye(4, dtype=torch.float64), max_cond=10.0)
