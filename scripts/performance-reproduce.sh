@@ -51,6 +51,15 @@ python scripts/update_readme.py docs/results/bench-tq/bench.md docs/performance.
 walshkv bench --part attention --kv-len 16384 --codec walshkv:4.5 --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" \
   --codec rot+int4 --codec tq:4 --quiet --out docs/results/bench-presets-16k
 python scripts/update_readme.py docs/results/bench-presets-16k/bench.md docs/performance.md presets45
+# how the kernel maps prerope+ keys: the shipped walshkv:4.5 (eq+: one d x d matrix per key, its torch-matmul bound
+# timed alongside) against prerope+ K without eq+ (the codec's Walsh-Hadamard rotation: a fast transform per key,
+# fused with RoPE), the same cores without prerope+ and SDPA, at 16k and 64k (a few minutes). Timing only: the
+# file's K mean is not used by the specs without center+, which cost the kernel the same
+walshkv bench --part attention --kv-len "${KV_LEN_KEYMAP:-16384,65536}" --codec walshkv:4.5 \
+  --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" --codec "sink:1:prerope+rot+iq4_nl/tq:4" \
+  --codec "sink:1:prerope+tq:4.5/tq:4" --codec rot+iq4_nl/tq:4 --codec tq:4.5/tq:4 --codec rot+int4 --quiet --no-plot \
+  --out docs/results/bench-keymap
+python scripts/update_readme.py docs/results/bench-keymap/bench.md docs/performance.md keymap
 # opt-in: qwen2.5-1.5b (max_position_embeddings 32768) with its walshkv:3.5 preset; pasted where the page has
 # a <!-- results:qwen:start --> ... <!-- results:qwen:end --> block
 if [[ -n "${QWEN_CTX:-}" ]]; then
