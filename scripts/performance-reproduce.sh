@@ -59,7 +59,11 @@ walshkv bench --part attention --kv-len "${KV_LEN_KEYMAP:-16384,65536}" --codec 
   --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" --codec "sink:1:prerope+rot+iq4_nl/tq:4" \
   --codec "sink:1:prerope+tq:4.5/tq:4" --codec rot+iq4_nl/tq:4 --codec tq:4.5/tq:4 --codec rot+int4 --quiet --no-plot \
   --out docs/results/bench-keymap
-python scripts/update_readme.py docs/results/bench-keymap/bench.md docs/performance.md keymap
+if grep -q "<!-- results:keymap:start -->" docs/performance.md; then
+  python scripts/update_readme.py docs/results/bench-keymap/bench.md docs/performance.md keymap
+else
+  echo "docs/results/bench-keymap/bench.md written; docs/performance.md has no results:keymap block to paste it into"
+fi
 # opt-in: qwen2.5-1.5b (max_position_embeddings 32768) with its walshkv:3.5 preset; pasted where the page has
 # a <!-- results:qwen:start --> ... <!-- results:qwen:end --> block
 if [[ -n "${QWEN_CTX:-}" ]]; then
