@@ -30,6 +30,7 @@ from walshkv.defaults import CALIB_TOKENS, CTX
 from walshkv.export import KMeanBias
 from walshkv.models import LoadedModel, recording_queries
 from walshkv.ops.equalize import k_equalizer as fit_equalizer
+from walshkv.ops.equalize import k_equalizer_diagonal as fit_diagonal_equalizer
 from walshkv.ops.hadamard import hadamard_transform
 from walshkv.ops.rope import RopeTable, rope_tables, undo_rope
 
@@ -135,6 +136,10 @@ class KVStats:
         """The ``eq+`` K transform ``[kv_heads, head_dim, head_dim]`` of ``layer`` (float32)."""
         return fit_equalizer(self.k_covariance(layer), self.query_moment(layer)).to(torch.float32)
 
+    def k_equalizer_diagonal(self, layer: int) -> torch.Tensor:
+        """The ``eqd+`` K transform of ``layer``: the best diagonal one (float32, ``[kv_heads, d, d]``)."""
+        return fit_diagonal_equalizer(self.k_covariance(layer), self.query_moment(layer)).to(torch.float32)
+
     def v_covariance(self, layer: int) -> torch.Tensor:
         """V covariance of ``layer`` (:meth:`covariance`)."""
         return self.covariance("v", layer)
@@ -154,9 +159,17 @@ class KVStats:
         the output projection sees it, in place of the queries' view of K's."""
         return fit_equalizer(self.v_covariance(layer), self.output_metric(layer)).to(torch.float32)
 
-    def equalizers(self, kind: Kind) -> torch.Tensor:
-        """Every layer's ``eq+`` transform, K (``"k"``) or V (``"v"``): ``[layers, kv_heads, d, d]``."""
-        one = self.k_equalizer if kind == "k" else self.v_equalizer
+    def v_equalizer_diagonal(self, layer: int) -> torch.Tensor:
+        """The ``eqd+`` V transform of ``layer``: the best diagonal one (float32, ``[kv_heads, d, d]``)."""
+        return fit_diagonal_equalizer(self.v_covariance(layer), self.output_metric(layer)).to(torch.float32)
+
+    def equalizers(self, kind: Kind, diagonal: bool = False) -> torch.Tensor:
+        """Every layer's ``eq+`` transform (``eqd+``'s with ``diagonal``), K (``"k"``) or V (``"v"``):
+        ``[layers, kv_heads, d, d]``."""
+        if diagonal:
+            one = self.k_equalizer_diagonal if kind == "k" else self.v_equalizer_diagonal
+        else:
+            one = self.k_equalizer if kind == "k" else self.v_equalizer
         return torch.stack([one(i) for i in range(self.num_layers)])
 
     def rope_table(self, layer: int) -> RopeTable:
@@ -244,6 +257,18 @@ class MergedCalibration:
         if self.bias.has_v_equalizer:
             return self.bias.v_equalizer(layer)
         return self.stats.v_equalizer(layer)
+
+    def k_equalizer_diagonal(self, layer: int) -> torch.Tensor:
+        """The file's K transform where it holds one (``eqd+`` checks that it is diagonal), else the statistics'."""
+        if self.bias.has_k_equalizer:
+            return self.bias.k_equalizer(layer)
+        return self.stats.k_equalizer_diagonal(layer)
+
+    def v_equalizer_diagonal(self, layer: int) -> torch.Tensor:
+        """The file's V transform where it holds one (``eqd+`` checks that it is diagonal), else the statistics'."""
+        if self.bias.has_v_equalizer:
+            return self.bias.v_equalizer(layer)
+        return self.stats.v_equalizer_diagonal(layer)
 
     @property
     def k_basis(self) -> KBasis:

@@ -36,7 +36,7 @@ from walshkv.codecs import parse_cache_spec
 from walshkv.codecs.base import find_wrapper
 from walshkv.codecs.builtin_presets import BUILTIN, PRESET_BUDGETS, check_preset_name
 from walshkv.codecs.center import Centered
-from walshkv.codecs.equalize import Equalized
+from walshkv.codecs.equalize import DiagonalEqualized, Equalized
 from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, LayeredCacheSpec
 from walshkv.constants import Keys
@@ -393,7 +393,7 @@ def k_pre_rope(spec: str | CacheSpec) -> bool:
 
 
 def equalized_kinds(spec: str | CacheSpec) -> set[Kind]:
-    """``{"k", "v"}`` or part of it: where some part of ``spec`` has ``eq+`` (its file must hold those)."""
+    """``{"k", "v"}`` or part of it: where some part of ``spec`` has ``eq+`` or ``eqd+`` (its file must hold those)."""
     kinds: set[Kind] = set()
     for part in _parts(spec):
         if find_wrapper(part.k, Equalized) is not None:
@@ -401,6 +401,26 @@ def equalized_kinds(spec: str | CacheSpec) -> set[Kind]:
         if find_wrapper(part.v, Equalized) is not None:
             kinds.add("v")
     return kinds
+
+
+def diagonal_equalizers(spec: str | CacheSpec, kind: Kind) -> bool:
+    """True if ``spec``'s ``kind`` transforms are ``eqd+``'s (diagonal), False if ``eq+``'s (dense).
+
+    Raises:
+        ValueError: some parts of a per-layer spec write ``eq+`` and others ``eqd+`` on ``kind``: a file holds
+            transforms of one kind.
+    """
+    found = set()
+    for part in _parts(spec):
+        eq = find_wrapper(part.k if kind == "k" else part.v, Equalized)
+        if eq is not None:
+            found.add(isinstance(eq, DiagonalEqualized))
+    if len(found) > 1:
+        raise ValueError(
+            f"{_name(spec)!r} writes eq+ in some layers and eqd+ in others on {kind.upper()}; a preset file holds "
+            "transforms of one kind: write the same one in every part"
+        )
+    return found == {True}
 
 
 def write_preset_file(path: str | Path, lm: LoadedModel, preset: Preset, stats: KVStats, note: str = "") -> Basis:
@@ -418,8 +438,8 @@ def write_preset_file(path: str | Path, lm: LoadedModel, preset: Preset, stats: 
     k_stats = stats.pre_rope() if pre else stats
     mean = torch.stack([k_stats.mean("k", i, "plain") for i in range(stats.num_layers)])
     kinds = equalized_kinds(preset.spec)
-    k_eq = k_stats.equalizers("k") if "k" in kinds else None
-    v_eq = stats.equalizers("v") if "v" in kinds else None
+    k_eq = k_stats.equalizers("k", diagonal_equalizers(preset.spec, "k")) if "k" in kinds else None
+    v_eq = stats.equalizers("v", diagonal_equalizers(preset.spec, "v")) if "v" in kinds else None
     extra = {Keys.Preset.NAME: preset.name, Keys.Preset.SPEC: preset.spec, Keys.Preset.BUDGET: f"{preset.budget:g}"}
     if note:
         extra[Keys.Preset.NOTE] = note

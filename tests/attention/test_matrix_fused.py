@@ -39,7 +39,7 @@ KV_HEADS = 2  # CalibrationStub's kv heads: the eq+ transforms are per kv head
 
 #: The core codecs the kernels document (CPU_SUPPORTED, TRITON_SUPPORTED) and the wrappers they read through.
 KERNEL_CODECS = {"int2", "int3", "int4", "int5", "int6", "int7", "int8", "q4_0", "q8_0", "vht2", "tq"}
-PEELED = {"rot", "rrot", "center", "eq"}
+PEELED = {"rot", "rrot", "center", "eq", "eqd"}
 #: What one kernel reads beyond those.
 EXTRA_CODECS = {"cpu": {"iq4_nl"}, "triton": set()}
 EXTRA_WRAPPERS = {"cpu": {"prerope"}, "triton": {"prerope"}}

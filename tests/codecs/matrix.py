@@ -108,6 +108,9 @@ MATRIX: tuple[Entry, ...] = (
     Entry("prerope+fp32", 1e-6, calibrated=True, positional=True, bad_head_dim=_ODD),
     Entry("prerope+tq:4", 0.12, calibrated=True, positional=True, bad_head_dim=_ODD),
     Entry("prerope+center+eq+tq:3.5", 0.21, calibrated=True, positional=True, bad_head_dim=_ODD),
+    Entry("center+eqd+tq:3.5", 0.18, calibrated=True, bad_head_dim=_ODD),
+    Entry("eqd+tq:3", 0.23, kind="v", calibrated=True, bad_head_dim=_ODD),
+    Entry("prerope+center+eqd+rot+iq4_nl", 0.15, calibrated=True, positional=True, bad_head_dim=_ODD),
 )
 
 
@@ -144,6 +147,12 @@ class CalibrationStub:
 
     def v_equalizer(self, layer: int) -> torch.Tensor:
         return self._veq
+
+    def k_equalizer_diagonal(self, layer: int) -> torch.Tensor:
+        return torch.diag_embed(torch.diagonal(self._keq, dim1=-2, dim2=-1))
+
+    def v_equalizer_diagonal(self, layer: int) -> torch.Tensor:
+        return torch.diag_embed(torch.diagonal(self._veq, dim1=-2, dim2=-1))
 
     def rope_table(self, layer: int) -> RopeTable:
         return self._rope

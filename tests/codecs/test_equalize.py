@@ -385,3 +385,60 @@ def test_calibrated_transforms_pass_the_checks(tiny_lm, stats):
     for layer in range(tiny_lm.config.num_hidden_layers):
         codec = parse_codec("eq+tq:4").bind(layer, "k", stats)
         assert codec.inverse is not None
+
+
+# ---- eqd+: the diagonal transform --------------------------------------------------------------------
+
+
+def test_the_diagonal_fit_is_eqs_on_diagonal_moments_and_diagonal_otherwise():
+    from walshkv.ops.equalize import k_equalizer_diagonal
+
+    c = torch.diag(torch.tensor([4.0, 1.0, 0.25, 9.0], dtype=torch.float64))
+    m = torch.diag(torch.tensor([1.0, 16.0, 1.0, 0.5], dtype=torch.float64))
+    assert torch.allclose(k_equalizer_diagonal(c, m), k_equalizer(c, m), atol=1e-9)
+    a = k_equalizer_diagonal(_spd(8, 1), _spd(8, 2))
+    assert torch.equal(a, torch.diag_embed(torch.diagonal(a))) and float(torch.linalg.det(a)) == pytest.approx(1.0)
+    capped = k_equalizer_diagonal(torch.diag(torch.tensor([1e6, 1.0, 1e-6, 1.0])), torch.eye(4), max_cond=10.0)
+    assert float(capped.diagonal().max() / capped.diagonal().min()) <= 10.0 + 1e-6
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        k_equalizer_diagonal(torch.full((4, 4), float("nan")), torch.eye(4))
+
+
+def test_eqd_binds_a_diagonal_transform_and_keeps_the_fast_key_map(stats):
+    from walshkv.attention.cpu import prerope_key_map
+    from walshkv.codecs.base import find_wrapper
+    from walshkv.codecs.equalize import DiagonalEqualized
+
+    k = parse_codec("center+eqd+tq:3.5").bind(1, "k", stats)
+    eqd = find_wrapper(k, DiagonalEqualized)
+    assert eqd is not None and eqd.matrix is not None
+    assert torch.equal(eqd.matrix, stats.k_equalizer_diagonal(1)) and eqd.spec == "eqd+tq:3.5"
+    assert parse_cache_spec("center+eqd+tq:3/eqd+tq:3").spec == "center+eqd+tq:3/eqd+tq:3"
+    x = torch.randn(1, 2, 5, 16)
+    assert (k.decode(k.encode(x)) - x).abs().max() < 0.5 * x.abs().max()
+    with pytest.raises(ValueError, match="write eqd\\+rot\\+tq:3, not rot\\+eqd\\+tq:3"):
+        parse_codec("rot+eqd+tq:3")
+    with pytest.raises(ValueError, match="eqd\\+tq:3 needs a calibrated K transform"):
+        parse_codec("eqd+tq:3").bind(0, "k", None)
+    pre = stats.pre_rope()
+    for spec, want in (("prerope+center+eqd+tq:3", "hadamard"), ("prerope+center+eq+tq:3", "matrix")):
+        kc, vc = parse_codec(spec).bind(1, "k", pre), parse_codec("tq:3").bind(1, "v", pre)
+        assert prerope_key_map(kc, vc, 16, 2) == want, spec
+
+
+def test_eqd_files_hold_diagonal_transforms_and_eq_files_are_refused(tmp_path: Path, tiny_lm, stats):
+    from walshkv.presets import diagonal_equalizers
+
+    assert diagonal_equalizers("center+eqd+tq:3/tq:3", "k") and not diagonal_equalizers("center+eq+tq:3", "k")
+    with pytest.raises(ValueError, match="eq\\+ in some layers and eqd\\+ in others"):
+        diagonal_equalizers("layers:center+eq+tq:3/tq:3@0;center+eqd+tq:3/tq:3", "k")
+    path = tmp_path / "d.gguf"
+    write_preset_file(path, tiny_lm, Preset("walshkv:3.5", 3.5, "center+eqd+tq:3.5/eqd+tq:3"), stats)
+    got = read_kv_mean_center(path, model_arch="llama")
+    assert torch.allclose(got.k_equalizer(1), stats.k_equalizer_diagonal(1), atol=1e-6)
+    bound = parse_codec("center+eqd+tq:3.5").bind(1, "k", got)  # a file written for eqd+: accepted
+    assert bound.spec == "center+eqd+tq:3.5"
+    dense = tmp_path / "e.gguf"
+    write_preset_file(dense, tiny_lm, Preset("walshkv:3.5", 3.5, "center+eq+tq:3.5/tq:3"), stats)
+    with pytest.raises(ValueError, match="not diagonal \\(a file written for eq\\+"):
+        parse_codec("center+eqd+tq:3.5").bind(1, "k", read_kv_mean_center(dense, model_arch="llama"))

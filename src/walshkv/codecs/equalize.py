@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
     from walshkv.constants import Kind
 
-__all__ = ["MAX_TRANSFORM_COND", "TRANSFORM_SCALE_RANGE", "Equalized", "checked_inverse"]
+__all__ = ["MAX_TRANSFORM_COND", "TRANSFORM_SCALE_RANGE", "DiagonalEqualized", "Equalized", "checked_inverse"]
 
 #: Largest condition number of a transform read or bound (calibration caps it at 100,
 #: :data:`walshkv.ops.equalize.MAX_COND`; past 1e6 ``A⁻¹`` amplifies the codec's error a millionfold in some
@@ -169,3 +169,48 @@ class Equalized(Wrapper):
 
     def _decode(self, packed: Packed) -> torch.Tensor:
         return self._apply(self.inverse, self.inner._decode(packed))
+
+
+class DiagonalEqualized(Equalized):
+    """``eqd+SPEC``: ``eq+`` restricted to a diagonal ``A`` (one factor per channel), in ``eq+``'s slot.
+
+    The best diagonal transform for the same objective (:func:`walshkv.ops.equalize.k_equalizer_diagonal`). It
+    gives up part of ``eq+``'s gain (smollm2-135m, Emma 16x512, ``sink:1:prerope+center+...+rot+iq4_nl/tq:4``:
+    research/scripts/diag_eq_probe.py measured mean KLD 0.0116 against 0.0091 with ``eq+`` and 0.0161 without
+    either) and keeps a ``prerope+`` K on the CPU kernel's fast Walsh-Hadamard key map, where ``eq+``'s dense
+    ``A⁻¹`` costs ``head_dim x head_dim`` multiply-adds per cached key at every decode step.
+
+    Calibrated from statistics (``--calib-text``) or from a file written for an ``eqd+`` spec (``walshkv calibrate
+    --preset`` / ``recommend``), whose transforms must be diagonal.
+    """
+
+    def __init__(self, inner: Codec, matrix: torch.Tensor | None = None, spec: str | None = None) -> None:
+        super().__init__(inner, matrix, spec or f"eqd+{inner.spec}")
+        if self.matrix is not None:
+            off = self.matrix - torch.diag_embed(torch.diagonal(self.matrix, dim1=-2, dim2=-1))
+            if bool((off != 0).any()):
+                raise ValueError(
+                    f"{self.spec}: the calibration's transform is not diagonal (a file written for eq+, whose dense "
+                    "transforms eqd+ cannot use): pass --calib-text TEXT, or write the file for this spec "
+                    "(walshkv calibrate --preset NAME / walshkv recommend)"
+                )
+
+    @property
+    def prefix(self) -> str:
+        return "eqd"
+
+    def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
+        inner = self.inner.bind(layer_idx, kind, calibration)
+        diagonal = getattr(calibration, f"{kind}_equalizer_diagonal", None)
+        if callable(diagonal):  # statistics (or a file next to them): the best diagonal transform
+            matrix = diagonal(layer_idx)
+        elif kind == "k" and isinstance(calibration, KEqualizer):  # a file: it must hold diagonal transforms
+            matrix = calibration.k_equalizer(layer_idx)
+        elif kind == "v" and isinstance(calibration, VEqualizer):
+            matrix = calibration.v_equalizer(layer_idx)
+        else:
+            raise ValueError(
+                f"{self.spec} needs a calibrated {kind.upper()} transform: pass --calib-text TEXT, or a file written "
+                "by `walshkv calibrate --preset NAME` / `walshkv recommend` for a spec with eqd+"
+            )
+        return DiagonalEqualized(inner, matrix, self.spec)

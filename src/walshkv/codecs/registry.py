@@ -13,7 +13,7 @@ from functools import partial
 
 from walshkv.codecs.base import Codec, Wrapper, check_wrapper_order
 from walshkv.codecs.center import Centered
-from walshkv.codecs.equalize import Equalized
+from walshkv.codecs.equalize import DiagonalEqualized, Equalized
 from walshkv.codecs.floats import FLOAT_CODECS, FloatCodec
 from walshkv.codecs.ggml import GGML_BLOCK_BYTES, GGML_TYPES, GGMLCodec
 from walshkv.codecs.intq import IntCodec
@@ -218,6 +218,12 @@ register_wrapper(
     "eq",
     _wrapper("eq", Equalized),
     "calibrated query-weighted K transform before the codec (K only; write center+eq+SPEC)",
+)
+register_wrapper(
+    "eqd",
+    _wrapper("eqd", DiagonalEqualized),
+    "eq+ with a diagonal transform, one factor per channel (keeps prerope+ keys on the kernel's fast "
+    "Walsh-Hadamard map; write center+eqd+SPEC)",
 )
 register_wrapper(
     "prerope",

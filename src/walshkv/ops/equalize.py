@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["k_equalizer", "predicted_gain_db"]
+__all__ = ["k_equalizer", "k_equalizer_diagonal", "predicted_gain_db"]
 
 #: Largest condition number of ``A`` (``P``'s eigenvalues span at most its square).
 MAX_COND = 100.0
@@ -93,6 +93,45 @@ def k_equalizer(cov: torch.Tensor, qmom: torch.Tensor, max_cond: float = MAX_CON
     log_e = log_e - log_e.mean(-1, keepdim=True)
     a = (u * (0.5 * log_e).exp().unsqueeze(-2)) @ u.transpose(-1, -2)
     return 0.5 * (a + a.transpose(-1, -2))
+
+
+def k_equalizer_diagonal(cov: torch.Tensor, qmom: torch.Tensor, max_cond: float = MAX_COND) -> torch.Tensor:
+    """The best *diagonal* ``A`` (``eqd+``): per channel ``P_cc = sqrt(M_cc / C_cc)``, ``A = P^½``.
+
+    The same objective as :func:`k_equalizer` restricted to diagonal transforms (for diagonal ``C`` and ``M`` the
+    two agree), scaled to determinant 1, its condition number capped the same way. A diagonal ``A`` keeps a
+    ``prerope+`` K on the decode kernel's fast Walsh-Hadamard key map (it folds into the column factors of
+    :func:`walshkv.attention.keys.hadamard_factors`), where the dense one costs ``d x d`` multiply-adds per key.
+
+    Args:
+        cov, qmom: as for :func:`k_equalizer` (only their diagonals are read).
+        max_cond: cap on the condition number of ``A``.
+
+    Returns:
+        ``[..., head_dim, head_dim]`` float64, diagonal and positive, determinant 1.
+
+    Raises:
+        ValueError: as :func:`k_equalizer`.
+    """
+    if cov.shape != qmom.shape or cov.dim() < 2 or cov.shape[-1] != cov.shape[-2]:
+        raise ValueError(
+            "cov and qmom must be [..., head_dim, head_dim] of one shape, "
+            f"got {tuple(cov.shape)} and {tuple(qmom.shape)}"
+        )
+    if not (bool(torch.isfinite(cov).all()) and bool(torch.isfinite(qmom).all())):
+        raise ValueError("K covariance or query moment has NaN/Inf values; calibrate on finite activations")
+    if not max_cond >= 1.0:
+        raise ValueError(f"max_cond must be >= 1, got {max_cond}")
+    c = torch.diagonal(cov.to(torch.float64), dim1=-2, dim2=-1)
+    m = torch.diagonal(qmom.to(torch.float64), dim1=-2, dim2=-1)
+    c = c.clamp_min(_EPS * c.clamp_min(0.0).mean(-1, keepdim=True).clamp_min(1e-30))
+    m = m.clamp_min(_EPS * m.clamp_min(0.0).mean(-1, keepdim=True).clamp_min(1e-30))
+    log_p = 0.5 * (m.log() - c.log())
+    log_p = log_p - log_p.mean(-1, keepdim=True)  # determinant 1
+    half_span = torch.log(torch.tensor(max_cond, dtype=torch.float64)) / 2
+    log_p = log_p.clamp(-2 * half_span, 2 * half_span)  # cond(P) <= max_cond², so cond(A) <= max_cond
+    log_p = log_p - log_p.mean(-1, keepdim=True)
+    return torch.diag_embed((0.5 * log_p).exp())
 
 
 def predicted_gain_db(cov: torch.Tensor, qmom: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
