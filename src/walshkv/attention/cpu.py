@@ -306,8 +306,8 @@ def _kpost(plan: CpuPlan, kv: int, start: int, t: int) -> tuple[list[int], list[
 
 def prerope_key_map(k_codec: Codec, v_codec: Codec, head_dim: int, kv_heads: int) -> str | None:
     """How the CPU kernel maps a ``prerope+`` K codec's decoded rows to keys: ``"hadamard"`` (a fast Walsh-Hadamard
-    transform with sign flips, ``d log2 d`` additions per key: no ``eq+``), ``"matrix"`` (one ``d x d`` matrix per
-    kv head: ``eq+``), or ``None`` (not ``prerope+``, or a pair the kernel does not read)."""
+    transform with sign flips, ``d log2 d`` additions per key: no ``eq+``, or ``eqd+``'s diagonal one), ``"matrix"``
+    (one ``d x d`` matrix per kv head: ``eq+``), or ``None`` (not ``prerope+``, or a pair the kernel does not read)."""
     plan = cpu_plan(k_codec, v_codec, head_dim, 1.0)
     if plan is None or plan.prerope is None:
         return None
