@@ -136,16 +136,18 @@ class Equalized(Wrapper):
 
     def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
         inner = self.inner.bind(layer_idx, kind, calibration)
+        return type(self)(inner, self._calibrated(layer_idx, kind, calibration), self.spec)
+
+    def _calibrated(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None) -> torch.Tensor:
+        """The layer's transform from ``calibration`` (statistics or a file)."""
         if kind == "k" and isinstance(calibration, KEqualizer):
-            matrix = calibration.k_equalizer(layer_idx)
-        elif kind == "v" and isinstance(calibration, VEqualizer):
-            matrix = calibration.v_equalizer(layer_idx)
-        else:
-            raise ValueError(
-                f"{self.spec} needs a calibrated {kind.upper()} transform: pass --calib-text TEXT, or a file written "
-                "by `walshkv calibrate --eq` / `--preset NAME` / `walshkv recommend` for a spec with eq+"
-            )
-        return Equalized(inner, matrix, self.spec)
+            return calibration.k_equalizer(layer_idx)
+        if kind == "v" and isinstance(calibration, VEqualizer):
+            return calibration.v_equalizer(layer_idx)
+        raise ValueError(
+            f"{self.spec} needs a calibrated {kind.upper()} transform: pass --calib-text TEXT, or a file written "
+            f"by `walshkv calibrate --eq` / `--preset NAME` / `walshkv recommend` for a spec with {self.prefix}+"
+        )
 
     def check_head_dim(self, head_dim: int) -> None:
         self.inner.check_head_dim(head_dim)
@@ -199,18 +201,8 @@ class DiagonalEqualized(Equalized):
     def prefix(self) -> str:
         return "eqd"
 
-    def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
-        inner = self.inner.bind(layer_idx, kind, calibration)
+    def _calibrated(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None) -> torch.Tensor:
         diagonal = getattr(calibration, f"{kind}_equalizer_diagonal", None)
         if callable(diagonal):  # statistics (or a file next to them): the best diagonal transform
-            matrix = diagonal(layer_idx)
-        elif kind == "k" and isinstance(calibration, KEqualizer):  # a file: it must hold diagonal transforms
-            matrix = calibration.k_equalizer(layer_idx)
-        elif kind == "v" and isinstance(calibration, VEqualizer):
-            matrix = calibration.v_equalizer(layer_idx)
-        else:
-            raise ValueError(
-                f"{self.spec} needs a calibrated {kind.upper()} transform: pass --calib-text TEXT, or a file written "
-                "by `walshkv calibrate --preset NAME` / `walshkv recommend` for a spec with eqd+"
-            )
-        return DiagonalEqualized(inner, matrix, self.spec)
+            return diagonal(layer_idx)
+        return super()._calibrated(layer_idx, kind, calibration)  # a file: it must hold diagonal transforms

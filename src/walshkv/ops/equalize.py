@@ -54,6 +54,19 @@ def _regularize(m: torch.Tensor) -> torch.Tensor:
     return m + _EPS * tr[..., None, None] * torch.eye(d, dtype=m.dtype, device=m.device)
 
 
+def _check_moments(cov: torch.Tensor, qmom: torch.Tensor, max_cond: float) -> None:
+    """Refuse mismatched or non-square moments, NaN/Inf, or ``max_cond < 1`` (naming the fix)."""
+    if cov.shape != qmom.shape or cov.dim() < 2 or cov.shape[-1] != cov.shape[-2]:
+        raise ValueError(
+            "cov and qmom must be [..., head_dim, head_dim] of one shape, "
+            f"got {tuple(cov.shape)} and {tuple(qmom.shape)}"
+        )
+    if not (bool(torch.isfinite(cov).all()) and bool(torch.isfinite(qmom).all())):
+        raise ValueError("K covariance or query moment has NaN/Inf values; calibrate on finite activations")
+    if not max_cond >= 1.0:
+        raise ValueError(f"max_cond must be >= 1, got {max_cond}")
+
+
 def k_equalizer(cov: torch.Tensor, qmom: torch.Tensor, max_cond: float = MAX_COND) -> torch.Tensor:
     """The transform ``A`` that ``eq+`` applies to (centered) K before the inner codec.
 
@@ -69,15 +82,7 @@ def k_equalizer(cov: torch.Tensor, qmom: torch.Tensor, max_cond: float = MAX_CON
     Raises:
         ValueError: mismatched or non-square shapes, non-finite values, or ``max_cond < 1``.
     """
-    if cov.shape != qmom.shape or cov.dim() < 2 or cov.shape[-1] != cov.shape[-2]:
-        raise ValueError(
-            "cov and qmom must be [..., head_dim, head_dim] of one shape, "
-            f"got {tuple(cov.shape)} and {tuple(qmom.shape)}"
-        )
-    if not (bool(torch.isfinite(cov).all()) and bool(torch.isfinite(qmom).all())):
-        raise ValueError("K covariance or query moment has NaN/Inf values; calibrate on finite activations")
-    if not max_cond >= 1.0:
-        raise ValueError(f"max_cond must be >= 1, got {max_cond}")
+    _check_moments(cov, qmom, max_cond)
     c = _regularize(_positive(cov.to(torch.float64)))
     m = _regularize(_positive(qmom.to(torch.float64)))
     m_half = _sym_pow(m, 0.5)
@@ -113,15 +118,7 @@ def k_equalizer_diagonal(cov: torch.Tensor, qmom: torch.Tensor, max_cond: float 
     Raises:
         ValueError: as :func:`k_equalizer`.
     """
-    if cov.shape != qmom.shape or cov.dim() < 2 or cov.shape[-1] != cov.shape[-2]:
-        raise ValueError(
-            "cov and qmom must be [..., head_dim, head_dim] of one shape, "
-            f"got {tuple(cov.shape)} and {tuple(qmom.shape)}"
-        )
-    if not (bool(torch.isfinite(cov).all()) and bool(torch.isfinite(qmom).all())):
-        raise ValueError("K covariance or query moment has NaN/Inf values; calibrate on finite activations")
-    if not max_cond >= 1.0:
-        raise ValueError(f"max_cond must be >= 1, got {max_cond}")
+    _check_moments(cov, qmom, max_cond)
     c = torch.diagonal(cov.to(torch.float64), dim1=-2, dim2=-1)
     m = torch.diagonal(qmom.to(torch.float64), dim1=-2, dim2=-1)
     c = c.clamp_min(_EPS * c.clamp_min(0.0).mean(-1, keepdim=True).clamp_min(1e-30))
