@@ -18,6 +18,7 @@ import sys
 import torch
 
 import walshkv.calibration as calibration
+from walshkv.cli import main as cli
 from walshkv.ops import equalize
 
 
@@ -34,9 +35,7 @@ def diagonal_equalizer(cov: torch.Tensor, qmom: torch.Tensor, max_cond: float = 
 
 
 def main(argv: list[str]) -> int:
-    calibration.fit_equalizer = diagonal_equalizer
-    from walshkv.cli import main as cli
-
+    calibration.fit_equalizer = diagonal_equalizer  # read at call time: every eq+ fitted from here on is diagonal
     return cli(argv)
 
 

@@ -192,6 +192,27 @@ static KPost make_kpost(const std::vector<int64_t>& a, int64_t H, int64_t T) {
   return k;
 }
 
+// In-vector butterflies of the fast Walsh-Hadamard transform: lane k := x[k ^ len] + sign * x[k], len < VW.
+static inline vf fwht_lanes(vf a) {
+#if WK_VW == 16
+  const vf s1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
+  const vf s2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
+  const vf s4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
+  const vf s8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
+  a = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14) + a * s1;
+  a = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) + a * s2;
+  a = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) + a * s4;
+  return __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) + a * s8;
+#else
+  const vf s1 = {1, -1, 1, -1, 1, -1, 1, -1};
+  const vf s2 = {1, 1, -1, -1, 1, 1, -1, -1};
+  const vf s4 = {1, 1, 1, 1, -1, -1, -1, -1};
+  a = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6) + a * s1;
+  a = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5) + a * s2;
+  return __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3) + a * s4;
+#endif
+}
+
 // x[0 .. d) := x @ H (the Sylvester Hadamard matrix, unnormalised), in place; d a power of two; x aligned to a
 // vector when d >= VW. Butterflies within a vector: lane k takes x[k ^ len] + sign * x[k] (one permute, one FMA).
 static inline void fwht_row(float* __restrict x, int d) {
@@ -207,31 +228,7 @@ static inline void fwht_row(float* __restrict x, int d) {
   }
   vf* __restrict xv = (vf*)x;
   const int nv = d / VW;
-#if WK_VW == 16
-  const vf s1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
-  const vf s2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
-  const vf s4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
-  const vf s8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
-  for (int v = 0; v < nv; ++v) {
-    vf a = xv[v];
-    a = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14) + a * s1;
-    a = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) + a * s2;
-    a = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) + a * s4;
-    a = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) + a * s8;
-    xv[v] = a;
-  }
-#else
-  const vf s1 = {1, -1, 1, -1, 1, -1, 1, -1};
-  const vf s2 = {1, 1, -1, -1, 1, 1, -1, -1};
-  const vf s4 = {1, 1, 1, 1, -1, -1, -1, -1};
-  for (int v = 0; v < nv; ++v) {
-    vf a = xv[v];
-    a = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6) + a * s1;
-    a = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5) + a * s2;
-    a = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3) + a * s4;
-    xv[v] = a;
-  }
-#endif
+  for (int v = 0; v < nv; ++v) xv[v] = fwht_lanes(xv[v]);
   for (int len = 1; len < nv; len <<= 1)  // butterflies between whole vectors
     for (int i = 0; i < nv; i += 2 * len)
       for (int j = i; j < i + len; ++j) {
@@ -268,27 +265,6 @@ static inline void key_rows(const KPost& kp, const float* __restrict M, const fl
 }
 
 typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));  // an unaligned load
-
-// In-vector butterflies of the fast Walsh-Hadamard transform: lane k := x[k ^ len] + sign * x[k], len < VW.
-static inline vf fwht_lanes(vf a) {
-#if WK_VW == 16
-  const vf s1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
-  const vf s2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
-  const vf s4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
-  const vf s8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
-  a = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14) + a * s1;
-  a = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) + a * s2;
-  a = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) + a * s4;
-  return __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) + a * s8;
-#else
-  const vf s1 = {1, -1, 1, -1, 1, -1, 1, -1};
-  const vf s2 = {1, 1, -1, -1, 1, 1, -1, -1};
-  const vf s4 = {1, 1, 1, 1, -1, -1, -1, -1};
-  a = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6) + a * s1;
-  a = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5) + a * s2;
-  return __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3) + a * s4;
-#endif
-}
 
 // One key, NV vectors, in registers: z = rope_p(fwht(b * r) * (c * f) + mu) (Hadamard form of KPost).
 template <int NV>
