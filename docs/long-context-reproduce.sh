@@ -17,7 +17,7 @@ OUT=docs/results/long-context
 DATA="${DATA:-../shared/data}"
 EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
-STAGES="${STAGES:-kld select needle holdout select-check report}"
+STAGES="${STAGES:-kld select needle holdout select-check frame report}"
 MODELS="${MODELS:-smollm2-135m qwen2.5-1.5b}"
 # contexts per model (smollm2-135m's limit is 8192 positions) and windows per context (fewer, longer windows
 # at longer contexts); the 512-token column of the report is the holdout stage's Emma run
@@ -117,9 +117,24 @@ for stage in $STAGES; do
       done
     done
     ;;
+  frame)
+    # why post-RoPE center+ grows with context: the frame of the codes, or the frame of the mean? The probe
+    # research/scripts/ropecenter_probe.py stores K after RoPE minus the pre-RoPE mean turned to each key's
+    # position (ropecenter+); next to it prerope+center+ (codes and mean before RoPE) and center+ (both after),
+    # with and without eq+, at 512 and 4096 tokens of Emma (development text; nothing is chosen by it)
+    mkdir -p "$OUT/frame"
+    frame_codecs=()
+    for k in ropecenter+rot+iq4_nl prerope+center+rot+iq4_nl center+rot+iq4_nl ropecenter:16+rot+iq4_nl \
+      ropecenter+eq+rot+iq4_nl prerope+center+eq+rot+iq4_nl; do frame_codecs+=(--codec "sink:1:$k/tq:4"); done
+    for ctx in 512 4096; do
+      [ -f "$OUT/frame/smollm2-135m-ctx$ctx.json" ] || python research/scripts/ropecenter_probe.py eval \
+        --model smollm2-135m --text "$EMMA" --ctx "$ctx" --windows "$(windows_for "$ctx" smollm2-135m)" \
+        --calib-text python-docs "${frame_codecs[@]}" --quiet --json "$OUT/frame/smollm2-135m-ctx$ctx.json"
+    done
+    ;;
   report)
     python scripts/long_context_report.py --results "$OUT" --out docs/long-context.md
     ;;
-  *) echo "unknown stage $stage (kld select needle holdout select-check report)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (kld select needle holdout select-check frame report)" >&2; exit 2 ;;
   esac
 done

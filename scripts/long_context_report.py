@@ -273,6 +273,56 @@ def select_section(results: Path, summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _frames(spec: str) -> tuple[str, str]:
+    """(where a K spec's codes are, where its mean is taken) for the frame probe's specs."""
+    k = spec.split(":", 2)[-1] if spec.startswith("sink:") else spec
+    k = k.split("/")[0]
+    if k.startswith("ropecenter"):
+        pairs = k.split("+")[0].partition(":")[2]
+        return "after RoPE", "before RoPE, turned to each position" + (f" ({pairs} pairs kept)" if pairs else "")
+    if k.startswith("prerope+center"):
+        return "before RoPE", "before RoPE"
+    return "after RoPE", "after RoPE"
+
+
+def frame_section(results: Path, summary: dict[str, Any]) -> list[str]:
+    """The frame probe (stage frame): which frame of ``prerope+center+`` keeps K's error flat with context."""
+    lines = ["## Which frame holds with context: the codes' or the mean's? (stage frame, Emma)", ""]
+    runs = {}
+    for path in sorted((results / "frame").glob("smollm2-135m-ctx*.json")) if (results / "frame").is_dir() else []:
+        run = json.loads(path.read_text())
+        runs[int(run["meta"]["ctx"])] = run
+    if not runs:
+        return [*lines, "No runs yet: `STAGES=frame bash docs/long-context-reproduce.sh`.", ""]
+    ctxs = sorted(runs)
+    first = runs[ctxs[0]]
+    lines += [
+        "`research/scripts/ropecenter_probe.py` adds one K wrapper for this measurement, `ropecenter+`: K is stored",
+        "after RoPE, minus the calibrated pre-RoPE K mean turned to each key's position (the residual is",
+        "`prerope+center+`'s turned by RoPE). smollm2-135m, V `tq:4`, one sink token, K mean from python-docs; "
+        + ", ".join(f"{runs[c]['meta']['windows']} windows of {c} tokens" for c in ctxs)
+        + f". Code {first['meta']['versions']['commit']}; CPU {first['meta'].get('cpu', {}).get('model', '?')} "
+        f"({first['meta'].get('cpu', {}).get('capability', '?')}).",
+        "",
+        "| K spec | codes stored | mean taken | "
+        + " | ".join(f"mean KLD at {c}" for c in ctxs)
+        + " | "
+        + " | ".join(f"top-1 at {c}" for c in ctxs)
+        + " |",
+        "|---|---|---|" + "---|" * (2 * len(ctxs)),
+    ]
+    by_codec = {c: {r["codec"]: r for r in runs[c]["results"]} for c in ctxs}
+    for r in first["results"]:
+        codes, mean = _frames(r["codec"])
+        cells = [by_codec[c].get(r["codec"]) for c in ctxs]
+        kld = [(_fmt(x["kld_mean"]) + _ci(x, "kld_mean_ci95")) if x else "—" for x in cells]
+        top = [f"{100 * x['top1_agreement']:.1f}%" if x else "—" for x in cells]
+        lines.append(f"| `{r['codec']}` | {codes} | {mean} | " + " | ".join(kld + top) + " |")
+        klds = {c: (x or {}).get("kld_mean") for c, x in zip(ctxs, cells, strict=True)}
+        summary.setdefault("frame", {})[r["codec"]] = klds
+    return [*lines, ""]
+
+
 def holdout_section(results: Path, summary: dict[str, Any]) -> list[str]:
     lines = ["## The frozen holdout: Persuasion next to Emma", ""]
     root = results / "holdout"
@@ -375,6 +425,7 @@ def main() -> int:
     lines.append("")
     lines += kld_section(results, results, summary)
     lines += select_section(results, summary)
+    lines += frame_section(results, summary)
     lines += needle_section(results, summary)
     lines += holdout_section(results, summary)
     outro = Path(args.outro)

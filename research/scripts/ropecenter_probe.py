@@ -1,0 +1,121 @@
+"""Probe: store K *after* RoPE, centred by the pre-RoPE K mean turned to each key's position (``ropecenter+``).
+
+``center+`` after RoPE subtracts one calibrated vector for every position, but a channel pair's offset before
+RoPE spins with the position after it, so a mean taken over positions 0..511 is the wrong offset for keys at
+4k-8k (docs/long-context.md). ``prerope+center+`` removes the offset where it does not turn, at the price of a
+per-key map in the decode kernel (undo the core's rotation, re-apply RoPE). This probe tests the third frame:
+
+    ropecenter+X stores  X(k - R(p) mu)  =  X(R(p) (k_pre - mu))     (mu: K mean before RoPE, R(p): RoPE at p)
+
+The residual is the pre-RoPE residual of ``prerope+center+`` turned by R(p), so it is centred at every position,
+while the codes stay in the model's frame: a kernel reads them as ``X``'s codes and only adds the bias
+``q·R(p) mu`` per key (no per-key transform). This probe measures the quality side; it is not a codec of the
+package, and the fused kernels do not know it, so run it through ``walshkv eval`` (which decodes the cache).
+
+    python research/scripts/ropecenter_probe.py eval --model smollm2-135m --text ../shared/data/austen_emma.txt \\
+        --ctx 512 --windows 16 --calib-text python-docs --codec "sink:1:ropecenter+rot+iq4_nl/tq:4"
+
+``ropecenter:M+X`` keeps only the M channel pairs with the largest mean (by norm over kv heads): a bias
+kernel then costs M complex multiply-adds per key and query head.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from walshkv.cli import main as cli
+from walshkv.codecs.base import Codec, Packed
+from walshkv.codecs.calibration import PreRopeSource, RopeTables
+from walshkv.codecs.prerope import PreRope
+from walshkv.codecs.registry import register_wrapper
+from walshkv.fileio import write_json_atomic
+from walshkv.ops.rope import RopeTable, apply_rope
+
+
+class RopeCentered(PreRope):
+    """``ropecenter[:M]+X``: X stores ``k - R(p) mu`` (K after RoPE), decoded as ``X⁻¹(codes) + R(p) mu``."""
+
+    def __init__(
+        self,
+        inner: Codec,
+        rope: RopeTable | None = None,
+        spec: str | None = None,
+        mu: torch.Tensor | None = None,
+        pairs: int | None = None,
+    ) -> None:
+        self.pairs = pairs
+        tag = "ropecenter" if pairs is None else f"ropecenter:{pairs}"
+        super().__init__(inner, rope, spec or f"{tag}+{inner.spec}")
+        self.mu = mu
+
+    @property
+    def prefix(self) -> str:
+        return "ropecenter" if self.pairs is None else f"ropecenter:{self.pairs}"
+
+    @property
+    def needs_calibration(self) -> bool:  # type: ignore[override]
+        return self.rope is None or self.mu is None or self.inner.needs_calibration
+
+    def bind(self, layer_idx, kind, calibration=None):  # type: ignore[no-untyped-def]
+        if kind != "k":
+            raise ValueError(f"{self.spec}: ropecenter+ is for K only")
+        if not isinstance(calibration, PreRopeSource):
+            raise ValueError(f"{self.spec} needs --calib-text (K statistics before RoPE)")
+        stats = calibration.pre_rope()
+        if not isinstance(stats, RopeTables):
+            raise ValueError(f"{self.spec}: no RoPE tables in the calibration")
+        mu = stats.k_bias(layer_idx, "plain").to(torch.float32)  # [kv_heads, head_dim], before RoPE
+        if self.pairs is not None:
+            half = mu.shape[-1] // 2
+            norm = (mu[:, :half] ** 2 + mu[:, half:] ** 2).sum(0)  # rotate_half pairs (i, i + d/2)
+            keep = torch.zeros(half, dtype=torch.bool)
+            keep[norm.topk(min(self.pairs, half)).indices] = True
+            mu = mu * torch.cat([keep, keep]).to(mu.dtype)
+        inner = self.inner.bind(layer_idx, kind, calibration)  # the inner codec sees K after RoPE
+        return RopeCentered(inner, stats.rope_table(layer_idx), self.spec, mu, self.pairs)
+
+    def _offset(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        if self.mu is None:
+            raise ValueError(f"{self.spec} is not bound")
+        b, h, t, d = x.shape
+        mu = self.mu.to(x.device)[None, :, None, :].expand(b, h, t, d)
+        return apply_rope(mu, self._table(), start)
+
+    def _transform(self, x: torch.Tensor, start: int) -> tuple[Codec, torch.Tensor]:
+        xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+        return self.inner, xf - self._offset(xf, start)
+
+    def _decode_at(self, packed: Packed, start: int) -> torch.Tensor:
+        y = self.inner._decode(packed).to(torch.float32)
+        return y + self._offset(y, start)
+
+
+def _factory(args: str | None, inner: Codec) -> Codec:
+    return RopeCentered(inner, pairs=None if args is None else int(args))
+
+
+def _record_command(argv: list[str]) -> None:
+    """Name this script, not ``walshkv``, as the command in the ``--json`` result (the codec exists only here)."""
+    if "--json" not in argv or argv.index("--json") + 1 >= len(argv):
+        return
+    path = Path(argv[argv.index("--json") + 1])
+    result = json.loads(path.read_text())
+    result["meta"]["command"] = " ".join(["python", "research/scripts/ropecenter_probe.py", *map(shlex.quote, argv)])
+    write_json_atomic(path, result)
+
+
+def main(argv: list[str]) -> int:
+    register_wrapper("ropecenter", _factory, "probe: K after RoPE minus the pre-RoPE mean turned to each position")
+    rc = cli(argv)
+    if rc == 0:
+        _record_command(argv)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,73 @@
+"""The frame probe's ``ropecenter+`` wrapper (research/scripts/ropecenter_probe.py): exact round trip, and its
+residual is ``prerope+center+``'s turned by RoPE."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from walshkv.codecs.floats import FloatCodec
+from walshkv.codecs.rotation import Rotated
+from walshkv.ops.rope import RopeTable, apply_rope, undo_rope
+
+PROBE = Path(__file__).resolve().parents[1] / "scripts" / "ropecenter_probe.py"
+
+
+@pytest.fixture(scope="module")
+def probe():
+    spec = importlib.util.spec_from_file_location("ropecenter_probe", PROBE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ropecenter_probe"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _table(d: int) -> RopeTable:
+    return RopeTable(inv_freq=1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)))
+
+
+def _bound(probe, inner, mu, d, pairs=None):
+    return probe.RopeCentered(inner, _table(d), "ropecenter+" + inner.spec, mu, pairs)
+
+
+def test_round_trip_is_exact_with_a_lossless_inner_codec(probe):
+    torch.manual_seed(0)
+    d, start = 16, 37
+    mu = torch.randn(2, d)
+    codec = _bound(probe, FloatCodec("fp32"), mu, d)
+    x = torch.randn(1, 2, 5, d)
+    out = codec.decode(codec.encode(x, start), start)
+    torch.testing.assert_close(out, x, rtol=0, atol=1e-5)
+
+
+def test_residual_is_the_pre_rope_residual_turned_to_its_position(probe):
+    torch.manual_seed(1)
+    d, start = 16, 100
+    table = _table(d)
+    mu = torch.randn(3, d)
+    codec = _bound(probe, Rotated(FloatCodec("fp32")), mu, d)
+    k_pre = torch.randn(2, 3, 4, d)
+    k_post = apply_rope(k_pre, table, start)
+    inner, y = codec._transform(k_post, start)
+    expected = apply_rope(k_pre - mu[None, :, None, :], table, start)
+    torch.testing.assert_close(y, expected, rtol=0, atol=1e-5)
+    assert inner is codec.inner
+    # the same residual before RoPE is prerope+center+'s
+    torch.testing.assert_close(undo_rope(y, table, start), k_pre - mu[None, :, None, :], rtol=0, atol=1e-5)
+
+
+def test_parser_reads_the_wrapper_and_keeps_the_prerope_slot(probe, monkeypatch):
+    from walshkv.codecs import registry
+    from walshkv.codecs.registry import parse_codec
+
+    # as main() registers it, but only for this test (the package's registry stays as shipped)
+    monkeypatch.setitem(registry._WRAPPERS, "ropecenter", (probe._factory, "probe"))
+    codec = parse_codec("ropecenter:4+rot+iq4_nl")
+    assert isinstance(codec, probe.RopeCentered)
+    assert codec.pairs == 4 and codec.spec == "ropecenter:4+rot+iq4_nl"
+    with pytest.raises(ValueError):
+        parse_codec("rot+ropecenter+iq4_nl")  # outermost on K, as prerope+
