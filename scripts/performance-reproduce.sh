@@ -55,14 +55,22 @@ python scripts/update_readme.py docs/results/bench-presets-16k/bench.md docs/per
 # timed alongside) against prerope+ K without eq+ (the codec's Walsh-Hadamard rotation: a fast transform per key,
 # fused with RoPE), the same cores without prerope+ and SDPA, at 16k and 64k (a few minutes). Timing only: the
 # file's K mean is not used by the specs without center+, which cost the kernel the same
+# One block per instruction set (AVX-512 in bench-keymap, AVX2-only CPUs in bench-keymap-avx2): run it on each.
+if python -c "import sys, torch; sys.exit(torch.backends.cpu.get_cpu_capability() != 'AVX2')"; then
+  keymap=keymap-avx2
+  keymap_out=docs/results/bench-keymap-avx2
+else
+  keymap=keymap
+  keymap_out=docs/results/bench-keymap
+fi
 walshkv bench --part attention --kv-len "${KV_LEN_KEYMAP:-16384,65536}" --codec walshkv:4.5 \
   --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" --codec "sink:1:prerope+rot+iq4_nl/tq:4" \
   --codec "sink:1:prerope+tq:4.5/tq:4" --codec rot+iq4_nl/tq:4 --codec tq:4.5/tq:4 --codec rot+int4 --quiet --no-plot \
-  --out docs/results/bench-keymap
-if grep -q "<!-- results:keymap:start -->" docs/performance.md; then
-  python scripts/update_readme.py docs/results/bench-keymap/bench.md docs/performance.md keymap
+  --out "$keymap_out"
+if grep -q "<!-- results:$keymap:start -->" docs/performance.md; then
+  python scripts/update_readme.py "$keymap_out/bench.md" docs/performance.md "$keymap"
 else
-  echo "docs/results/bench-keymap/bench.md written; docs/performance.md has no results:keymap block to paste it into"
+  echo "$keymap_out/bench.md written; docs/performance.md has no results:$keymap block to paste it into"
 fi
 # opt-in: qwen2.5-1.5b (max_position_embeddings 32768) with its walshkv:3.5 preset; pasted where the page has
 # a <!-- results:qwen:start --> ... <!-- results:qwen:end --> block
