@@ -96,7 +96,15 @@ class RopeCentered(PreRope):
 
 
 def _factory(args: str | None, inner: Codec) -> Codec:
-    return RopeCentered(inner, pairs=None if args is None else int(args))
+    if args is None:
+        return RopeCentered(inner)
+    try:
+        pairs = int(args)
+    except ValueError:
+        pairs = 0
+    if pairs < 1:
+        raise ValueError(f"ropecenter takes a number of channel pairs >= 1 (ropecenter:16+rot+iq4_nl), got {args!r}")
+    return RopeCentered(inner, pairs=pairs)
 
 
 def _record_command(argv: list[str]) -> None:
@@ -110,6 +118,10 @@ def _record_command(argv: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # the fused kernels read a PreRope subclass as prerope+ codes (they would rotate post-RoPE codes again):
+    # only `walshkv eval`, which decodes the cache through the codec, measures this wrapper correctly
+    if not argv or argv[0] != "eval":
+        raise SystemExit("ropecenter_probe.py runs `eval` only (bench, needle and sweep may use the fused kernels)")
     register_wrapper("ropecenter", _factory, "probe: K after RoPE minus the pre-RoPE mean turned to each position")
     rc = cli(argv)
     if rc == 0:

@@ -71,3 +71,16 @@ def test_parser_reads_the_wrapper_and_keeps_the_prerope_slot(probe, monkeypatch)
     assert codec.pairs == 4 and codec.spec == "ropecenter:4+rot+iq4_nl"
     with pytest.raises(ValueError):
         parse_codec("rot+ropecenter+iq4_nl")  # outermost on K, as prerope+
+
+
+def test_bad_pair_counts_and_kernel_commands_are_refused(probe, monkeypatch):
+    from walshkv.codecs import registry
+    from walshkv.codecs.registry import parse_codec
+
+    monkeypatch.setitem(registry._WRAPPERS, "ropecenter", (probe._factory, "probe"))
+    for bad in ("ropecenter:0+rot+iq4_nl", "ropecenter:x+rot+iq4_nl"):
+        with pytest.raises(ValueError, match="channel pairs >= 1"):
+            parse_codec(bad)
+    for argv in (["bench", "--codec", "ropecenter+rot+iq4_nl"], ["needle", "--fused"]):
+        with pytest.raises(SystemExit, match="eval` only"):
+            probe.main(argv)
