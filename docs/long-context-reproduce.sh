@@ -17,7 +17,7 @@ OUT=docs/results/long-context
 DATA="${DATA:-../shared/data}"
 EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
-STAGES="${STAGES:-kld select needle holdout select-check frame report}"
+STAGES="${STAGES:-kld select needle holdout select-check frame select-fast fast report}"
 MODELS="${MODELS:-smollm2-135m qwen2.5-1.5b}"
 # contexts per model (smollm2-135m's limit is 8192 positions) and windows per context (fewer, longer windows
 # at longer contexts); the 512-token column of the report is the holdout stage's Emma run
@@ -25,6 +25,9 @@ CTXS_smollm="${CTXS_smollm:-2048 4096 8192}"
 CTXS_qwen="${CTXS_qwen:-2048 4096 16384}"
 SELECT_MODELS="${SELECT_MODELS:-smollm2-135m}"
 SELECT_BITS="${SELECT_BITS:-3 3.5 4.5}"
+# the fast presets (walshkv:B-fast, stages select-fast and fast): chosen and measured on these models and budgets
+FAST_MODELS="${FAST_MODELS:-smollm2-135m}"
+FAST_BITS="${FAST_BITS:-3.5 4.5}"
 windows_for() {
   [ "$2" = qwen2.5-1.5b ] && { echo "${WINDOWS_qwen:-1}"; return; }
   case "$1" in 512) echo 16 ;; 2048) echo 4 ;; 4096) echo 2 ;; *) echo 1 ;; esac
@@ -132,9 +135,40 @@ for stage in $STAGES; do
         --calib-text python-docs "${frame_codecs[@]}" --quiet --json "$OUT/frame/smollm2-135m-ctx$ctx.json"
     done
     ;;
+  select-fast)
+    # the fast presets: recommend --fast at --ctx 4096 on python-docs (selection text only), candidates restricted
+    # to specs the fused kernels decode without a dense per-key matrix (eqd+ in place of prerope+'s eq+). The
+    # preset file goes where the benches read presets (docs/results/presets/MODEL/walshkv-B-fast.gguf); it ships
+    # once scripts/ship_presets.py is rerun, and stage fast then measures it
+    for model in $FAST_MODELS; do
+      mkdir -p "$OUT/select/$model" "docs/results/presets/$model"
+      for bits in $FAST_BITS; do
+        [ -f "$OUT/select/$model/recommend-$bits-fast-ctx4096.json" ] || walshkv recommend --model "$model" \
+          --bits "$bits" --fast --ctx 4096 --windows 2 --quiet --json "$OUT/select/$model/recommend-$bits-fast-ctx4096.json" \
+          -o "docs/results/presets/$model/walshkv-$bits-fast.gguf"
+      done
+    done
+    ;;
+  fast)
+    # the fast presets as rows of the plain presets' sweeps, on the same windows (docs/grids/long-context-fast.json):
+    # Persuasion (holdout) and Emma at 512 tokens, Emma at 4k and 8k
+    for model in $FAST_MODELS; do
+      for text in "$PERSUASION" "$EMMA"; do
+        name=$(basename "$text" .txt)
+        walshkv sweep --model "$model" --text "$text" --grid docs/grids/long-context-fast.json --ctx 512 \
+          --windows "$(holdout_windows "$model")" --calib-text python-docs --decode-chunk 16 --chunk 16 --reuse-rows \
+          --quiet --out "$OUT/holdout/$model/$name"
+      done
+      for ctx in 4096 8192; do
+        walshkv sweep --model "$model" --text "$EMMA" --grid docs/grids/long-context-fast.json --ctx "$ctx" \
+          --windows "$(windows_for "$ctx" "$model")" --calib-text python-docs --decode-chunk 64 --chunk 16 --reuse-rows \
+          --quiet --out "$OUT/kld/$model/ctx$ctx"
+      done
+    done
+    ;;
   report)
     python scripts/long_context_report.py --results "$OUT" --out docs/long-context.md
     ;;
-  *) echo "unknown stage $stage (kld select needle holdout select-check frame report)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (kld select needle holdout select-check frame select-fast fast report)" >&2; exit 2 ;;
   esac
 done

@@ -14,10 +14,10 @@ import pytest
 
 from walshkv import CompressedCache
 from walshkv.codecs import parse_cache_spec
-from walshkv.codecs.builtin_presets import BUILTIN, PRESET_BUDGETS
+from walshkv.codecs.builtin_presets import BUILTIN, is_fast_preset, preset_budget
 from walshkv.constants import Keys
 from walshkv.models import ModelShape
-from walshkv.presets import known_model, model_presets, resolve_preset, resolve_specs
+from walshkv.presets import dense_key_map, known_model, model_presets, resolve_preset, resolve_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ModelShape(arch="llama", layers=30, q_heads=9, kv_heads=3, head_dim=64, params=134515008)
@@ -46,7 +46,8 @@ def test_every_shipped_spec_parses_fits_its_budget_and_has_provenance():
         for preset, choice in entry["presets"].items():
             spec = parse_cache_spec(choice["spec"])
             bits = spec.bits_at(shape["head_dim"], choice["ctx"], shape["layers"])
-            assert bits <= PRESET_BUDGETS[preset] + 1e-9, (name, preset, bits)
+            assert bits <= preset_budget(preset) + 1e-9, (name, preset, bits)
+            assert not (is_fast_preset(preset) and dense_key_map(spec)), (name, preset, "a fast preset maps keys fast")
             assert choice["selected_on"].startswith("python-docs"), "selection on python-docs only"
             assert choice["source"].startswith(("docs/results/presets/", "docs/results/long-context/select/"))
             assert (ROOT / choice["source"]).is_file()

@@ -20,9 +20,15 @@ from walshkv.models import LoadedModel, _describe
 from walshkv.presets import (
     BUILTIN,
     CANDIDATES,
+    FAST_BUDGETS,
     PRESET_BUDGETS,
     candidates_for,
+    dense_key_map,
+    fast_candidate,
+    is_fast_preset,
     k_mean_basis,
+    k_pre_rope,
+    preset_name_for_bits,
     resolve_preset,
     resolve_specs,
     write_preset_file,
@@ -244,3 +250,58 @@ def test_cli_calibrate_eq_then_eval_from_the_file(hd64_lm, tmp_path, monkeypatch
     again = evaluate(hd64_lm, text, [spec, plain], ctx=64, windows=2, calibration=calibration, progress=False)
     assert row["codec"] == spec and row["kld_mean"] == again.results[0]["kld_mean"] > 0
     assert row["kld_mean"] != again.results[1]["kld_mean"]
+
+
+def test_fast_presets_resolve_and_name_their_budget():
+    assert preset_name_for_bits(3.5, fast=True) == "walshkv:3.5-fast" and preset_name_for_bits(3.5) == "walshkv:3.5"
+    for name, budget in FAST_BUDGETS.items():
+        plain = name.removesuffix("-fast")
+        assert is_fast_preset(name) and not is_fast_preset(plain)
+        p = resolve_preset(name.upper())
+        assert (p.name, p.budget, p.spec) == (name, budget, BUILTIN[plain])
+        assert parse_cache_spec(name).spec == BUILTIN[plain]
+        assert not dense_key_map(p.spec)
+    note = resolve_preset("walshkv:3.5-fast", model="not-a-model").note
+    assert "--bits 3.5 --fast" in note and "walshkv-3.5-fast.gguf" in note
+    with pytest.raises(ValueError, match=r"walshkv:3\.5-fast"):
+        resolve_preset("walshkv:5-fast")
+
+
+def test_dense_key_map_and_fast_candidates():
+    assert dense_key_map("sink:1:prerope+center+eq+rot+iq4_nl/tq:4")
+    assert not dense_key_map("sink:1:prerope+center+eqd+rot+iq4_nl/tq:4")
+    assert not dense_key_map("center+eq+tq:4/tq:2.5")  # post-RoPE eq+ moves onto the query
+    assert not dense_key_map("prerope+center+tq:4/tq:2.5") and not dense_key_map("hf-quanto:4")
+    assert fast_candidate("sink:1:prerope+center+eq+tq:3/tq:2.5") == "sink:1:prerope+center+eqd+tq:3/tq:2.5"
+    layered = "sink:1:layers:prerope+center+eq+tq:3/tq:2@5,8;prerope+center+eq+tq:3/tq:2.5"
+    assert fast_candidate(layered) == layered.replace("eq+", "eqd+")
+    assert fast_candidate("center+eq+tq:4/tq:2.5") == "center+eq+tq:4/tq:2.5"
+    for budget in CANDIDATES:
+        plain, fast = candidates_for(budget, 64), candidates_for(budget, 64, fast=True)
+        assert any(dense_key_map(s) for s in plain) and not any(dense_key_map(s) for s in fast)
+        assert [s for s in plain if not dense_key_map(s)] == [s for s in fast if s in plain]
+        assert len(fast) == len(plain) and all(fast_candidate(s) in fast for s in plain)
+    with pytest.raises(ValueError, match=r"write eqd\+ in place of eq\+ .*'prerope\+center\+eqd\+tq:3/tq:2\.5'"):
+        candidates_for(3.0, 64, extra=["prerope+center+eq+tq:3/tq:2.5"], fast=True)
+
+
+def test_fast_candidates_run_the_kernels_fast_key_map(hd64_lm):
+    from walshkv.attention.cpu import prerope_key_map
+
+    stats = collect_kv_stats(hd64_lm, TEXT, tokens=128, ctx=64, progress=False)
+    kv = hd64_lm.shape.kv_heads
+    for budget in CANDIDATES:
+        maps = {}
+        for fast in (False, True):
+            for s in candidates_for(budget, 64, fast=fast):
+                spec = parse_cache_spec(s)
+                calib = stats.pre_rope() if k_pre_rope(spec) else stats
+                k, v = spec.k.bind(1, "k", calib), spec.v.bind(1, "v", calib)
+                maps.setdefault(fast, set()).add(prerope_key_map(k, v, 64, kv))
+        assert "matrix" in maps[False] and "matrix" not in maps[True] and "hadamard" in maps[True], (budget, maps)
+
+
+def test_recommend_fast_names_the_fast_preset(hd64_lm):
+    rec = recommend(hd64_lm, TEXT, 4.5, windows=1, ctx=64, calib_tokens=128, progress=False, fast=True)
+    assert rec.preset.name == "walshkv:4.5-fast" and not any(dense_key_map(r["codec"]) for r in rec.rows)
+    assert any("eqd+" in r["codec"] for r in rec.rows)

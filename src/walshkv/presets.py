@@ -34,7 +34,16 @@ import torch
 
 from walshkv.codecs import parse_cache_spec
 from walshkv.codecs.base import find_wrapper
-from walshkv.codecs.builtin_presets import BUILTIN, PRESET_BUDGETS, check_preset_name
+from walshkv.codecs.builtin_presets import (
+    BUILTIN,
+    FAST_BUDGETS,
+    FAST_SUFFIX,
+    PRESET_BUDGETS,
+    builtin_preset_spec,
+    check_preset_name,
+    is_fast_preset,
+    preset_budget,
+)
 from walshkv.codecs.center import Centered
 from walshkv.codecs.equalize import DiagonalEqualized, Equalized
 from walshkv.codecs.prerope import PreRope
@@ -52,11 +61,15 @@ if TYPE_CHECKING:
 __all__ = [
     "BUILTIN",
     "CANDIDATES",
+    "FAST_BUDGETS",
     "MODEL_PRESETS_FILE",
     "PRESET_BUDGETS",
     "Preset",
     "candidates_for",
+    "dense_key_map",
     "equalized_kinds",
+    "fast_candidate",
+    "is_fast_preset",
     "is_preset",
     "k_mean_basis",
     "k_pre_rope",
@@ -235,11 +248,12 @@ def is_preset(text: object) -> bool:
     return isinstance(text, str) and text.strip().lower().startswith("walshkv:")
 
 
-def preset_name_for_bits(bits: float) -> str:
-    """``walshkv:B`` for a budget ``B`` (any positive number; the built-in ones are 3, 3.5 and 4.5)."""
+def preset_name_for_bits(bits: float, fast: bool = False) -> str:
+    """``walshkv:B`` for a budget ``B`` (any positive number; the built-in ones are 3, 3.5 and 4.5), ``walshkv:B-fast``
+    with ``fast``."""
     if not bits > 0:
         raise ValueError(f"a bit budget must be positive, got {bits}")
-    return f"walshkv:{bits:g}"
+    return f"walshkv:{bits:g}{FAST_SUFFIX if fast else ''}"
 
 
 @runtime_checkable
@@ -275,25 +289,27 @@ def resolve_preset(name: str, calibration: CalibrationLike | None = None, *, mod
     meta = file.meta if file is not None else {}
     if str(meta.get(Keys.Preset.NAME, "")).lower() == name.strip().lower() and meta.get(Keys.Preset.SPEC):
         key = name.strip().lower()
-        budget = PRESET_BUDGETS.get(key) or float(key.split(":", 1)[1])
+        budget = preset_budget(key)
         source = str(getattr(calibration, "source", "file"))
         return Preset(key, budget, meta[Keys.Preset.SPEC], source=source)
     key = check_preset_name(name)
+    budget, builtin = preset_budget(key), builtin_preset_spec(key)
     if model is None:
-        return Preset(key, PRESET_BUDGETS[key], BUILTIN[key])
+        return Preset(key, budget, builtin)
     known = known_model(model)
     entry = model_presets()[known]["presets"].get(key) if known else None
     if entry is not None:
         provenance = {k: v for k, v in entry.items() if k != "spec"}
-        return Preset(key, PRESET_BUDGETS[key], entry["spec"], source=f"shipped:{known}", provenance=provenance)
+        return Preset(key, budget, entry["spec"], source=f"shipped:{known}", provenance=provenance)
     label = _model_label(model)
     why = f"walshkv has no measured {key} spec for {label}" if known else f"{label} is not a model walshkv has measured"
+    fast = " --fast" if is_fast_preset(key) else ""
     note = (
-        f"{why}; {key} uses the built-in spec {BUILTIN[key]}. `walshkv recommend --model {label} --bits "
-        f"{PRESET_BUDGETS[key]:g} --text python-docs -o {key.replace(':', '-')}.gguf` chooses one for it (pass the "
+        f"{why}; {key} uses the built-in spec {builtin}. `walshkv recommend --model {label} --bits "
+        f"{budget:g}{fast} --text python-docs -o {key.replace(':', '-')}.gguf` chooses one for it (pass the "
         "file as --kv-mean-center)"
     )
-    return Preset(key, PRESET_BUDGETS[key], BUILTIN[key], note=note)
+    return Preset(key, budget, builtin, note=note)
 
 
 def resolve_specs(
@@ -317,24 +333,70 @@ def resolve_specs(
     return out, names
 
 
+def dense_key_map(spec: str | CacheSpec) -> bool:
+    """True if the fused decode kernels map each cached key of ``spec`` by a dense ``head_dim x head_dim`` matrix
+    at every step: K stored before RoPE (``prerope+``) with ``eq+``'s dense transform, in any part.
+
+    ``prerope+`` without ``eq+`` or with ``eqd+`` (a fast Walsh-Hadamard map with sign flips, ``d log2 d`` additions
+    per key) and every post-RoPE spec (rotations and ``eq+`` move onto the query) are False: what a fast preset may
+    use (:func:`candidates_for` with ``fast``).
+    """
+    for part in _parts(spec):
+        if isinstance(part.k, PreRope):
+            eq = find_wrapper(part.k, Equalized)
+            if eq is not None and not isinstance(eq, DiagonalEqualized):
+                return True
+    return False
+
+
+def fast_candidate(spec: str) -> str:
+    """``spec`` with each ``prerope+`` part's dense ``eq+`` on K replaced by ``eqd+`` (its best diagonal): the fast
+    preset's version of a built-in candidate. Specs without a dense key map come back unchanged."""
+    if not dense_key_map(spec):
+        return spec
+    # prerope+ is K's outermost wrapper (refused elsewhere), so V never matches
+    out = spec.replace("prerope+center+eq+", "prerope+center+eqd+").replace("prerope+eq+", "prerope+eqd+")
+    if dense_key_map(out):
+        raise ValueError(f"{spec!r}: found no eqd+ form of its dense prerope+ eq+ key map; write it without eq+")
+    return parse_cache_spec(out).spec
+
+
 def candidates_for(
-    bits: float, head_dim: int, extra: Sequence[str] = (), num_layers: int | None = None, ctx: int = CTX
+    bits: float,
+    head_dim: int,
+    extra: Sequence[str] = (),
+    num_layers: int | None = None,
+    ctx: int = CTX,
+    fast: bool = False,
 ) -> list[str]:
     """Candidate specs whose bits per element at ``head_dim`` fit ``bits``, most bits first.
 
     The built-in list of the nearest budget at or below ``bits`` (3, 3.5 or 4.5) is used, with its
     preset's spec, plus ``extra``. A per-layer (``layers:``) spec needs ``num_layers``. A ``sink:N:``
     spec's fp16 tokens are counted over a context of ``ctx`` tokens (the windows it is measured on).
+    With ``fast`` (the ``walshkv:B-fast`` presets), each built-in candidate whose keys the kernels would map by
+    a dense matrix per key (:func:`dense_key_map`) takes ``eqd+`` in place of ``eq+`` (:func:`fast_candidate`).
 
     Returns:
         Canonical spec strings (what result rows and preset files name).
+
+    Raises:
+        ValueError: nothing fits; with ``fast``, an ``extra`` spec with a dense key map (the message names it).
     """
+    if fast:
+        dense = [e for e in extra if dense_key_map(e)]
+        if dense:
+            raise ValueError(
+                f"a fast preset's candidates map keys without a dense matrix, but {dense[0]!r} stores K before RoPE "
+                f"with eq+'s dense transform: write eqd+ in place of eq+ (e.g. {fast_candidate(dense[0])!r}), or "
+                "drop --fast"
+            )
     pool: list[str] = [*extra]
     budgets = [b for b in CANDIDATES if b <= bits + 1e-9]
     if budgets:
         budget = max(budgets)
-        pool.extend(CANDIDATES[budget])
-        pool.extend(spec for name, spec in BUILTIN.items() if PRESET_BUDGETS[name] == budget)
+        built_in = [*CANDIDATES[budget], *(spec for name, spec in BUILTIN.items() if PRESET_BUDGETS[name] == budget)]
+        pool.extend(fast_candidate(s) for s in built_in) if fast else pool.extend(built_in)
     fits: dict[str, float] = {}
     for spec in pool:
         parsed = parse_cache_spec(spec)

@@ -89,6 +89,7 @@ def recommend(
     calib_tokens: int = CALIB_TOKENS,
     extra: Sequence[str] = (),
     per_layer: bool = False,
+    fast: bool = False,
     progress: bool = True,
     executor: Executor | None = None,
 ) -> Recommendation:
@@ -105,12 +106,15 @@ def recommend(
         per_layer: then move widths between layers (:func:`allocate_layers`, from the best uniform ``tq``
             candidate, on the same selection windows), spending any bits it leaves unused, and keep the
             result if it beats the uniform winner.
+        fast: choose the fast preset (``walshkv:B-fast``): only candidates the fused kernels decode without a
+            dense per-key matrix (:func:`walshkv.presets.candidates_for` with ``fast``; ``eqd+`` in place of
+            ``prerope+``'s ``eq+``).
         progress: progress bars.
         executor: where the candidates run (:class:`walshkv.eval.sweep.Executor`); ``None``: here, all in one
             evaluation. ``walshkv.integrations.ray.RayExecutor`` spreads them (and the per-layer moves) over a
             Ray cluster; the statistics are collected here and the choice is made here, on the same numbers.
     """
-    names = candidates_for(bits, lm.shape.head_dim, extra, lm.shape.layers, ctx=ctx)
+    names = candidates_for(bits, lm.shape.head_dim, extra, lm.shape.layers, ctx=ctx, fast=fast)
     specs = {s.spec: s for s in (parse_cache_spec(n) for n in names)}  # canonical string -> spec, in order
     calib, select = split_text(text)
     stats = collect_kv_stats(lm, calib, tokens=calib_tokens, ctx=ctx, progress=progress)
@@ -135,7 +139,7 @@ def recommend(
         if plan is not None and plan.spec != plan.base:
             rows = sorted([*rows, *(r for r in plan.rows if r["codec"] == plan.spec)], key=lambda r: r["kld_mean"])
             winner = rows[0]["codec"]
-    preset = Preset(preset_name_for_bits(bits), bits, winner, source="recommend")
+    preset = Preset(preset_name_for_bits(bits, fast), bits, winner, source="recommend")
     return Recommendation(preset, rows, result.meta, stats, plan)
 
 

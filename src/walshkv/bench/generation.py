@@ -39,7 +39,7 @@ from walshkv.eval.calibrated import calibration_for
 from walshkv.eval.provenance import cpu_meta
 from walshkv.export import KMeanBias
 from walshkv.models import load_model
-from walshkv.presets import PRESET_BUDGETS, is_preset, resolve_specs
+from walshkv.presets import FAST_BUDGETS, PRESET_BUDGETS, is_preset, resolve_specs
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import Calibration
@@ -132,12 +132,12 @@ def default_generation_codecs(model: str = DEFAULT_MODEL) -> tuple[list[CodecReq
     """
     requests: list[CodecRequest] = list(DEFAULT_GENERATION_CODECS)
     missing = []
-    for preset in PRESET_BUDGETS:
+    for preset in [*PRESET_BUDGETS, *FAST_BUDGETS]:  # a fast preset joins where its file exists
         path = shipped_preset_file(model, preset)
-        if path is None:
-            missing.append(preset)
-        else:
+        if path is not None:
             requests.append((preset, str(path)))
+        elif preset in PRESET_BUDGETS:
+            missing.append(preset)
     notes = []
     if missing:
         where = _display(PRESETS_DIR / Path(model).name)

@@ -28,14 +28,18 @@ __all__ = ["add_parsers"]
 
 
 def _cmd_recommend(args: argparse.Namespace) -> int:
-    name = preset_name_for_bits(args.bits)  # validates the budget before loading anything
+    name = preset_name_for_bits(args.bits, args.fast)  # validates the budget before loading anything
     require_at_least(args, ctx=4, windows=1, calib_tokens=1)
     if args.output is None:  # the default file is named after the model: its folder is checked now
         check_output_dir(Path.cwd(), what="-o (not given: MODEL-walshkv-B.gguf in the current directory)")
     executor = executor_from_args(args)  # --ray errors before loading anything
     text = data.load_text(args.text)
     lm = models.load_model(args.model, progress=not args.quiet)
-    n = len(candidates_for(args.bits, lm.shape.head_dim, args.candidate or (), lm.shape.layers, ctx=args.ctx))
+    n = len(
+        candidates_for(
+            args.bits, lm.shape.head_dim, args.candidate or (), lm.shape.layers, ctx=args.ctx, fast=args.fast
+        )
+    )
     print(
         f"{lm.name}: {n} candidate specs within {args.bits:g} bits per element at head_dim {lm.shape.head_dim}; "
         f"K mean from the first half of {text.name}, ranked on {args.windows or 'all'} windows of {args.ctx} tokens of "
@@ -52,6 +56,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
             calib_tokens=args.calib_tokens,
             extra=args.candidate or (),
             per_layer=args.per_layer,
+            fast=args.fast,
             progress=not args.quiet,
             executor=runner,
         )
@@ -117,6 +122,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="then move 0.5-bit widths of K and V between layers at the same budget (4 runs per layer on the "
         "same windows), keeping the result only if it beats the uniform winner",
+    )
+    re_.add_argument(
+        "--fast",
+        action="store_true",
+        help="choose the fast preset walshkv:B-fast: only specs the fused decode kernels read without a dense "
+        "head_dim x head_dim map per cached key (K before RoPE takes eqd+, the best diagonal transform, in place of "
+        "eq+); the plain preset may be slower to decode but lower in KLD (docs/presets.md)",
     )
     re_.add_argument("-o", "--output", help="preset file (default MODEL-walshkv-B.gguf)")
     re_.set_defaults(func=_cmd_recommend)

@@ -1,5 +1,9 @@
 """The built-in preset table: ``walshkv:3``, ``walshkv:3.5``, ``walshkv:4.5`` and the spec each stands for.
 
+Each budget also has a *fast* preset, ``walshkv:B-fast``: the best spec among those the fused decode kernels read
+without a dense per-key map (no ``prerope+`` with ``eq+``'s dense transform; ``eqd+``'s diagonal one and every
+post-RoPE ``eq+`` are allowed). Its built-in spec is the plain preset's (which needs no per-key map).
+
 Data only, at the codecs layer so that the spec grammar (:func:`walshkv.codecs.spec.parse_cache_spec`) can
 read ``walshkv:B`` names without importing :mod:`walshkv.presets`, which re-exports these names and adds
 what needs calibration files (a file written for a preset may choose another spec: see
@@ -8,7 +12,17 @@ what needs calibration files (a file written for a preset may choose another spe
 
 from __future__ import annotations
 
-__all__ = ["BUILTIN", "PRESET_BUDGETS", "builtin_preset_spec", "check_preset_name"]
+__all__ = [
+    "BUILTIN",
+    "FAST_BUDGETS",
+    "FAST_SUFFIX",
+    "PRESET_BUDGETS",
+    "base_preset_name",
+    "builtin_preset_spec",
+    "check_preset_name",
+    "is_fast_preset",
+    "preset_budget",
+]
 
 #: Bits per element (K and V together, every scale and norm counted) of each built-in preset.
 PRESET_BUDGETS: dict[str, float] = {"walshkv:3": 3.0, "walshkv:3.5": 3.5, "walshkv:4.5": 4.5}
@@ -24,18 +38,55 @@ BUILTIN: dict[str, str] = {
 }
 
 
+#: Suffix of the fast presets (``walshkv:3.5-fast``): chosen among the specs the kernels map without a dense matrix.
+FAST_SUFFIX = "-fast"
+
+#: Bits per element of each fast preset (the same budgets).
+FAST_BUDGETS: dict[str, float] = {f"{name}{FAST_SUFFIX}": bits for name, bits in PRESET_BUDGETS.items()}
+
+
 def check_preset_name(name: str) -> str:
-    """The canonical (lower-case, stripped) form of a built-in preset name.
+    """The canonical (lower-case, stripped) form of a built-in preset name (``walshkv:B`` or ``walshkv:B-fast``).
 
     Raises:
         ValueError: an unknown name; the message lists the presets.
     """
     key = name.strip().lower()
-    if key not in PRESET_BUDGETS:
-        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESET_BUDGETS)}")
+    if key not in PRESET_BUDGETS and key not in FAST_BUDGETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join([*PRESET_BUDGETS, *FAST_BUDGETS])}")
     return key
 
 
+def is_fast_preset(name: str) -> bool:
+    """Whether ``name`` is a fast preset name (``walshkv:B-fast``, any budget ``B``)."""
+    return name.strip().lower().endswith(FAST_SUFFIX)
+
+
+def base_preset_name(name: str) -> str:
+    """``walshkv:B`` for ``walshkv:B-fast`` (and for ``walshkv:B`` itself), lower-case."""
+    key = name.strip().lower()
+    return key[: -len(FAST_SUFFIX)] if key.endswith(FAST_SUFFIX) else key
+
+
+def preset_budget(name: str) -> float:
+    """Bits per element of preset ``name``: a built-in one's table entry, else the number after ``walshkv:``.
+
+    Raises:
+        ValueError: not a ``walshkv:B`` or ``walshkv:B-fast`` name with a positive number ``B``.
+    """
+    key = base_preset_name(name)
+    if key in PRESET_BUDGETS:
+        return PRESET_BUDGETS[key]
+    try:
+        bits = float(key.split(":", 1)[1]) if key.startswith("walshkv:") else float("nan")
+    except ValueError:
+        bits = float("nan")
+    if not bits > 0:
+        raise ValueError(f"{name!r} is not a preset name: write walshkv:B or walshkv:B{FAST_SUFFIX} with B > 0")
+    return bits
+
+
 def builtin_preset_spec(name: str) -> str:
-    """The built-in cache spec of preset ``name`` (``walshkv:3.5`` -> ``center+tq:4/tq:2.5``)."""
-    return BUILTIN[check_preset_name(name)]
+    """The built-in cache spec of preset ``name`` (``walshkv:3.5`` -> ``center+tq:4/tq:2.5``; a fast preset has its
+    plain preset's built-in spec, which the kernels read without a per-key map)."""
+    return BUILTIN[base_preset_name(check_preset_name(name))]
