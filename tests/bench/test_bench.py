@@ -187,3 +187,16 @@ def test_prerope_rows_time_their_key_transform_alone():
     (line,) = [t for t in targets(result) if "the presets' codecs" in t]
     assert "its prerope+ K transform alone, as a torch matmul, allows at most x" in line
     assert format_attention_table(rows[:3], 10.0).count("prerope") == 0
+
+
+def test_cli_attention_runs_presets_side_by_side_with_their_shipped_files(tmp_path):
+    # without --kv-mean-center each preset takes the file this checkout ships for --model, so two presets chosen
+    # with different files run in one bench (their ratios paired per round)
+    from walshkv.presets import resolve_preset
+
+    out = tmp_path / "b"
+    argv = ["bench", "--part", "attention", "--kv-len", "64", "--codec", "walshkv:3.5", "--codec", "walshkv:4.5"]
+    assert main([*argv, "--repeats", "1", "--out", str(out), "--quiet", "--no-plot"]) == 0
+    rows = {r["method"]: r for r in json.loads((out / "bench.json").read_text())["attention"]}
+    for name in ("walshkv:3.5", "walshkv:4.5"):
+        assert rows[name]["spec"] == resolve_preset(name, model="smollm2-135m").spec, name

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,6 +66,7 @@ def bench_attention(
     reference: bool = False,
     check: bool = False,
     calibration: CalibrationLike | None = None,
+    calibrations: Mapping[str, CalibrationLike] | None = None,
     layer: int = 0,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
@@ -90,6 +91,8 @@ def bench_attention(
             preset file (``read_kv_mean_center``; a file written by ``walshkv recommend`` also names the spec)
             or statistics; the codecs are bound to ``layer`` (its kv heads and head_dim must be the bench's).
             A spec's ``sink:N:`` tokens are left out (N full-precision tokens join the window at decode).
+        calibrations: ``{codec: calibration}`` for codecs that take their own (e.g. two presets with their own
+            files, side by side); the others take ``calibration``.
         layer: the layer whose calibration (and, for a ``layers:`` spec, whose codecs) a row uses.
         progress: show a progress bar.
 
@@ -113,14 +116,20 @@ def bench_attention(
     _check_device(device)
     cuda = device.startswith("cuda")
     supports = triton_supports if cuda else cpu_supports
-    resolved, preset_of = resolve_specs(list(codecs), calibration)
-    names = {spec: preset_of.get(spec, spec) for spec in resolved}  # a preset's row is named by the preset
+    own = dict(calibrations or {})
+    names: dict[str, str] = {}
+    cal_of: dict[str, CalibrationLike | None] = {}
+    for codec in codecs:
+        cal = own.get(codec, calibration)
+        (spec_str,), preset_of = resolve_specs([codec], cal)
+        names[spec_str] = preset_of.get(spec_str, spec_str)  # a preset's row is named by the preset
+        cal_of[spec_str] = cal
     specs: dict[str, CacheSpec] = {}
     spec_text: dict[str, str] = {}
     for spec_str, name in names.items():
         parsed = parse_cache_spec(spec_str)
         parsed.check_head_dim(head_dim)
-        specs[name] = parsed.bind(layer, calibration if parsed.needs_calibration else None)  # a layers: part
+        specs[name] = parsed.bind(layer, cal_of[spec_str] if parsed.needs_calibration else None)  # a layers: part
         spec_text[name] = spec_str
     gen = torch.Generator().manual_seed(seed)
     rows: list[dict[str, Any]] = []

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, get_args
 
 import torch
 
 from walshkv import bench
+from walshkv.bench.generation import shipped_preset_file
 from walshkv.cli.common import SHOW_DEFAULT, calibration_parent
 from walshkv.constants import Prefill
 from walshkv.defaults import DEFAULT_MODEL
 from walshkv.eval.report import command_line, write_result_files
 from walshkv.export import read_kv_mean_center
+from walshkv.presets import is_preset
 
 __all__ = ["add_parsers"]
 
@@ -78,6 +81,13 @@ def _check(args: argparse.Namespace) -> tuple[list[bench.GenerationCodec], list[
     )
 
 
+def _shipped_calibrations(model: str, codecs: Sequence[str]) -> dict[str, Any]:
+    """Without ``--kv-mean-center``: each preset of ``codecs`` with the file this checkout ships for it and ``model``
+    (``docs/results/presets/<model>/walshkv-B.gguf``), so that presets run side by side with their own files."""
+    files = {c: shipped_preset_file(model, c) for c in codecs if is_preset(c)}
+    return {c: read_kv_mean_center(path) for c, path in files.items() if path is not None}
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     generation = _check(args)
     meta: dict[str, Any] = {
@@ -98,6 +108,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             device=args.device,
             calibration=calibration,
+            calibrations=None if calibration is not None else _shipped_calibrations(args.model, args.codec or ()),
             layer=args.layer,
             progress=not args.quiet,
         )
@@ -154,7 +165,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         epilog="examples:\n  walshkv bench --part attention --kv-len 1024,16384\n"
         "  walshkv bench --part generation --ctx 1024,8192 --new-tokens 16\n"
         "  walshkv bench --part generation --ctx 8176 --gen-codec walshkv:3.5 --gen-codec rot+int4 \\\n"
-        "      --kv-mean-center docs/results/presets/smollm2-135m/walshkv-3.5.gguf",
+        "      --kv-mean-center docs/results/presets/smollm2-135m/walshkv-3.5.gguf\n"
+        "  walshkv bench --part attention --kv-len 16384 --codec walshkv:3.5 --codec walshkv:3.5-fast   "
+        "# each preset with this checkout's file",
         parents=[calibration_parent(tokens_help="generation: tokens of --calib-text" + SHOW_DEFAULT)],
     )
     bp.add_argument("--part", choices=["all", "attention", "generation"], default="all", help="what to measure")
@@ -164,7 +177,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         action="append",
         metavar="SPEC",
         help="attention: codec (repeatable): a spec, or a preset or calibrated spec with --kv-mean-center FILE "
-        "(bound to --layer's calibration; the file's kv heads and head_dim must be the bench's 3 and 64)",
+        "(bound to --layer's calibration; the file's kv heads and head_dim must be the bench's 3 and 64); without "
+        "--kv-mean-center each preset takes the file this checkout ships for --model "
+        "(docs/results/presets/MODEL/walshkv-B.gguf)",
     )
     bp.add_argument(
         "--layer", type=int, default=3, help="attention: the layer whose calibration a calibrated codec uses"
