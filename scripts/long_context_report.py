@@ -273,6 +273,67 @@ def select_section(results: Path, summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def fast_section(results: Path, summary: dict[str, Any]) -> list[str]:
+    """The fast presets (stages select-fast and fast): each next to its plain preset on the same windows."""
+    lines = ["## The fast presets: what decoding without a per-key matrix costs (`recommend --fast`)", ""]
+    found = False
+    for model, entry in sorted(model_presets().items()):
+        names = _name_of(model)
+        fast = sorted(n for n in entry["presets"] if n.endswith("-fast"))
+        if not fast:
+            continue
+        found = True
+        hold = {t: {_label(r, names): r for r in _rows(results / "holdout" / model / t)} for t in _HOLDOUT_TEXTS}
+        ctxs = (4096, 8192)
+        kld = {c: {_label(r, names): r for r in _rows(results / "kld" / model / f"ctx{c}")} for c in ctxs}
+        pers, emma = hold["austen_persuasion"], hold["austen_emma"]
+        meta = next(iter(pers.values()))["_meta"] if pers else {}
+        lines += [
+            f"### {model}",
+            "",
+            "`walshkv:B-fast` is chosen like `walshkv:B` (`recommend --ctx 4096` on python-docs only) among the "
+            "specs the fused kernels decode without a dense `head_dim x head_dim` map per cached key: K stored "
+            "before RoPE takes `eqd+` (the best diagonal transform, folded into the fast Walsh-Hadamard map) in "
+            'place of `eq+`. Speed: [performance.md](performance.md), section "The fast presets". Persuasion '
+            "and Emma at 512 tokens: "
+            f"{meta.get('windows', '?')} windows; Emma at 4k and 8k: the KLD table's windows. "
+            "`fast - plain`: per-window paired bootstrap on Persuasion.",
+            "",
+            "| preset | spec | Persuasion KLD | fast - plain [95%] | Emma KLD at 512 | at 4096 | at 8192 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name in fast:
+            plain = name.removesuffix("-fast")
+            diff = "—"
+            if name in pers and plain in pers:
+                paired = paired_difference(pers[name].get("window_kld_mean"), pers[plain].get("window_kld_mean"))
+                if paired is not None:
+                    mean, (lo, hi) = paired
+                    diff = f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}]"
+                    summary.setdefault("fast", {})[f"{model}/{name}"] = {"diff_vs_plain": mean, "ci95": [lo, hi]}
+            for label in (plain, name):
+                spec = entry["presets"].get(label, {}).get("spec", "?")
+                p, e = pers.get(label), emma.get(label)
+                cells = [
+                    f"{_fmt(p['kld_mean'])}{_ci(p, 'kld_mean_ci95')}" if p else "—",
+                    diff if label == name else "",
+                    f"{_fmt(e['kld_mean'])}{_ci(e, 'kld_mean_ci95')}" if e else "—",
+                    *(_fmt(kld[c][label]["kld_mean"]) if label in kld[c] else "—" for c in ctxs),
+                ]
+                lines.append(f"| {label} | `{spec}` | " + " | ".join(cells) + " |")
+                summary.setdefault("fast", {}).setdefault(f"{model}/{label}/kld", {}).update(
+                    {"persuasion": p and p["kld_mean"], "emma512": e and e["kld_mean"]}
+                    | {f"emma{c}": kld[c][label]["kld_mean"] for c in ctxs if label in kld[c]}
+                )
+        lines.append("")
+    if not found:
+        lines += ['No fast preset ships yet: `STAGES="select-fast fast" bash docs/long-context-reproduce.sh`.', ""]
+    return lines
+
+
+_HOLDOUT_TEXTS = ("austen_persuasion", "austen_emma")
+
+
 def _frames(spec: str) -> tuple[str, str]:
     """(where a K spec's codes are, where its mean is taken) for the frame probe's specs."""
     k = spec.split(":", 2)[-1] if spec.startswith("sink:") else spec
@@ -426,6 +487,7 @@ def main() -> int:
     lines += kld_section(results, results, summary)
     lines += select_section(results, summary)
     lines += frame_section(results, summary)
+    lines += fast_section(results, summary)
     lines += needle_section(results, summary)
     lines += holdout_section(results, summary)
     outro = Path(args.outro)

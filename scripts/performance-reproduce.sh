@@ -57,12 +57,12 @@ python scripts/update_readme.py docs/results/bench-presets-16k/bench.md docs/per
 # file's K mean is not used by the specs without center+, which cost the kernel the same
 # One block per instruction set (AVX-512 in bench-keymap, AVX2-only CPUs in bench-keymap-avx2): run it on each.
 if python -c "import sys, torch; sys.exit(torch.backends.cpu.get_cpu_capability() != 'AVX2')"; then
-  keymap=keymap-avx2
-  keymap_out=docs/results/bench-keymap-avx2
+  isa=-avx2
 else
-  keymap=keymap
-  keymap_out=docs/results/bench-keymap
+  isa=
 fi
+keymap=keymap$isa
+keymap_out=docs/results/bench-keymap$isa
 walshkv bench --part attention --kv-len "${KV_LEN_KEYMAP:-16384,65536}" --codec walshkv:4.5 \
   --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" --codec "sink:1:prerope+rot+iq4_nl/tq:4" \
   --codec "sink:1:prerope+tq:4.5/tq:4" --codec rot+iq4_nl/tq:4 --codec tq:4.5/tq:4 --codec rot+int4 --quiet --no-plot \
@@ -71,6 +71,19 @@ if grep -q "<!-- results:$keymap:start -->" docs/performance.md; then
   python scripts/update_readme.py "$keymap_out/bench.md" docs/performance.md "$keymap"
 else
   echo "$keymap_out/bench.md written; docs/performance.md has no results:$keymap block to paste it into"
+fi
+# the fast presets (walshkv:B-fast: recommend --fast at 4k tokens, docs/long-context.md; no dense per-key map in
+# decode) against the shipped walshkv:3.5 and walshkv:4.5, rot+int4 and SDPA, each preset with its own shipped file
+# (no --kv-mean-center), at 16k and 64k; then generation at the longest context, walshkv:3.5 and walshkv:3.5-fast
+# against DynamicCache fp32 and bf16 (about 15 minutes). One block per instruction set (fast, fast-avx2)
+fast_out=docs/results/bench-fast$isa
+walshkv bench --kv-len "${KV_LEN_FAST:-16384,65536}" --ctx "${CTX_FAST:-$smol_longest}" --codec walshkv:3.5 \
+  --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+int4 \
+  --gen-codec walshkv:3.5 --gen-codec walshkv:3.5-fast --new-tokens "$new" --quiet --no-plot --out "$fast_out"
+if grep -q "<!-- results:fast$isa:start -->" docs/performance.md; then
+  python scripts/update_readme.py "$fast_out/bench.md" docs/performance.md "fast$isa"
+else
+  echo "$fast_out/bench.md written; docs/performance.md has no results:fast$isa block to paste it into"
 fi
 # opt-in: qwen2.5-1.5b (max_position_embeddings 32768) with its walshkv:3.5 preset; pasted where the page has
 # a <!-- results:qwen:start --> ... <!-- results:qwen:end --> block

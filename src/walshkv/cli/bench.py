@@ -71,9 +71,12 @@ def _check(args: argparse.Namespace) -> tuple[list[bench.GenerationCodec], list[
                 "(e.g. --codec walshkv:3.5)"
             )
         return None
+    gen_codecs: list[Any] | None = args.gen_codec
+    if gen_codecs and not args.kv_mean_center and not args.calib_text:  # presets with this checkout's files
+        gen_codecs = [(c, f) if (f := _shipped_file(args.model, c)) else c for c in gen_codecs]
     return bench.resolve_generation_codecs(
         args.model,
-        args.gen_codec,
+        gen_codecs,
         kv_mean_center=args.kv_mean_center,
         calib_text=args.calib_text,
         calib_tokens=args.calib_tokens,
@@ -81,10 +84,17 @@ def _check(args: argparse.Namespace) -> tuple[list[bench.GenerationCodec], list[
     )
 
 
+def _shipped_file(model: str, codec: str) -> str | None:
+    """The file this checkout ships for preset ``codec`` on ``model`` (``docs/results/presets/<model>/walshkv-B.gguf``),
+    or ``None`` (not a preset, or no such file)."""
+    path = shipped_preset_file(model, codec) if is_preset(codec) else None
+    return None if path is None else str(path)
+
+
 def _shipped_calibrations(model: str, codecs: Sequence[str]) -> dict[str, Any]:
-    """Without ``--kv-mean-center``: each preset of ``codecs`` with the file this checkout ships for it and ``model``
-    (``docs/results/presets/<model>/walshkv-B.gguf``), so that presets run side by side with their own files."""
-    files = {c: shipped_preset_file(model, c) for c in codecs if is_preset(c)}
+    """Without ``--kv-mean-center``: each preset of ``codecs`` with the file this checkout ships for it and ``model``,
+    so that presets run side by side with their own files."""
+    files = {c: _shipped_file(model, c) for c in codecs}
     return {c: read_kv_mean_center(path) for c, path in files.items() if path is not None}
 
 
@@ -197,7 +207,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         action="append",
         metavar="SPEC",
         help="generation: a compressed cache, repeatable: a spec (rot+int4, center+tq:4/tq:2.5) or a preset "
-        "(walshkv:3.5; its calibration from --kv-mean-center FILE or --calib-text TEXT); default: "
+        "(walshkv:3.5; its calibration from --kv-mean-center FILE or --calib-text TEXT, else the file this "
+        "checkout ships for --model); default: "
         f"{', '.join(bench.DEFAULT_GENERATION_CODECS)} and the model's shipped presets "
         "(docs/results/presets/MODEL/walshkv-*.gguf)",
     )
