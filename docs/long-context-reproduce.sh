@@ -27,7 +27,7 @@ SELECT_MODELS="${SELECT_MODELS:-smollm2-135m}"
 SELECT_BITS="${SELECT_BITS:-3 3.5 4.5}"
 # the fast presets (walshkv:B-fast, stages select-fast and fast): chosen and measured on these models and budgets
 FAST_MODELS="${FAST_MODELS:-smollm2-135m}"
-FAST_BITS="${FAST_BITS:-3.5 4.5}"
+FAST_BITS="${FAST_BITS:-3 3.5 4.5}"
 windows_for() {
   [ "$2" = qwen2.5-1.5b ] && { echo "${WINDOWS_qwen:-1}"; return; }
   case "$1" in 512) echo 16 ;; 2048) echo 4 ;; 4096) echo 2 ;; *) echo 1 ;; esac

@@ -73,11 +73,12 @@ else
   echo "$keymap_out/bench.md written; docs/performance.md has no results:$keymap block to paste it into"
 fi
 # the fast presets (walshkv:B-fast: recommend --fast at 4k tokens, docs/long-context.md; no dense per-key map in
-# decode) against the shipped walshkv:3.5 and walshkv:4.5, rot+int4 and SDPA, each preset with its own shipped file
+# decode) against the shipped walshkv:3, walshkv:3.5 and walshkv:4.5, rot+int4 and SDPA, each preset with its own shipped file
 # (no --kv-mean-center), at 16k and 64k; then generation at the longest context, walshkv:3.5 and walshkv:3.5-fast
 # against DynamicCache fp32 and bf16 (about 15 minutes). One block per instruction set (fast, fast-avx2)
 fast_out=docs/results/bench-fast$isa
-walshkv bench --kv-len "${KV_LEN_FAST:-16384,65536}" --ctx "${CTX_FAST:-$smol_longest}" --codec walshkv:3.5 \
+walshkv bench --kv-len "${KV_LEN_FAST:-16384,65536}" --ctx "${CTX_FAST:-$smol_longest}" --codec walshkv:3 --codec walshkv:3-fast \
+  --codec walshkv:3.5 \
   --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+int4 \
   --gen-codec walshkv:3.5 --gen-codec walshkv:3.5-fast --new-tokens "$new" --quiet --no-plot --out "$fast_out"
 if grep -q "<!-- results:fast$isa:start -->" docs/performance.md; then
