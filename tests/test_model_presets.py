@@ -130,7 +130,7 @@ def test_fast_presets_ship_with_files_whose_keys_the_kernel_maps_fast():
     from walshkv.attention.cpu import prerope_key_map
     from walshkv.export import read_kv_mean_center
 
-    for name in ("walshkv:3.5-fast", "walshkv:4.5-fast"):
+    for name in ("walshkv:3-fast", "walshkv:3.5-fast", "walshkv:4.5-fast"):
         p = resolve_preset(name, model="smollm2-135m")
         assert p.source == "shipped:smollm2-135m" and p.provenance["ctx"] == 4096 and not dense_key_map(p.spec)
         plain = resolve_preset(name.removesuffix("-fast"), model="smollm2-135m")
