@@ -73,19 +73,24 @@ else
   echo "$keymap_out/bench.md written; docs/performance.md has no results:$keymap block to paste it into"
 fi
 # the fast presets (walshkv:B-fast: recommend --fast at 4k tokens, docs/long-context.md; no dense per-key map in
-# decode) against the shipped walshkv:3, walshkv:3.5 and walshkv:4.5, rot+int4 and SDPA, each preset with its own shipped file
-# (no --kv-mean-center), at 16k and 64k; then generation at the longest context, walshkv:3.5 and walshkv:3.5-fast
-# against DynamicCache fp32 and bf16 (about 15 minutes). One block per instruction set (fast, fast-avx2)
-fast_out=docs/results/bench-fast$isa
-walshkv bench --kv-len "${KV_LEN_FAST:-16384,65536}" --ctx "${CTX_FAST:-$smol_longest}" --codec walshkv:3 --codec walshkv:3-fast \
-  --codec walshkv:3.5 \
-  --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+int4 \
-  --gen-codec walshkv:3.5 --gen-codec walshkv:3.5-fast --new-tokens "$new" --quiet --no-plot --out "$fast_out"
-if grep -q "<!-- results:fast$isa:start -->" docs/performance.md; then
-  python scripts/update_readme.py "$fast_out/bench.md" docs/performance.md "fast$isa"
-else
-  echo "$fast_out/bench.md written; docs/performance.md has no results:fast$isa block to paste it into"
-fi
+# decode) against the shipped walshkv:3, walshkv:3.5 and walshkv:4.5, rot+int4 and SDPA, each preset with its own
+# shipped file (no --kv-mean-center), at 16k and 64k (a few minutes); then generation at the longest context,
+# walshkv:3.5 and walshkv:3.5-fast against DynamicCache fp32 and bf16 (about 15 minutes). One pair of blocks per
+# instruction set (fast and fast-gen; fast-avx2 and fast-gen-avx2)
+paste() {  # paste $1/bench.md into docs/performance.md's block $2 where the page has one
+  if grep -q "<!-- results:$2:start -->" docs/performance.md; then
+    python scripts/update_readme.py "$1/bench.md" docs/performance.md "$2"
+  else
+    echo "$1/bench.md written; docs/performance.md has no results:$2 block to paste it into"
+  fi
+}
+walshkv bench --part attention --kv-len "${KV_LEN_FAST:-16384,65536}" --codec walshkv:3 --codec walshkv:3-fast \
+  --codec walshkv:3.5 --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+int4 \
+  --quiet --no-plot --out "docs/results/bench-fast$isa"
+paste "docs/results/bench-fast$isa" "fast$isa"
+walshkv bench --part generation --ctx "${CTX_FAST:-$smol_longest}" --gen-codec walshkv:3.5 --gen-codec walshkv:3.5-fast \
+  --new-tokens "$new" --quiet --no-plot --out "docs/results/bench-fast-gen$isa"
+paste "docs/results/bench-fast-gen$isa" "fast-gen$isa"
 # opt-in: qwen2.5-1.5b (max_position_embeddings 32768) with its walshkv:3.5 preset; pasted where the page has
 # a <!-- results:qwen:start --> ... <!-- results:qwen:end --> block
 if [[ -n "${QWEN_CTX:-}" ]]; then
