@@ -35,6 +35,13 @@ windows_for() {
 
 # holdout windows of 512 tokens per text (qwen2.5-1.5b: fewer, each forward costs ten times smollm2's)
 holdout_windows() { case "$1" in qwen2.5-1.5b) echo "${HOLDOUT_WINDOWS_qwen:-8}" ;; *) echo "${HOLDOUT_WINDOWS:-16}" ;; esac; }
+# the holdout's sweep of grid $2 on model $1 at 512 tokens: Persuasion first (the targets are judged on it), then Emma
+holdout_sweep() {
+  for text in "$PERSUASION" "$EMMA"; do
+    walshkv sweep --model "$1" --text "$text" --grid "$2" --ctx 512 --windows "$(holdout_windows "$1")" \
+      --calib-text python-docs --decode-chunk 16 --chunk 16 --reuse-rows --quiet --out "$OUT/holdout/$1/$(basename "$text" .txt)"
+  done
+}
 # the grid per context: every row up to 2k; beyond, the core rows (docs/grids/long-context-core.json), which fit
 # 2 cores (GRID_LONG=long-context runs every row there too)
 # qwen2.5-1.5b (ten times smollm2's cost per forward): the core grid and one window at every context
@@ -78,12 +85,7 @@ for stage in $STAGES; do
     # same windows (reported, never chosen by)
     python -c "import json, sys; w = json.load(open(sys.argv[1]))['winner']; json.dump({'description': 'the 4.5-bit winner of recommend at 512 tokens on python-docs, replaced by the 4k winner (stage select)', 'codecs': [w]}, open(sys.argv[2], 'w'))" \
       docs/results/presets/smollm2-135m/recommend-4.5.json docs/grids/long-context-select.json
-    for text in "$PERSUASION" "$EMMA"; do
-      name=$(basename "$text" .txt)
-      walshkv sweep --model smollm2-135m --text "$text" --grid docs/grids/long-context-select.json --ctx 512 \
-        --windows "$(holdout_windows smollm2-135m)" --calib-text python-docs --decode-chunk 16 --chunk 16 --reuse-rows --quiet \
-        --out "$OUT/holdout/smollm2-135m/$name"
-    done
+    holdout_sweep smollm2-135m docs/grids/long-context-select.json
     walshkv sweep --model smollm2-135m --text "$EMMA" --grid docs/grids/long-context-select.json --ctx 8192 --windows 1 \
       --calib-text python-docs --decode-chunk 64 --chunk 16 --reuse-rows --quiet --out "$OUT/kld/smollm2-135m/ctx8192"
     ;;
@@ -112,13 +114,7 @@ for stage in $STAGES; do
   holdout)
     # the frozen holdout: the final presets and peers at 512 tokens, Emma (development) next to Persuasion
     # (Persuasion first: the targets are judged on it)
-    for model in $MODELS; do
-      for text in "$PERSUASION" "$EMMA"; do
-        name=$(basename "$text" .txt)
-        walshkv sweep --model "$model" --text "$text" --grid long-context --ctx 512 --windows "$(holdout_windows "$model")" \
-          --calib-text python-docs --decode-chunk 16 --chunk 16 --reuse-rows --quiet --out "$OUT/holdout/$model/$name"
-      done
-    done
+    for model in $MODELS; do holdout_sweep "$model" long-context; done
     ;;
   frame)
     # why post-RoPE center+ grows with context: the frame of the codes, or the frame of the mean? The probe
@@ -153,12 +149,7 @@ for stage in $STAGES; do
     # the fast presets as rows of the plain presets' sweeps, on the same windows (docs/grids/long-context-fast.json):
     # Persuasion (holdout) and Emma at 512 tokens, Emma at 4k and 8k
     for model in $FAST_MODELS; do
-      for text in "$PERSUASION" "$EMMA"; do
-        name=$(basename "$text" .txt)
-        walshkv sweep --model "$model" --text "$text" --grid docs/grids/long-context-fast.json --ctx 512 \
-          --windows "$(holdout_windows "$model")" --calib-text python-docs --decode-chunk 16 --chunk 16 --reuse-rows \
-          --quiet --out "$OUT/holdout/$model/$name"
-      done
+      holdout_sweep "$model" docs/grids/long-context-fast.json
       for ctx in 4096 8192; do
         walshkv sweep --model "$model" --text "$EMMA" --grid docs/grids/long-context-fast.json --ctx "$ctx" \
           --windows "$(windows_for "$ctx" "$model")" --calib-text python-docs --decode-chunk 64 --chunk 16 --reuse-rows \
