@@ -75,6 +75,9 @@ for stage in $STAGES; do
         [ -f "$OUT/select/$model/recommend-$bits-ctx4096.json" ] || walshkv recommend --model "$model" --bits "$bits" \
           --ctx 4096 --windows 2 --candidate "$shipped" --quiet --json "$OUT/select/$model/recommend-$bits-ctx4096.json" \
           -o "$OUT/select/$model/walshkv-$bits-ctx4096.gguf"
+        # the preset file the benches read (docs/results/presets/MODEL/walshkv-B.gguf) names the spec that ships
+        [ ! -f "$OUT/select/$model/walshkv-$bits-ctx4096.gguf" ] ||
+          cp "$OUT/select/$model/walshkv-$bits-ctx4096.gguf" "docs/results/presets/$model/walshkv-$bits.gguf"
       done
     done
     ;;
