@@ -161,8 +161,26 @@ def test_argument_errors_before_loading(kwargs, words):
 def test_cli_generation_flags_need_the_generation_part(capsys):
     assert main(["bench", "--part", "attention", "--gen-codec", "rot+int4", "--quiet"]) == 2
     assert "--gen-codec is for the generation part: add --part generation" in capsys.readouterr().err
-    assert main(["bench", "--part", "generation", "--gen-codec", "walshkv:3.5", "--quiet"]) == 2
-    assert "walshkv calibrate --preset walshkv:3.5" in capsys.readouterr().err
+    assert main(["bench", "--part", "generation", "--gen-codec", "center+tq:4/tq:2.5", "--quiet"]) == 2
+    assert "add --kv-mean-center FILE" in capsys.readouterr().err
+
+
+def test_cli_generation_presets_take_the_checkouts_files(monkeypatch):
+    # without --kv-mean-center / --calib-text a preset takes the file this checkout ships for --model (what the
+    # attention part does too); a spec without a file is passed on as it is
+    import walshkv.bench as bench
+
+    seen = {}
+
+    def capture(model, codecs, **kw):
+        seen.update(model=model, codecs=codecs, kw=kw)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(bench, "resolve_generation_codecs", capture)
+    assert main(["bench", "--part", "generation", "--gen-codec", "walshkv:3.5", "--gen-codec", "rot+int4"]) == 2
+    shipped = shipped_preset_file("smollm2-135m", "walshkv:3.5")
+    assert shipped is not None and seen["codecs"] == [("walshkv:3.5", str(shipped)), "rot+int4"]
+    assert seen["kw"]["kv_mean_center"] is None
     with pytest.raises(ValueError, match="choose from float32, bfloat16"):
         bench_generation("smollm2-135m", [8], "rot+int4", dynamic_dtypes=["float16"], progress=False)
 
