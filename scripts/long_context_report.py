@@ -273,6 +273,9 @@ def select_section(results: Path, summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+_HOLDOUT_TEXTS = ("austen_persuasion", "austen_emma")
+
+
 def fast_section(results: Path, summary: dict[str, Any]) -> list[str]:
     """The fast presets (stages select-fast and fast): each next to its plain preset on the same windows."""
     lines = ["## The fast presets: what decoding without a per-key matrix costs (`recommend --fast`)", ""]
@@ -304,13 +307,12 @@ def fast_section(results: Path, summary: dict[str, Any]) -> list[str]:
         ]
         for name in fast:
             plain = name.removesuffix("-fast")
-            diff = "—"
+            diff, paired = "—", None
             if name in pers and plain in pers:
                 paired = paired_difference(pers[name].get("window_kld_mean"), pers[plain].get("window_kld_mean"))
                 if paired is not None:
                     mean, (lo, hi) = paired
                     diff = f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}]"
-                    summary.setdefault("fast", {})[f"{model}/{name}"] = {"diff_vs_plain": mean, "ci95": [lo, hi]}
             for label in (plain, name):
                 spec = entry["presets"].get(label, {}).get("spec", "?")
                 p, e = pers.get(label), emma.get(label)
@@ -321,17 +323,15 @@ def fast_section(results: Path, summary: dict[str, Any]) -> list[str]:
                     *(_fmt(kld[c][label]["kld_mean"]) if label in kld[c] else "—" for c in ctxs),
                 ]
                 lines.append(f"| {label} | `{spec}` | " + " | ".join(cells) + " |")
-                summary.setdefault("fast", {}).setdefault(f"{model}/{label}/kld", {}).update(
-                    {"persuasion": p and p["kld_mean"], "emma512": e and e["kld_mean"]}
-                    | {f"emma{c}": kld[c][label]["kld_mean"] for c in ctxs if label in kld[c]}
-                )
+                numbers = {"persuasion": p and p["kld_mean"], "emma512": e and e["kld_mean"]}
+                numbers |= {f"emma{c}": kld[c][label]["kld_mean"] for c in ctxs if label in kld[c]}
+                if label == name and paired is not None:
+                    numbers["persuasion_diff_vs_plain"] = {"mean": paired[0], "ci95": list(paired[1])}
+                summary.setdefault("fast", {})[f"{model}/{label}"] = numbers
         lines.append("")
     if not found:
         lines += ['No fast preset ships yet: `STAGES="select-fast fast" bash docs/long-context-reproduce.sh`.', ""]
     return lines
-
-
-_HOLDOUT_TEXTS = ("austen_persuasion", "austen_emma")
 
 
 def _frames(spec: str) -> tuple[str, str]:

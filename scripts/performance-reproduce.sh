@@ -22,6 +22,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
+paste_block() {  # paste $1/bench.md into docs/performance.md's block $2 where the page has one
+  if grep -q "<!-- results:$2:start -->" docs/performance.md; then
+    python scripts/update_readme.py "$1/bench.md" docs/performance.md "$2"
+  else
+    echo "$1/bench.md written; docs/performance.md has no results:$2 block to paste it into"
+  fi
+}
 new="${NEW_TOKENS:-16}"
 smol_longest=$((8192 - new))
 presets=docs/results/presets
@@ -67,41 +74,26 @@ walshkv bench --part attention --kv-len "${KV_LEN_KEYMAP:-16384,65536}" --codec 
   --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" --codec "sink:1:prerope+rot+iq4_nl/tq:4" \
   --codec "sink:1:prerope+tq:4.5/tq:4" --codec rot+iq4_nl/tq:4 --codec tq:4.5/tq:4 --codec rot+int4 --quiet --no-plot \
   --out "$keymap_out"
-if grep -q "<!-- results:$keymap:start -->" docs/performance.md; then
-  python scripts/update_readme.py "$keymap_out/bench.md" docs/performance.md "$keymap"
-else
-  echo "$keymap_out/bench.md written; docs/performance.md has no results:$keymap block to paste it into"
-fi
+paste_block "$keymap_out" "$keymap"
 # the fast presets (walshkv:B-fast: recommend --fast at 4k tokens, docs/long-context.md; no dense per-key map in
 # decode) against the shipped walshkv:3, walshkv:3.5 and walshkv:4.5, rot+int4 and SDPA, each preset with its own
 # shipped file (no --kv-mean-center), at 16k and 64k (a few minutes); then generation at the longest context,
 # walshkv:3.5 and walshkv:3.5-fast against DynamicCache fp32 and bf16 (about 15 minutes). One pair of blocks per
 # instruction set (fast and fast-gen; fast-avx2 and fast-gen-avx2)
-paste() {  # paste $1/bench.md into docs/performance.md's block $2 where the page has one
-  if grep -q "<!-- results:$2:start -->" docs/performance.md; then
-    python scripts/update_readme.py "$1/bench.md" docs/performance.md "$2"
-  else
-    echo "$1/bench.md written; docs/performance.md has no results:$2 block to paste it into"
-  fi
-}
 walshkv bench --part attention --kv-len "${KV_LEN_FAST:-16384,65536}" --codec walshkv:3 --codec walshkv:3-fast \
   --codec walshkv:3.5 --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+int4 \
   --quiet --no-plot --out "docs/results/bench-fast$isa"
-paste "docs/results/bench-fast$isa" "fast$isa"
+paste_block "docs/results/bench-fast$isa" "fast$isa"
 walshkv bench --part generation --ctx "${CTX_FAST:-$smol_longest}" --gen-codec walshkv:3.5 --gen-codec walshkv:3.5-fast \
   --new-tokens "$new" --quiet --no-plot --out "docs/results/bench-fast-gen$isa"
-paste "docs/results/bench-fast-gen$isa" "fast-gen$isa"
+paste_block "docs/results/bench-fast-gen$isa" "fast-gen$isa"
 # opt-in: qwen2.5-1.5b (max_position_embeddings 32768) with its walshkv:3.5 preset; pasted where the page has
 # a <!-- results:qwen:start --> ... <!-- results:qwen:end --> block
 if [[ -n "${QWEN_CTX:-}" ]]; then
   walshkv bench --part generation --model qwen2.5-1.5b --ctx "$QWEN_CTX" --gen-codec rot+int4 \
     --gen-codec walshkv:3.5 --kv-mean-center "$presets/qwen2.5-1.5b/walshkv-3.5.gguf" --new-tokens "$new" \
     --quiet --no-plot --out docs/results/bench-qwen
-  if grep -q "<!-- results:qwen:start -->" docs/performance.md; then
-    python scripts/update_readme.py docs/results/bench-qwen/bench.md docs/performance.md qwen
-  else
-    echo "docs/results/bench-qwen/bench.md written; docs/performance.md has no results:qwen block to paste it into"
-  fi
+  paste_block docs/results/bench-qwen qwen
 else
   echo "skipped qwen2.5-1.5b (QWEN_CTX=4096 or QWEN_CTX=4096,32768 to run it)"
 fi

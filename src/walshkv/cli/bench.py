@@ -118,7 +118,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             device=args.device,
             calibration=calibration,
-            calibrations=None if calibration is not None else _shipped_calibrations(args.model, args.codec or ()),
+            # the attention bench has smollm2-135m's shapes (3 kv heads, head_dim 64): presets take its files
+            calibrations=None if calibration is not None else _shipped_calibrations(DEFAULT_MODEL, args.codec or ()),
             layer=args.layer,
             progress=not args.quiet,
         )
@@ -188,8 +189,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         metavar="SPEC",
         help="attention: codec (repeatable): a spec, or a preset or calibrated spec with --kv-mean-center FILE "
         "(bound to --layer's calibration; the file's kv heads and head_dim must be the bench's 3 and 64); without "
-        "--kv-mean-center each preset takes the file this checkout ships for --model "
-        "(docs/results/presets/MODEL/walshkv-B.gguf)",
+        f"--kv-mean-center each preset takes the file this checkout ships for {DEFAULT_MODEL}, whose attention "
+        f"shapes these are (docs/results/presets/{DEFAULT_MODEL}/walshkv-B.gguf)",
     )
     bp.add_argument(
         "--layer", type=int, default=3, help="attention: the layer whose calibration a calibrated codec uses"
