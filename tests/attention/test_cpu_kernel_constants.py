@@ -55,3 +55,16 @@ def test_the_source_is_package_data_and_its_text_names_the_build(monkeypatch: py
     # each load tries the native flags, then the portable ones: four builds, four names
     assert [srcs for _, srcs in builds] == [[source], [source], [edited], [edited]]
     assert len({name for name, _ in builds}) == 4
+
+
+def test_token_ranges_keep_every_thread_busy():
+    """The kernel's tasks (kv heads x token ranges) come in a multiple of the thread count where ranges stay long
+    enough: smollm2-135m's 3 kv heads on 2 threads run 3 x 4 ranges (12 tasks, 6 each), not 3 x 3 (5 and 4)."""
+    from walshkv.attention.cpu import _MIN_SPLIT_TOKENS, _nsplit
+
+    assert _nsplit(3, 16384, 1) == 1
+    assert _nsplit(3, 16384, 2) == 4 and _nsplit(2, 16384, 2) == 4
+    assert _nsplit(7, 1 << 20, 16) == 16  # 7 x 16 = 112 tasks: 7 each
+    for n, t, threads in ((3, 16384, 2), (3, 300, 2), (1, 100, 8), (5, 4096, 3), (6, 600, 4)):
+        s = _nsplit(n, t, threads)
+        assert 1 <= s <= max(1, -(-t // _MIN_SPLIT_TOKENS)), (n, t, threads, s)

@@ -130,3 +130,38 @@ def test_hadamard_factors_find_signed_walsh_hadamard_matrices_only():
     assert hadamard_factors(torch.eye(d).expand(2, d, d)) is None  # identity: no rotation at all
     assert hadamard_factors(mt[:, :16]) is None  # L != d
     assert hadamard_factors(torch.zeros(2, 24, 24)) is None  # no power of two
+
+
+_AMX_CASES = [
+    ("prerope+center+eq+tq:3", "tq:2.5", 32),
+    ("prerope+center+eq+tq:3.5", "tq:3", 64),
+    ("prerope+center+eq+tq:3", "tq:2.5", 128),
+    ("prerope+eq+int4", "int4", 48),  # L = 48: the tile unit's K dimension padded to 64
+    ("prerope+center+eq+int8", "int8", 80),  # row length 80 -> 96, RoPE's half not a whole vector
+]
+
+
+@pytest.mark.parametrize(("kspec", "vspec", "head_dim"), _AMX_CASES)
+def test_eq_key_map_on_amx_tiles_and_in_fp32_match_the_reference(kspec, vspec, head_dim, monkeypatch):
+    """eq+'s dense per-key map runs on AMX tiles where the CPU has them (bf16 hi + lo parts, three products summed
+    in fp32) and as fp32 multiply-adds elsewhere or with WALSHKV_CPU_AMX=0: both agree with the reference to
+    float rounding. On a CPU without AMX only the fp32 side runs (the AMX side is checked where AMX exists)."""
+    from walshkv.attention import cpu
+
+    cal = CalibrationStub(head_dim, KV)
+    kc, vc = parse_codec(kspec).bind(1, "k", cal), parse_codec(vspec).bind(1, "v", cal)
+    gen = torch.Generator().manual_seed(head_dim)
+    n = 173  # five whole tiles of 32 and a partial one of 13: row blocks of 16 with stale rows
+    k, v = torch.randn(2, KV, n, head_dim, generator=gen), torch.randn(2, KV, n, head_dim, generator=gen)
+    pk, pv = kc.encode(k, 3), vc.encode(v, 3)
+    q = torch.randn(2, KV * 3, 1, head_dim, generator=gen)
+    want = decode_attention(q, pk, pv, kc, vc, backend="reference", start=3)
+    monkeypatch.setenv("WALSHKV_CPU_AMX", "0")
+    assert not cpu.amx_key_map() and cpu.prerope_key_map(kc, vc, head_dim, KV) == "matrix"
+    torch.testing.assert_close(decode_attention(q, pk, pv, kc, vc, backend="cpu", start=3), want, atol=3e-5, rtol=0)
+    monkeypatch.delenv("WALSHKV_CPU_AMX")
+    kernel = cpu.load_kernel()
+    has_amx = bool(kernel.amx_compiled) and bool(kernel.amx_ready())
+    assert cpu.amx_key_map() == has_amx
+    assert cpu.prerope_key_map(kc, vc, head_dim, KV) == ("matrix-amx" if has_amx else "matrix")
+    torch.testing.assert_close(decode_attention(q, pk, pv, kc, vc, backend="cpu", start=3), want, atol=3e-5, rtol=0)

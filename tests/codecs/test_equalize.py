@@ -421,9 +421,9 @@ def test_eqd_binds_a_diagonal_transform_and_keeps_the_fast_key_map(stats):
     with pytest.raises(ValueError, match="eqd\\+tq:3 needs a calibrated K transform"):
         parse_codec("eqd+tq:3").bind(0, "k", None)
     pre = stats.pre_rope()
-    for spec, want in (("prerope+center+eqd+tq:3", "hadamard"), ("prerope+center+eq+tq:3", "matrix")):
+    for spec, want in (("prerope+center+eqd+tq:3", {"hadamard"}), ("prerope+center+eq+tq:3", {"matrix", "matrix-amx"})):
         kc, vc = parse_codec(spec).bind(1, "k", pre), parse_codec("tq:3").bind(1, "v", pre)
-        assert prerope_key_map(kc, vc, 16, 2) == want, spec
+        assert prerope_key_map(kc, vc, 16, 2) in want, spec
 
 
 def test_eqd_files_hold_diagonal_transforms_and_eq_files_are_refused(tmp_path: Path, tiny_lm, stats):

@@ -87,6 +87,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import os
 import platform
 import threading
 import warnings
@@ -111,6 +112,7 @@ from walshkv.ops.packing import packed_nbytes
 __all__ = [
     "CPU_SUPPORTED",
     "CpuPlan",
+    "amx_key_map",
     "check_kernel_constants",
     "cpu_supports",
     "fused_decode_cpu",
@@ -292,8 +294,8 @@ def _kpost(plan: CpuPlan, kv: int, start: int, t: int) -> tuple[list[int], list[
             had[0][:, :d], had[1][:, :d] = factors
         if len(_KPOST) >= 256:
             _KPOST.clear()
-        arrays = _KPOST[key] = (mt.contiguous(), mu.contiguous(), had, plan)  # (the plan: its id stays unique)
-    mt, mu, had = arrays[0], arrays[1], arrays[2]
+        arrays = _KPOST[key] = (mt.contiguous(), mu.contiguous(), had, plan, {})  # (the plan: its id stays unique)
+    mt, mu, had, _, lazy = arrays
     cos, sin = rope_half_tables(parts.table, start + t)
     d = parts.table.head_dim
     desc = [mt.data_ptr(), mu.data_ptr(), cos.data_ptr(), sin.data_ptr(), start, cos.shape[0], d, plan.k.length]
@@ -301,26 +303,78 @@ def _kpost(plan: CpuPlan, kv: int, start: int, t: int) -> tuple[list[int], list[
     if had is not None:
         desc += [had[0].data_ptr(), had[1].data_ptr()]
         keep += list(had)
+    elif amx_key_map():
+        if "amx" not in lazy:
+            lazy["amx"] = _amx_pairs(mt)
+        hi, lo, lp = lazy["amx"]
+        desc += [hi.data_ptr(), lo.data_ptr(), lp]
+        keep += [hi, lo]
     return desc, keep
+
+
+def _amx_pairs(mt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``mt`` ``[kv, L, ld]`` as bf16 hi and lo parts in the tile unit's pair layout ``[kv, Lp / 2, ld, 2]``
+    (``Lp``: ``L`` rounded up to 32, zero rows after ``L``), and ``Lp`` (see ``KPost`` in the .cpp)."""
+    kv, length, ld = mt.shape
+    lp = -(-length // 32) * 32
+    full = torch.zeros(kv, lp, ld)
+    full[:, :length] = mt
+    hi = full.to(torch.bfloat16)
+    lo = (full - hi.float()).to(torch.bfloat16)
+
+    def pairs(x: torch.Tensor) -> torch.Tensor:
+        return x.view(kv, lp // 2, 2, ld).transpose(2, 3).contiguous()
+
+    return pairs(hi), pairs(lo), lp
+
+
+def amx_key_map() -> bool:
+    """Whether ``eq+``'s dense per-key map runs on AMX tiles (bf16 hi + lo parts, fp32 sums; see ``amx_map`` in
+    the .cpp): the kernel was built for a CPU with AMX-BF16, Linux granted the tile state, and the environment
+    variable ``WALSHKV_CPU_AMX`` is not ``0`` (set it to ``0`` to time or test the AVX path on such a CPU)."""
+    if os.environ.get("WALSHKV_CPU_AMX", "1").strip() == "0":
+        return False
+    kernel = load_kernel()
+    return kernel is not None and bool(getattr(kernel, "amx_compiled", False)) and bool(kernel.amx_ready())
 
 
 def prerope_key_map(k_codec: Codec, v_codec: Codec, head_dim: int, kv_heads: int) -> str | None:
     """How the CPU kernel maps a ``prerope+`` K codec's decoded rows to keys: ``"hadamard"`` (a fast Walsh-Hadamard
     transform with sign flips, ``d log2 d`` additions per key: no ``eq+``, or ``eqd+``'s diagonal one), ``"matrix"``
-    (one ``d x d`` matrix per kv head: ``eq+``), or ``None`` (not ``prerope+``, or a pair the kernel does not read)."""
+    (one ``d x d`` matrix per kv head: ``eq+``, fp32 multiply-adds), ``"matrix-amx"`` (the same matrix on AMX tiles,
+    :func:`amx_key_map`), or ``None`` (not ``prerope+``, or a pair the kernel does not read)."""
     plan = cpu_plan(k_codec, v_codec, head_dim, 1.0)
     if plan is None or plan.prerope is None:
         return None
     tr = key_transform(plan.prerope, plan.k.basis, kv_heads, 0)
-    return "hadamard" if hadamard_factors(tr.mt) is not None else "matrix"
+    if hadamard_factors(tr.mt) is not None:
+        return "hadamard"
+    return "matrix-amx" if amx_key_map() else "matrix"
 
 
-_KPOST: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, CpuPlan]] = {}
+_KPOST: dict[
+    tuple[int, int],
+    tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, CpuPlan, dict[str, Any]],
+] = {}
 
 
 def _lanes() -> int:
     kernel = load_kernel()
     return int(kernel.vector_lanes) if kernel is not None else 16
+
+
+def _nsplit(n: int, t: int, threads: int) -> int:
+    """Token ranges per (batch, kv head): about four tasks per thread, their count a multiple of the thread count
+    where the ranges stay at least ``_MIN_SPLIT_TOKENS`` long (9 tasks on 2 threads leave one thread 5 of them: 11%
+    of the step idle on the other), a single range on one thread."""
+    if threads <= 1:
+        return 1
+    most = max(1, math.ceil(t / _MIN_SPLIT_TOKENS))
+    want = max(1, math.ceil(4 * threads / n))
+    for s in range(want, min(most, want + threads) + 1):
+        if (n * s) % threads == 0:
+            return s
+    return min(want, most)
 
 
 def fused_decode_cpu(
@@ -359,7 +413,7 @@ def fused_decode_cpu(
     l_sum = torch.empty(b, h, g)
     acc = torch.empty(b, h, g, plan.v.length)
     threads = torch.get_num_threads()
-    nsplit = 1 if threads <= 1 else max(1, min(math.ceil(4 * threads / (b * h)), math.ceil(t / _MIN_SPLIT_TOKENS)))
+    nsplit = _nsplit(b * h, t, threads)
     kernel.run(
         kdesc, vdesc, kpost, qb.data_ptr(), m.data_ptr(), l_sum.data_ptr(), acc.data_ptr(), b, h, g, t, nsplit, threads
     )

@@ -21,6 +21,17 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+// AMX (Sapphire Rapids and later; Linux asks for the tile state per process): eq+'s dense key map as bf16 tile
+// products, see amx_map below. Compiled in only where the build targets AMX-BF16 (and AVX512-BF16 for the
+// conversions); used only where the kernel also got the kernel's permission (amx_ready) and the caller asks.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
+    defined(__linux__)
+#define WK_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define WK_AMX 0
+#endif
 
 namespace py = pybind11;
 
@@ -152,9 +163,17 @@ struct Src {
 // Hadamard form (had = true; the caller found mt[h] = diag(r[h]) H diag(c[h]) with H the d x d Sylvester
 // Hadamard matrix, L = d, as every prerope+ spec without eq+ has): z = rs * (fwht(b * r[h]) * c[h]) + mu[h],
 // d log2(d) additions per key instead of the L x d multiply-adds of the matrix. r, c: [H][ld] (zero padded).
+// AMX form (amx = true, matrix only): mt[h] split into bf16 hi + lo ([H][Lp/2][ld][2], the tile unit's pair
+// layout, Lp = L rounded up to 32, zero rows past L), each decoded row split the same way in the kernel, and
+// b @ mt = b_hi @ mt_hi + b_lo @ mt_hi + b_hi @ mt_lo summed in fp32 by the tile unit: the terms dropped are
+// below 2^-16 of each product, about fp32 reassociation's size, at a fraction of the fp32 multiply-adds' time.
 struct KPost {
   bool on = false;
   bool had = false;
+  bool amx = false;
+  const uint16_t* bhi = nullptr;
+  const uint16_t* blo = nullptr;
+  int Lp = 0;
   const float* mt = nullptr;
   const float* mu = nullptr;
   const float* cs = nullptr;
@@ -169,7 +188,8 @@ struct KPost {
 static KPost make_kpost(const std::vector<int64_t>& a, int64_t H, int64_t T) {
   KPost k;
   if (a.empty()) return k;
-  if (a.size() != 8 && a.size() != 10) throw std::invalid_argument("walshkv decode attention: bad prerope descriptor");
+  if (a.size() != 8 && a.size() != 10 && a.size() != 11)
+    throw std::invalid_argument("walshkv decode attention: bad prerope descriptor");
   k.on = true;
   k.mt = reinterpret_cast<const float*>(a[0]);
   k.mu = reinterpret_cast<const float*>(a[1]);
@@ -189,8 +209,123 @@ static KPost make_kpost(const std::vector<int64_t>& a, int64_t H, int64_t T) {
     if (k.L != k.d || (k.d & (k.d - 1)))
       throw std::invalid_argument("walshkv decode attention: a Hadamard prerope transform needs L = d, a power of 2");
   }
+  if (a.size() == 11) {
+    k.amx = true;
+    k.bhi = reinterpret_cast<const uint16_t*>(a[8]);
+    k.blo = reinterpret_cast<const uint16_t*>(a[9]);
+    k.Lp = (int)a[10];
+    if (!WK_AMX || VW != 16 || k.Lp % 32 || k.Lp < k.L || k.ld % 32)
+      throw std::invalid_argument("walshkv decode attention: AMX key map requested where it cannot run");
+  }
   return k;
 }
+
+// The process's permission to use AMX tile data (Linux: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)),
+// asked once; false where AMX is not compiled in or the kernel refuses.
+static bool amx_ready() {
+#if WK_AMX
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    if (!__builtin_cpu_supports("amx-bf16")) return false;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+#if WK_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes: C (fp32 16 x 16 outputs) in 0-3, A (16 keys x 32 bf16) in 4, B (32 bf16 of
+// mt's rows in pairs x 16 outputs) in 5-7. The configuration is thread state: each thread loads it.
+static void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// 16 rows x NC column tiles of z = b_hi @ mt_hi + b_lo @ mt_hi + b_hi @ mt_lo: three passes over the K dimension,
+// NC independent accumulators (one chain of dependent tile products each).
+template <int NC>
+static inline void amx_cols(const uint16_t* __restrict ah, const uint16_t* __restrict al, int Lp,
+                            const uint16_t* __restrict bhi, const uint16_t* __restrict blo, int64_t ld, int64_t c0,
+                            float* __restrict z) {
+  static_assert(NC == 2 || NC == 4, "two or four column tiles");
+  const int64_t bs = ld * 4;  // bytes per B row: ld pairs of bf16
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NC == 4) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int pass = 0; pass < 3; ++pass) {
+    const uint16_t* a = pass == 1 ? al : ah;
+    const uint16_t* bm = pass == 2 ? blo : bhi;
+    for (int ks = 0; ks < Lp / 32; ++ks) {
+      _tile_loadd(4, a + ks * 32, Lp * 2);
+      const uint16_t* bb = bm + ((int64_t)ks * 16 * ld + c0 * 16) * 2;
+      _tile_loadd(5, bb, bs);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, bb + 32, bs);
+      _tile_dpbf16ps(1, 4, 6);
+      if constexpr (NC == 4) {
+        _tile_loadd(7, bb + 64, bs);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, bb + 96, bs);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    }
+  }
+  _tile_stored(0, z + c0 * 16, bs);
+  _tile_stored(1, z + (c0 + 1) * 16, bs);
+  if constexpr (NC == 4) {
+    _tile_stored(2, z + (c0 + 2) * 16, bs);
+    _tile_stored(3, z + (c0 + 3) * 16, bs);
+  }
+}
+
+// ktile rows (ld_in floats, L used) -> z rows (kp.ld floats) = b @ mt[h] by bf16x3 tile products (see KPost).
+// ahi, alo: [TILE][Lp] uint16 scratch. Rows nt..15 of a started block of 16 are computed from stale (finite)
+// scratch and never read.
+static void amx_map(const KPost& kp, int64_t h, int nt, const float* __restrict ktile, int64_t ld_in,
+                    uint16_t* __restrict ahi, uint16_t* __restrict alo, float* __restrict z) {
+  const int Lp = kp.Lp;
+  for (int i = 0; i < nt; ++i) {
+    const float* src = ktile + i * ld_in;
+    for (int l = 0; l < Lp; l += 16) {
+      const int left = kp.L - l;
+      const __mmask16 mk = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(mk, src + l);
+      const __m256bh hi = _mm512_cvtneps_pbh(x);
+      const __m512 hif = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
+      const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(x, hif));
+      _mm256_storeu_si256((__m256i*)(ahi + i * Lp + l), (__m256i)hi);
+      _mm256_storeu_si256((__m256i*)(alo + i * Lp + l), (__m256i)lo);
+    }
+  }
+  const int64_t ld = kp.ld, nct = ld / 16;  // ld: a multiple of 32, so nct is even
+  const uint16_t* __restrict bhi = kp.bhi + h * (int64_t)(Lp / 2) * ld * 2;
+  const uint16_t* __restrict blo = kp.blo + h * (int64_t)(Lp / 2) * ld * 2;
+  for (int rb = 0; rb * 16 < nt; ++rb) {
+    const uint16_t* ah = ahi + rb * 16 * Lp;
+    const uint16_t* al = alo + rb * 16 * Lp;
+    float* zr = z + rb * 16 * ld;
+    int64_t c = 0;
+    for (; c + 4 <= nct; c += 4) amx_cols<4>(ah, al, Lp, bhi, blo, ld, c, zr);
+    if (c < nct) amx_cols<2>(ah, al, Lp, bhi, blo, ld, c, zr);
+  }
+}
+#endif
 
 // In-vector butterflies of the fast Walsh-Hadamard transform: lane k := x[k ^ len] + sign * x[k], len < VW.
 static inline vf fwht_lanes(vf a) {
@@ -293,7 +428,7 @@ static inline void had_key(const float* __restrict b, const vf* __restrict r, co
 
 // ktile rows (ld_in floats, L used) -> ztile rows (kp.ld floats): the pre-RoPE key, then RoPE at pos0 + t + i.
 static void transform_keys(const KPost& kp, int64_t h, int64_t t, int nt, const float* __restrict ktile, int64_t ld_in,
-                           const float* __restrict rs, float* __restrict ztile) {
+                           const float* __restrict rs, float* __restrict ztile, uint16_t* __restrict abf) {
   const float* __restrict mu = kp.mu + h * kp.ld;
   float* __restrict z = ztile;
   const int nv = kp.d / VW;
@@ -328,6 +463,34 @@ static void transform_keys(const KPost& kp, int64_t h, int64_t t, int nt, const 
       for (int j = 0; j < kp.d; ++j) zi[j] = zi[j] * c[j] * f + mu[j];
       for (int64_t j = kp.d; j < kp.ld; ++j) zi[j] = 0.0f;
     }
+  } else if (kp.amx) {
+#if WK_AMX
+    amx_map(kp, h, nt, ktile, ld_in, abf, abf + TILE * kp.Lp, z);
+    const vf* m = (const vf*)mu;
+    const int half = kp.d / 2;
+    if (half % VW == 0) {  // row factor, mean and RoPE in one pass over each row
+      const int hv = half / VW;
+      for (int i = 0; i < nt; ++i) {
+        const int64_t pos = kp.pos0 + t + i;
+        const float* cs = kp.cs + pos * half;
+        const float* sn = kp.sn + pos * half;
+        vf* zi = (vf*)(z + i * kp.ld);
+        const vf f = splat(rs[i]);
+        for (int v = 0; v < hv; ++v) {
+          const vf a = zi[v] * f + m[v], bb = zi[v + hv] * f + m[v + hv];
+          const vf cc = *(const vfu*)(cs + v * VW), ss = *(const vfu*)(sn + v * VW);
+          zi[v] = a * cc - bb * ss;
+          zi[v + hv] = bb * cc + a * ss;
+        }
+      }
+      return;
+    }
+    for (int i = 0; i < nt; ++i) {
+      vf* zi = (vf*)(z + i * kp.ld);
+      const vf f = splat(rs[i]);
+      for (int64_t v = 0; v < kp.ld / VW; ++v) zi[v] = zi[v] * f + m[v];
+    }
+#endif
   } else {
     const float* __restrict M = kp.mt + h * (int64_t)kp.L * kp.ld;
     int i0 = 0;
@@ -876,7 +1039,7 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
                       const float* __restrict q, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t G, int64_t LKD,
                       int64_t LK, int64_t LV, float* __restrict m, float* __restrict l, float* __restrict acc,
                       float* __restrict ktile, float* __restrict ztile, float* __restrict vtile,
-                      float* __restrict sc) {
+                      float* __restrict sc, uint16_t* __restrict abf) {
   // LKD: floats per decoded K row; LK: per scored row (the query's length: LKD, or kp.ld for prerope+)
   const int64_t nk = LK / VW, nv = LV / VW;
   float rsk[TILE], rsv[TILE];
@@ -886,7 +1049,7 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
     kdec(K, b, h, tb, nt, ktile, LKD, rsk);
     const float* kscore = ktile;
     if (kp.on) {  // keys before RoPE: to the model's basis and rotated to their positions (row factor folded)
-      transform_keys(kp, h, tb, nt, ktile, LKD, rsk, ztile);
+      transform_keys(kp, h, tb, nt, ktile, LKD, rsk, ztile, abf);
       for (int i = 0; i < nt; ++i) rsk[i] = 1.0f;
       kscore = ztile;
     }
@@ -960,6 +1123,7 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
   const Src K = make_src(kdesc), V = make_src(vdesc);
   const KPost kp = make_kpost(kpost, H, T);
   if (kp.on && kp.L != K.L) throw std::invalid_argument("walshkv decode attention: prerope matrix rows != K row length");
+  if (kp.amx && !amx_ready()) throw std::invalid_argument("walshkv decode attention: AMX is not available here");
   const TileFn kdec = tile_fn(K.fmt), vdec = tile_fn(V.fmt);
   const float* q = reinterpret_cast<const float*>(q_ptr);
   float* m_out = reinterpret_cast<float*>(m_ptr);
@@ -983,15 +1147,30 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
       float* ztile = ktile + TILE * LKD;
       float* vtile = ztile + TILE * LK;
       float* sc = vtile + TILE * LV;
+      uint16_t* abf = nullptr;  // AMX: the K tile's rows as bf16 hi and lo
+      if (kp.amx) {
+        abf = static_cast<uint16_t*>(std::aligned_alloc(64, (size_t)round_up(2 * TILE * kp.Lp * 2, 64)));
+        if (!abf) throw std::bad_alloc();
+        std::memset(abf, 0, (size_t)2 * TILE * kp.Lp * 2);
+#if WK_AMX
+        amx_configure();
+#endif
+      }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < N * nsplit; ++task) {
         const int64_t n = task / nsplit, sp = task % nsplit;
         const int64_t t0 = sp * per, t1 = std::min<int64_t>(T, t0 + per);
         if (t0 < t1)
           run_range(K, V, kdec, vdec, kp, qp + n * G * LK, n / H, n % H, t0, t1, G, LKD, LK, LV, pm.data() + task * G,
-                    pl.data() + task * G, pacc + task * G * LV, ktile, ztile, vtile, sc);
+                    pl.data() + task * G, pacc + task * G * LV, ktile, ztile, vtile, sc, abf);
       }
       std::free(ktile);
+      if (abf) {
+#if WK_AMX
+        _tile_release();
+#endif
+        std::free(abf);
+      }
     }
   }
   for (int64_t n = 0; n < N; ++n) {  // merge the ranges
@@ -1019,6 +1198,8 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("run", &run, "fused decode attention over packed K/V (see walshkv.attention.cpu)");
   mod.attr("vector_lanes") = VW;
+  mod.attr("amx_compiled") = (bool)WK_AMX;
+  mod.def("amx_ready", &amx_ready, "whether eq+'s key map can run on AMX tiles here (compiled in and permitted)");
   // What the Python side must agree with (walshkv.attention.cpu_formats reads FORMATS by name).
   py::dict formats;
   formats["int4"] = (int)FMT_INT4;

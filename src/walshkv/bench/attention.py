@@ -103,8 +103,10 @@ def bench_attention(
         the time to write one token's K and V (what every decode step adds), and ``spec`` (a preset's spec).
         Rows whose K is stored before RoPE (``prerope+``) say how the CPU kernel maps each cached key to its
         pre-RoPE vector (``k_map``: ``matrix``, one ``[head_dim, head_dim]`` matrix per kv head, for ``eq+``;
-        ``hadamard``, a fast Walsh-Hadamard transform, without it); ``matrix`` rows also time, in the same
-        rounds, the multiply-adds of that mapping done by torch alone as one float32 batched matmul:
+        ``matrix-amx``, the same on AMX tiles as three bf16 products of hi/lo parts; ``hadamard``, a fast
+        Walsh-Hadamard transform, without it); ``matrix`` rows also time, in the same rounds, the multiply-adds
+        of that mapping done by torch alone as one float32 batched matmul (``matrix-amx`` rows: one bf16 batched
+        matmul three times as deep, the same products):
         ``k_transform_macs``, ``k_transform_matmul_ms``, ``k_transform_matmul_gmacs`` (torch's rate),
         ``k_transform_kernel_gmacs`` (the kernel's rate if it did nothing else) and
         ``k_transform_bound_vs_best_sdpa`` (the fastest SDPA over the matmul's time: what a float32 kernel that
@@ -153,10 +155,13 @@ def bench_attention(
             kmap = None if cuda else prerope_key_map(spec.k, spec.v, head_dim, kv_heads)
             if kmap is not None:
                 key_map[spec_name] = kmap
-            if kmap == "matrix" or (cuda and split_prerope(spec.k) is not None):  # torch's matmul of the same work
+            if kmap in ("matrix", "matrix-amx") or (cuda and split_prerope(spec.k) is not None):
+                # torch's matmul of the same work: float32, or (AMX) bf16 over the hi/lo parts' three products
+                three = kmap == "matrix-amx"
+                width, mdt = (3 * head_dim, torch.bfloat16) if three else (head_dim, torch.float32)
                 tgen = torch.Generator().manual_seed(seed + 1)
-                rows_in = torch.randn(batch * kv_heads, n, head_dim, generator=tgen).to(device)
-                mats = torch.randn(batch * kv_heads, head_dim, head_dim, generator=tgen).to(device)
+                rows_in = torch.randn(batch * kv_heads, n, width, generator=tgen).to(device=device, dtype=mdt)
+                mats = torch.randn(batch * kv_heads, width, head_dim, generator=tgen).to(device=device, dtype=mdt)
                 fns[spec_name + TRANSFORM_SUFFIX] = lambda a=rows_in, m=mats: torch.bmm(a, m)
                 macs[spec_name] = batch * kv_heads * n * head_dim * head_dim
             pk, pv = spec.k.encode(k, spec.sink), spec.v.encode(v, spec.sink)

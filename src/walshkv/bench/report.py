@@ -71,6 +71,7 @@ def _transform_note(rows: Sequence[dict[str, Any]], fmt: str) -> str:
         [
             f"{r['kv_len']:,}",
             r["method"],
+            r.get("k_map", ""),
             f"{r['k_transform_macs'] / 1e6:,.0f}",
             f"{r['ms']:.3f}",
             f"{r['k_transform_kernel_gmacs']:.1f}",
@@ -83,6 +84,7 @@ def _transform_note(rows: Sequence[dict[str, Any]], fmt: str) -> str:
     headers = [
         "kv_len",
         "method",
+        "K map",
         "K transform (M multiply-adds)",
         "kernel ms/step",
         "kernel GMAC/s if that were all",
@@ -94,10 +96,10 @@ def _transform_note(rows: Sequence[dict[str, Any]], fmt: str) -> str:
         "\n\nK stored before RoPE (`prerope+`): every step maps each cached key with one head_dim x head_dim matrix "
         "per kv head (`eq+`'s inverse and the codec's rotations folded in) before RoPE, since RoPE depends on the "
         "key's position and cannot move onto the query. The same multiply-adds as one float32 torch matmul, timed "
-        "in the same rounds: `bound` is the fastest SDPA's time over the matmul's, the most a float32 kernel that "
-        "maps every key at torch's matmul rate could reach, before it reads a single code.\n\n"
-        + tabulate(body, headers=headers, tablefmt=fmt, disable_numparse=True)
-        + note
+        "in the same rounds (`k_map` matrix-amx rows, whose kernel maps keys on AMX tiles as three bf16 products "
+        "of hi/lo parts: one bf16 torch matmul three times as deep): `bound` is the fastest SDPA's time over the "
+        "matmul's, the most a kernel that maps every key at torch's matmul rate could reach, before it reads a "
+        "single code.\n\n" + tabulate(body, headers=headers, tablefmt=fmt, disable_numparse=True) + note
     )
 
 
