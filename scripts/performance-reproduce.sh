@@ -84,6 +84,13 @@ walshkv bench --part attention --kv-len "${KV_LEN_FAST:-16384,65536}" --codec wa
   --codec walshkv:3.5 --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+int4 \
   --quiet --no-plot --out "docs/results/bench-fast$isa"
 paste_block "docs/results/bench-fast$isa" "fast$isa"
+# on a CPU with AMX-BF16 the kernel maps eq+'s keys on tiles (walshkv.attention.cpu.amx_key_map): the same
+# eq+ presets with that off (WALSHKV_CPU_AMX=0, the fp32 multiply-adds every other CPU runs), in a run of their own
+if python -c "import sys; from walshkv.attention.cpu import amx_key_map; sys.exit(not amx_key_map())"; then
+  WALSHKV_CPU_AMX=0 walshkv bench --part attention --kv-len "${KV_LEN_FAST:-16384,65536}" --codec walshkv:3 \
+    --codec walshkv:3.5 --codec walshkv:4.5 --codec rot+int4 --quiet --no-plot --out docs/results/bench-fast-fp32map
+  paste_block docs/results/bench-fast-fp32map fast-fp32map
+fi
 walshkv bench --part generation --ctx "${CTX_FAST:-$smol_longest}" --gen-codec walshkv:3.5 --gen-codec walshkv:3.5-fast \
   --new-tokens "$new" --quiet --no-plot --out "docs/results/bench-fast-gen$isa"
 paste_block "docs/results/bench-fast-gen$isa" "fast-gen$isa"
