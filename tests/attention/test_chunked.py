@@ -106,3 +106,26 @@ def test_tile_sizes_are_checked():
     pk = kc.encode(torch.randn(1, KV, 4, D))
     with pytest.raises(ValueError, match="positive token counts"):
         chunked_attention(torch.randn(1, KV, 1, D), pk, pk, kc, kc, offset=3, kv_chunk=0)
+
+
+@pytest.mark.parametrize(
+    ("n", "t", "q_block", "kv_chunk", "group"),
+    [
+        (40, 40, 8, 16, 1),
+        (40, 40, 16, 8, 3),
+        (57, 13, 5, 7, 3),
+        (30, 1, 4, 8, 2),
+        (64, 64, 64, 64, 3),
+        (33, 20, 7, 64, 1),
+    ],
+)
+def test_causal_tiles_split_into_seen_and_diagonal_parts(n, t, q_block, kv_chunk, group):
+    """Without the model's mask, each tile is cut where the causal edge starts: keys every query of the block sees
+    (one call, the group's queries stacked) and the diagonal part under torch's top-left causal flag; chunk and
+    block boundaries that fall anywhere, a single query, pure prefill (offset 0)."""
+    gen = torch.Generator().manual_seed(n * 100 + t)
+    k, v = torch.randn(2, KV, n, D, generator=gen), torch.randn(2, KV, n, D, generator=gen)
+    q = torch.randn(2, KV * group, t, D, generator=gen)
+    kc = _bind("tq:3", "k")
+    got = chunked_attention(q, None, None, kc, kc, offset=n - t, head_k=k, head_v=v, q_block=q_block, kv_chunk=kv_chunk)
+    torch.testing.assert_close(got.double(), _reference(q, k, v, n - t, None), atol=2e-5, rtol=0)

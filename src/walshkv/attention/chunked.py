@@ -31,15 +31,21 @@ __all__ = ["chunked_attention"]
 _NEG_INF = -math.inf
 
 
-def _flash_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float):
+def _flash_tile(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool = False
+):
     """``(out, lse)`` of ``q [b, h, tq, d]`` over ``k, v [b, h, tk, d]`` (float32; ``mask`` additive
-    ``[tq, tk]`` or ``[b, 1, tq, tk]``, ``None`` = all visible). A row with every key masked gets ``lse = -inf``."""
+    ``[tq, tk]`` or ``[b, 1, tq, tk]``, ``None`` = all visible; ``causal``: query ``i`` sees keys ``j <= i``, top-left
+    aligned, no mask). A row with every key masked gets ``lse = -inf``."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask, scale=scale
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
         )
     else:
         s = (q @ k.transpose(-1, -2)) * scale
+        if causal:
+            hidden = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+            s = s.masked_fill(hidden, _NEG_INF)
         if mask is not None:
             s = s + mask
         lse = torch.logsumexp(s, dim=-1)
@@ -140,6 +146,11 @@ def chunked_attention(
         return (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, dim=-2), torch.cat(vs, dim=-2))
 
     last_query = offset + t - 1
+
+    def fold(q0: int, q1: int, o2: torch.Tensor, l2: torch.Tensor) -> None:
+        tq = q1 - q0
+        _merge(out[:, :, :, q0:q1], lse[:, :, :, q0:q1], o2.reshape(b, hk, group, tq, d), l2.reshape(b, hk, group, tq))
+
     for k0 in range(0, min(n, last_query + 1), kv_chunk):
         k1 = min(n, k0 + kv_chunk, last_query + 1)
         kc, vc = part(k0, k1)
@@ -148,24 +159,37 @@ def chunked_attention(
             q1 = min(t, q0 + q_block)
             if k0 > offset + q1 - 1:
                 continue
+            if extra is None:
+                # causal rule only: keys k0 .. p-1 are seen by every query of the block (p: the position of its
+                # first query that sees this chunk), keys p .. k1-1 by query p+i up to p+i: torch's top-left causal
+                # flag, one query per head with the chunk's kv heads repeated, no mask to build or read
+                qs = max(q0, k0 - offset)
+                p = offset + qs
+                if p > k0:
+                    qt = qf[:, :, :, qs:q1].reshape(b, hk, group * (q1 - qs), d)
+                    o2, l2 = _flash_tile(qt, kc[:, :, : p - k0], vc[:, :, : p - k0], None, scale)
+                    fold(qs, q1, o2, l2)
+                if k1 > p:
+                    qt = qf[:, :, :, qs:q1].reshape(b, hk * group, q1 - qs, d)
+                    kd, vd = kc[:, :, p - k0 :], vc[:, :, p - k0 :]
+                    if group > 1:
+                        kd, vd = kd.repeat_interleave(group, dim=1), vd.repeat_interleave(group, dim=1)
+                    o2, l2 = _flash_tile(qt, kd, vd, None, scale, causal=True)
+                    fold(qs, q1, o2, l2)
+                continue
             tq = q1 - q0
             tile_mask = None
             if k1 - 1 > offset + q0:  # the causal edge crosses this tile
                 qpos = torch.arange(offset + q0, offset + q1, device=q.device).view(-1, 1)
                 vis = torch.arange(k0, k1, device=q.device).view(1, -1) <= qpos
                 tile_mask = torch.zeros(tq, k1 - k0, device=q.device).masked_fill_(~vis, _NEG_INF)
-            if extra is not None:
-                e = extra[:, :, :, q0:q1, k0:k1]  # [b, hk|1, g|1, tq, kc]
-                e = e.expand(b, hk, group, tq, k1 - k0)
-                tile_mask = e if tile_mask is None else e + tile_mask
-                tile_mask = tile_mask.reshape(b, hk, group * tq, k1 - k0)
-            elif tile_mask is not None:
-                tile_mask = tile_mask.repeat(group, 1)
+            e = extra[:, :, :, q0:q1, k0:k1]  # [b, hk|1, g|1, tq, kc]
+            e = e.expand(b, hk, group, tq, k1 - k0)
+            tile_mask = e if tile_mask is None else e + tile_mask
+            tile_mask = tile_mask.reshape(b, hk, group * tq, k1 - k0)
             qt = qf[:, :, :, q0:q1].reshape(b, hk, group * tq, d)
             o2, l2 = _flash_tile(qt, kc, vc, tile_mask, scale)
-            _merge(
-                out[:, :, :, q0:q1], lse[:, :, :, q0:q1], o2.reshape(b, hk, group, tq, d), l2.reshape(b, hk, group, tq)
-            )
+            fold(q0, q1, o2, l2)
     return out.reshape(b, hq, t, d).to(q.dtype)
 
 

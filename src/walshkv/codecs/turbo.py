@@ -36,7 +36,7 @@ import torch
 
 from walshkv.codecs.base import Codec, Field, Packed
 from walshkv.ops.hadamard import _check_size, hadamard_transform, signed_hadamard, signs_for
-from walshkv.ops.lloyd_max import LloydMax, lloyd_max
+from walshkv.ops.lloyd_max import LloydMax, lloyd_max, threshold_codes
 from walshkv.ops.packing import pack_bits, pack_bits_span, packed_nbytes, unpack_bits
 from walshkv.ops.quant import FP16_MAX, check_finite, cpu_scalar, min_max
 
@@ -190,11 +190,15 @@ class TurboQuant(Codec):
         scale = scale / cpu_scalar(math.sqrt(d), scale)
         # every norm positive (norm16 >= 2**-24, so is the scale): the where() is a no-op, skipped
         t = self.rotate(x) / (scale if smallest > 0 else torch.where(scale > 0, scale, 1.0))
-        # quantize() is bucketize, then a uint8 copy that pack_bits does not need. Each width's quantizer codes the
-        # whole row (the same codes for its span as for the span alone), and pack_bits_span packs its span.
+        # quantize() makes uint8 codes, which pack_bits would widen again: the codes are counted in int32 here. One
+        # width codes the whole row, pack_bits_span packs its span without copying it out; half widths code each
+        # span alone (the same codes as the whole row would get there, half the work).
+        tables = self._segment_tables(d, x.device)
         tensors = {
-            name: pack_bits_span(torch.bucketize(t, bounds), start, stop, bits)
-            for name, start, stop, bits, bounds in self._segment_tables(d, x.device)
+            name: pack_bits_span(threshold_codes(t, bounds, torch.int32), start, stop, bits)
+            if len(tables) == 1
+            else pack_bits(threshold_codes(t[..., start:stop], bounds, torch.int32), bits)
+            for name, start, stop, bits, bounds in tables
         }
         tensors["norm"] = norm16
         return Packed(tensors, d, x.dtype)

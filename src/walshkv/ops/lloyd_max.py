@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["DENSITIES", "LloydMax", "beta_density", "lloyd_max"]
+__all__ = ["DENSITIES", "LloydMax", "beta_density", "lloyd_max", "threshold_codes"]
 
 DENSITIES = ("gaussian", "beta")
 MAX_BITS = 8
@@ -75,11 +75,38 @@ class LloydMax:
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         """Index (``uint8``) of the nearest level for every element of ``x``."""
-        return torch.bucketize(x, self.table("thresholds", x.device, x.dtype)).to(torch.uint8)
+        return threshold_codes(x, self.table("thresholds", x.device, x.dtype), torch.uint8)
 
     def dequantize(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The levels for ``codes`` (any integer tensor), as ``dtype``."""
         return self.table("levels", codes.device, dtype)[codes.long()]
+
+
+_MAX_COMPARE = 15  # thresholds up to which comparisons beat torch.bucketize's binary search (4-bit codes)
+
+
+def threshold_codes(x: torch.Tensor, thresholds: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``torch.bucketize(x, thresholds)`` as ``dtype``: for every element, how many (sorted) thresholds lie strictly
+    below it, the index of its Lloyd-Max cell.
+
+    Up to 15 thresholds (4-bit codes) the count is taken as one comparison pass per threshold, which on a CPU runs
+    2-4x faster than bucketize's per-element binary search over a decode step's or a prefill chunk's rows; the
+    result is the same for every finite input (NaN counts 0 here; callers refuse NaN before they quantize).
+
+    Args:
+        x: any float tensor.
+        thresholds: ``[n]`` sorted ascending, on ``x``'s device, in ``x``'s dtype.
+        dtype: an integer dtype wide enough for ``n`` (uint8 for the codecs' at most 8-bit codes).
+    """
+    n = thresholds.numel()
+    if n > _MAX_COMPARE or x.device.type != "cpu":
+        return torch.bucketize(x.contiguous(), thresholds).to(dtype)
+    if n == 0:
+        return torch.zeros(x.shape, dtype=dtype, device=x.device)
+    codes = (x > thresholds[0]).to(dtype)
+    for i in range(1, n):
+        codes += x > thresholds[i]
+    return codes
 
 
 # --------------------------------------------------------------------------------------------------------
