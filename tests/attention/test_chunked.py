@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codecs"))  # the s
 
 from matrix import CalibrationStub
 
+from walshkv.attention import chunked
 from walshkv.attention.chunked import chunked_attention
 from walshkv.codecs.base import Codec
 from walshkv.codecs.registry import parse_codec
@@ -65,6 +66,16 @@ def test_chunked_prefill_matches_attention_over_decoded_keys(kspec, group, dtype
     for codec in (kc, vc):
         decode = codec.decode
         monkeypatch.setattr(codec, "decode", lambda p, s=0, _d=decode: biggest.append(p.seq_len) or _d(p, s))
+    kernel_rows: list[int] = []  # the C++ kernel's decode of a tile (the pairs it reads)
+    fast = chunked.decode_chunk_cpu
+
+    def counted(pk, pv, k_codec, v_codec, start, i0, i1):
+        got = fast(pk, pv, k_codec, v_codec, start, i0, i1)
+        if got is not None:
+            kernel_rows.append(i1 - i0)
+        return got
+
+    monkeypatch.setattr(chunked, "decode_chunk_cpu", counted)
     for mask in (None, pad):
         got = chunked_attention(
             q,
@@ -86,7 +97,9 @@ def test_chunked_prefill_matches_attention_over_decoded_keys(kspec, group, dtype
         want = _reference(q.float(), keys, values, offset, None if mask is None else mask[:, :, :, :])
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
-    assert max(biggest) <= 16  # one chunk of keys decoded at a time, never the layer
+    assert max(biggest + kernel_rows) <= 16  # one chunk of keys decoded at a time, never the layer
+    # eq+ outside prerope+ has no kernel decode (the codecs decode it); every other pair here is read by the kernel
+    assert bool(kernel_rows) == (kspec != "center+eq+tq:3.5") and not (kernel_rows and biggest), (kernel_rows, biggest)
 
 
 def test_a_query_that_sees_nothing_gets_zeros():

@@ -165,3 +165,42 @@ def test_eq_key_map_on_amx_tiles_and_in_fp32_match_the_reference(kspec, vspec, h
     assert cpu.amx_key_map() == has_amx
     assert cpu.prerope_key_map(kc, vc, head_dim, KV) == ("matrix-amx" if has_amx else "matrix")
     torch.testing.assert_close(decode_attention(q, pk, pv, kc, vc, backend="cpu", start=3), want, atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("kspec", "vspec"),
+    [
+        ("prerope+center+eq+tq:3.5", "tq:3"),
+        ("prerope+center+eq+tq:3", "tq:2.5"),
+        ("prerope+center+rot+iq4_nl", "tq:4"),
+        ("prerope+center+eqd+tq:3.5", "tq:3"),
+        ("center+rot+iq4_nl", "tq:4"),
+        ("rot+int4", "int4"),
+        ("q4_0", "q8_0"),
+        ("tq:4.5", "tq:2.5"),
+    ],
+)
+def test_the_kernels_tile_decode_matches_the_codecs(kspec, vspec):
+    """A prefill tile's keys and values decoded by the C++ kernel (walshkv.attention.cpu.decode_chunk_cpu) are the
+    codecs' own decode of the slice: prerope+ keys mapped and rotated to their positions, the rest in the model's
+    basis; a non-prerope center+ K differs by its mean alone (the same shift of every score, which softmax ignores)."""
+    from walshkv.attention.cpu import decode_chunk_cpu
+
+    cal = CalibrationStub(D, KV)
+    kc, vc = parse_codec(kspec).bind(1, "k", cal), parse_codec(vspec).bind(1, "v", cal)
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, KV, 90, D, generator=gen), torch.randn(2, KV, 90, D, generator=gen)
+    pk, pv = kc.encode(k, 1), vc.encode(v, 1)
+    got = decode_chunk_cpu(pk, pv, kc, vc, 1, 13, 77)
+    assert got is not None
+    want_k = kc.decode(pk.slice_seq(13, 77), 1 + 13).float()
+    want_v = vc.decode(pv.slice_seq(13, 77), 1 + 13).float()
+    torch.testing.assert_close(got[1], want_v, atol=2e-5, rtol=0)
+    diff = got[0] - want_k
+    if kspec.startswith("center+"):
+        diff = diff - diff[:, :, :1]  # the mean: one vector per head
+    assert diff.abs().max() <= 1e-5 * max(1.0, float(want_k.abs().max())), kspec  # fp32 (or AMX bf16x3) rounding
+    with pytest.raises(ValueError, match=r"tokens 80\.\.95"):
+        decode_chunk_cpu(pk, pv, kc, vc, 1, 80, 95)
+    eq_outside = parse_codec("center+eq+tq:3").bind(1, "k", cal)
+    assert decode_chunk_cpu(eq_outside.encode(k), pv, eq_outside, vc, 0, 0, 10) is None  # the codecs decode it

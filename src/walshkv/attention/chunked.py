@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from walshkv.attention.cpu import decode_chunk_cpu
 from walshkv.codecs.base import Codec, Packed
 
 __all__ = ["chunked_attention"]
@@ -137,6 +138,11 @@ def chunked_attention(
                 continue
             if kind == "packed":
                 i0, i1 = x0 - n_head, x1 - n_head
+                fast = decode_chunk_cpu(packed_k, packed_v, k_codec, v_codec, start, i0, i1)  # type: ignore[arg-type]
+                if fast is not None:  # the C++ kernel's decode (None: a pair it does not read)
+                    ks.append(fast[0])
+                    vs.append(fast[1])
+                    continue
                 ks.append(k_codec.decode(packed_k.slice_seq(i0, i1), start + i0).to(torch.float32))  # type: ignore[union-attr]
                 vs.append(v_codec.decode(packed_v.slice_seq(i0, i1), start + i0).to(torch.float32))  # type: ignore[union-attr]
             else:

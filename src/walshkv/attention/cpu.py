@@ -115,6 +115,7 @@ __all__ = [
     "amx_key_map",
     "check_kernel_constants",
     "cpu_supports",
+    "decode_chunk_cpu",
     "fused_decode_cpu",
     "kernel_available",
     "kernel_source",
@@ -421,3 +422,50 @@ def fused_decode_cpu(
     if plan.out_map is not None:
         acc = acc @ plan.out_map
     return m, l_sum, acc
+
+
+def decode_chunk_cpu(
+    packed_k: Packed, packed_v: Packed, k_codec: Codec, v_codec: Codec, start: int, i0: int, i1: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Packed tokens ``i0 .. i1 - 1`` as float32 keys and values ``[batch, kv_heads, i1 - i0, head_dim]`` in the
+    model's basis, decoded by the C++ kernel (a prefill tile's keys: :mod:`walshkv.attention.chunked`).
+
+    The same vectors as ``k_codec.decode`` / ``v_codec.decode`` of the slice to float rounding (``center+``'s mean
+    aside where the kernel leaves it out: it shifts every score of a query alike, which softmax ignores), at the
+    kernel's speed and without the float temporaries of the codecs' own decode. ``prerope+`` keys come back mapped
+    and rotated to their positions (``start + i``) as decode attention reads them; other keys and the values as the
+    kernel's buffer rows times one matrix (their order and rotations back).
+
+    Returns:
+        ``(keys, values)``, or ``None`` where the kernel cannot read the pair (an ``eq+`` outside ``prerope+``, a
+        codec it has no format for, tensors not on the CPU, no compiler): the caller decodes with the codecs.
+    """
+    if any(t.device.type != "cpu" for p in (packed_k, packed_v) for t in p.tensors.values()):
+        return None
+    kernel = load_kernel()
+    if kernel is None:
+        return None
+    d = packed_k.head_dim
+    plan = cpu_plan(k_codec, v_codec, d, 1.0)
+    if plan is None:
+        return None
+    b, h, n = packed_k.batch_size, packed_k.num_heads, i1 - i0
+    if not 0 <= i0 <= i1 <= packed_k.seq_len or packed_v.seq_len != packed_k.seq_len:
+        raise ValueError(f"tokens {i0}..{i1} of packed K/V with {packed_k.seq_len}/{packed_v.seq_len} tokens")
+    kdesc, keep_k = _desc(packed_k, plan.k, d, "K", kernel.FORMATS[plan.k.fmt])
+    vdesc, keep_v = _desc(packed_v, plan.v, d, "V", kernel.FORMATS[plan.v.fmt])
+    kpost: list[int] = []
+    keep_p: list[torch.Tensor] = []
+    if plan.prerope is not None:
+        kpost, keep_p = _kpost(plan, h, int(start), packed_k.seq_len)
+    threads = torch.get_num_threads()
+    kout = torch.empty(b, h, n, d if plan.prerope is not None else plan.k.length)
+    vout = torch.empty(b, h, n, plan.v.length)
+    kernel.decode_rows(kdesc, kpost, kout.data_ptr(), b, h, i0, n, threads)
+    kernel.decode_rows(vdesc, [], vout.data_ptr(), b, h, i0, n, threads)
+    del keep_k, keep_v, keep_p
+    if plan.prerope is None and plan.q_map is not None:  # q . b = (q @ q_map) . b: the key is b @ q_map.T
+        kout = kout @ plan.q_map.T
+    if plan.out_map is not None:
+        vout = vout @ plan.out_map
+    return kout, vout

@@ -1195,8 +1195,66 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
   std::free(pacc);
 }
 
+// Packed rows t0 .. t0+n-1 of every (batch, head) to floats: out [B*H][n][Lout], 64-byte aligned rows not needed.
+// Without kpost: the kernel's buffer rows times their row factor (Lout = the format's L; the caller maps them to
+// the model's basis with one matrix). With kpost (prerope+ K): the model's keys, mapped and rotated to their
+// positions as decode attention reads them (Lout = d). What a prefill tile decodes, at the kernel's speed and
+// without the float temporaries of a codec's decode.
+static void decode_rows(const std::vector<int64_t>& desc, const std::vector<int64_t>& kpost, int64_t out_ptr,
+                        int64_t B, int64_t H, int64_t t0, int64_t n, int64_t nthreads) {
+  const Src S = make_src(desc);
+  const KPost kp = make_kpost(kpost, H, t0 + n);
+  if (kp.on && kp.L != S.L) throw std::invalid_argument("walshkv decode rows: prerope matrix rows != K row length");
+  if (kp.amx && !amx_ready()) throw std::invalid_argument("walshkv decode rows: AMX is not available here");
+  if (t0 < 0 || n < 0) throw std::invalid_argument("walshkv decode rows: negative token range");
+  const TileFn dec = tile_fn(S.fmt);
+  const int64_t LD = round_up(S.L, VW), Lout = kp.on ? kp.d : S.L, ntiles = (n + TILE - 1) / TILE;
+  float* out = reinterpret_cast<float*>(out_ptr);
+  {
+    py::gil_scoped_release nogil;
+#pragma omp parallel num_threads((int)std::max<int64_t>(1, nthreads))
+    {
+      float* tile = alloc_floats(TILE * LD + TILE * (kp.on ? kp.ld : 0));
+      float* ztile = tile + TILE * LD;
+      uint16_t* abf = nullptr;
+      if (kp.amx) {
+        abf = static_cast<uint16_t*>(std::aligned_alloc(64, (size_t)round_up(2 * TILE * kp.Lp * 2, 64)));
+        if (!abf) throw std::bad_alloc();
+        std::memset(abf, 0, (size_t)2 * TILE * kp.Lp * 2);
+#if WK_AMX
+        amx_configure();
+#endif
+      }
+      float rs[TILE];
+#pragma omp for schedule(static)
+      for (int64_t task = 0; task < B * H * ntiles; ++task) {
+        const int64_t bh = task / ntiles, tb = (task % ntiles) * TILE;
+        const int nt = (int)std::min<int64_t>(TILE, n - tb);
+        const int64_t b = bh / H, h = bh % H;
+        dec(S, b, h, t0 + tb, nt, tile, LD, rs);
+        float* dst = out + (bh * n + tb) * Lout;
+        if (kp.on) {
+          transform_keys(kp, h, t0 + tb, nt, tile, LD, rs, ztile, abf);
+          for (int i = 0; i < nt; ++i) std::memcpy(dst + i * Lout, ztile + i * kp.ld, sizeof(float) * Lout);
+        } else {
+          for (int i = 0; i < nt; ++i)
+            for (int64_t j = 0; j < Lout; ++j) dst[i * Lout + j] = tile[i * LD + j] * rs[i];
+        }
+      }
+      std::free(tile);
+      if (abf) {
+#if WK_AMX
+        _tile_release();
+#endif
+        std::free(abf);
+      }
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("run", &run, "fused decode attention over packed K/V (see walshkv.attention.cpu)");
+  mod.def("decode_rows", &decode_rows, "packed rows to floats, as the kernel reads them (prefill tiles)");
   mod.attr("vector_lanes") = VW;
   mod.attr("amx_compiled") = (bool)WK_AMX;
   mod.def("amx_ready", &amx_ready, "whether eq+'s key map can run on AMX tiles here (compiled in and permitted)");
