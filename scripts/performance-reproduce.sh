@@ -41,8 +41,9 @@ walshkv bench --kv-len "${KV_LEN:-1024,4096,16384,65536}" --ctx "${CTX:-1024,$sm
   --gen-codec rot+int4 --gen-codec q4_0 "${smol_preset[@]}" --new-tokens "$new" --quiet --out "$out"
 python scripts/update_readme.py "$out/bench.md" docs/performance.md
 # the same generation runs under glibc's default allocator settings (the peak-memory target must hold there
-# too), DynamicCache fp32 only (about 8 minutes)
-walshkv bench --part generation --ctx "${CTX_GLIBC:-1024,$smol_longest}" --malloc-mmap-threshold 0 \
+# too), DynamicCache fp32 only (about 8 minutes); 3072 tokens: the shortest prefill that runs every tile shape of
+# the fused prefill, where the target's fixed overhead is measured (walshkv.bench.report._memory_target)
+walshkv bench --part generation --ctx "${CTX_GLIBC:-1024,3072,$smol_longest}" --malloc-mmap-threshold 0 \
   --gen-codec rot+int4 "${smol_preset[@]}" --dynamic-dtype float32 --new-tokens "$new" --quiet --no-plot \
   --out docs/results/bench-glibc-default
 python scripts/update_readme.py docs/results/bench-glibc-default/bench.md docs/performance.md glibc

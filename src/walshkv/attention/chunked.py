@@ -27,7 +27,10 @@ import torch
 from walshkv.attention.cpu import decode_chunk_cpu
 from walshkv.codecs.base import Codec, Packed
 
-__all__ = ["chunked_attention"]
+__all__ = ["KV_CHUNK", "chunked_attention"]
+
+#: Packed keys decoded per tile by default (``chunked_attention``'s ``kv_chunk``).
+KV_CHUNK = 2048
 
 _NEG_INF = -math.inf
 
@@ -85,7 +88,7 @@ def chunked_attention(
     mask: torch.Tensor | None = None,
     start: int | None = None,
     q_block: int = 1024,
-    kv_chunk: int = 2048,
+    kv_chunk: int = KV_CHUNK,
 ) -> torch.Tensor:
     """Causal attention of ``T`` queries over head tokens, a packed cache and a full-precision window.
 
