@@ -83,15 +83,17 @@ class LloydMax:
 
 
 _MAX_COMPARE = 15  # thresholds up to which comparisons beat torch.bucketize's binary search (4-bit codes)
+_MIN_COMPARE = 32768  # elements below which one bucketize beats a pass per threshold (a decode step's token)
 
 
 def threshold_codes(x: torch.Tensor, thresholds: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """``torch.bucketize(x, thresholds)`` as ``dtype``: for every element, how many (sorted) thresholds lie strictly
     below it, the index of its Lloyd-Max cell.
 
-    Up to 15 thresholds (4-bit codes) the count is taken as one comparison pass per threshold, which on a CPU runs
-    2-4x faster than bucketize's per-element binary search over a decode step's or a prefill chunk's rows; the
-    result is the same for every finite input (NaN counts 0 here; callers refuse NaN before they quantize).
+    Up to 15 thresholds (4-bit codes) and from 32k elements on, the count is taken as one comparison pass per
+    threshold, which on a CPU runs 2-4x faster than bucketize's per-element binary search over a prefill chunk's
+    rows (a decode step's few elements take one bucketize: there the op count is the cost); the result is the same
+    for every finite input (NaN counts 0 here; callers refuse NaN before they quantize).
 
     Args:
         x: any float tensor.
@@ -99,7 +101,7 @@ def threshold_codes(x: torch.Tensor, thresholds: torch.Tensor, dtype: torch.dtyp
         dtype: an integer dtype wide enough for ``n`` (uint8 for the codecs' at most 8-bit codes).
     """
     n = thresholds.numel()
-    if n > _MAX_COMPARE or x.device.type != "cpu":
+    if n > _MAX_COMPARE or x.device.type != "cpu" or x.numel() < _MIN_COMPARE:
         return torch.bucketize(x.contiguous(), thresholds).to(dtype)
     if n == 0:
         return torch.zeros(x.shape, dtype=dtype, device=x.device)
