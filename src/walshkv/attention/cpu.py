@@ -54,6 +54,15 @@ the last one must be contiguous):
   AVX-512, a gather otherwise); the row factor is ``norm / sqrt(d)``. The basis is the codec's inverse
   rotation (sign flips, then the WHT), so the query is rotated once and the V sum unrotated once.
 
+Keys stored before RoPE (``prerope+``, :mod:`walshkv.attention.keys`): each decoded K row is mapped to the pre-RoPE
+key by one small matrix per kv head (a fast Walsh-Hadamard transform where that matrix is one) and rotated to its
+position in the kernel. With ``eq+`` the matrix is dense; on CPUs with AMX-BF16 it runs on AMX tiles as three bf16
+products of hi/lo parts summed in fp32 (:func:`amx_key_map`; ``WALSHKV_CPU_AMX=0`` keeps the fp32 multiply-adds).
+
+Prefill tiles (:func:`decode_chunk_cpu`, used by :mod:`walshkv.attention.chunked`): the same decode paths write a
+range of packed rows to floats (``decode_rows`` in the .cpp): ``prerope+`` keys mapped and rotated, other rows in
+the kernel's buffer order, which one matrix puts back in the model's basis.
+
 Rotations (``rot+``/``rrot+``): the query is multiplied once by the K codec's forward rotation (random
 signs included) and the V sum once by the V codec's inverse rotation; both are cached d x d matrices,
 fused with the softmax scale and the plane order above, so the kernel only ever reads the inner codec's
