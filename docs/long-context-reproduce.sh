@@ -101,17 +101,34 @@ for stage in $STAGES; do
       dir="$OUT/needle/$model"
       mkdir -p "$dir"
       files=(--json "$dir/needle.json" --csv "$dir/needle.csv" --markdown "$dir/needle.md" --png "$dir/heatmap.png")
-      [ -f "$dir/needle.json" ] && { echo "needle: $dir/needle.json exists (delete it to rerun)"; continue; }
       common=(--model "$model" --text "$EMMA" --samples "${NEEDLE_SAMPLES:-1}" --task single --calib-text python-docs
         --fused --codec walshkv:3 --codec walshkv:3.5 --codec rot+q4_0 --quiet)
-      case "$model" in
-      smollm2-135m) walshkv needle "${common[@]}" --lengths 2048,4096,8192 --depths 0,0.5,1 "${files[@]}" ;;
-      *)
-        [ -f "$dir/run-2k-4k.json" ] || walshkv needle "${common[@]}" --lengths 2048,4096 --depths 0,0.5,1 \
-          --json "$dir/run-2k-4k.json"
-        walshkv needle "${common[@]}" --lengths 16384 --depths 0.5 --add-to "$dir/run-2k-4k.json" "${files[@]}"
-        ;;
-      esac
+      if [ -f "$dir/needle.json" ]; then
+        echo "needle: $dir/needle.json exists (delete it to rerun)"
+      else
+        case "$model" in
+        smollm2-135m) walshkv needle "${common[@]}" --lengths 2048,4096,8192 --depths 0,0.5,1 "${files[@]}" ;;
+        *)
+          [ -f "$dir/run-2k-4k.json" ] || walshkv needle "${common[@]}" --lengths 2048,4096 --depths 0,0.5,1 \
+            --json "$dir/run-2k-4k.json"
+          walshkv needle "${common[@]}" --lengths 16384 --depths 0.5 --add-to "$dir/run-2k-4k.json" "${files[@]}"
+          ;;
+        esac
+      fi
+      # qwen2.5-1.5b's walshkv:3 was re-selected at 4k after the grid above ran (stage select): the same cells for
+      # it alone, beside the grid (about an hour on 2 cores)
+      if [ "$model" = qwen2.5-1.5b ]; then
+        part="$dir/walshkv-3-4k"
+        mkdir -p "$part"
+        if [ ! -f "$part/needle.json" ]; then
+          again=(--model "$model" --text "$EMMA" --samples "${NEEDLE_SAMPLES:-1}" --task single --calib-text python-docs
+            --fused --codec walshkv:3 --quiet)
+          [ -f "$part/run-2k-4k.json" ] || walshkv needle "${again[@]}" --lengths 2048,4096 --depths 0,0.5,1 \
+            --json "$part/run-2k-4k.json"
+          walshkv needle "${again[@]}" --lengths 16384 --depths 0.5 --add-to "$part/run-2k-4k.json" \
+            --json "$part/needle.json" --csv "$part/needle.csv" --markdown "$part/needle.md" --png "$part/heatmap.png"
+        fi
+      fi
     done
     ;;
   holdout)

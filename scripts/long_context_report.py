@@ -213,6 +213,12 @@ def _plot(model: str, ctxs: list[int], table: dict, order: list[str], figures: P
     return path
 
 
+#: Needle runs kept in a folder beside a model's grid, and what each is (stage needle of the reproduce script).
+NEEDLE_PARTS = {
+    "walshkv-3-4k": "walshkv:3 as re-selected at 4k tokens (the grid above ran the 512-token spec)",
+}
+
+
 def needle_section(results: Path, summary: dict[str, Any]) -> list[str]:
     lines = ["## Retrieval: needle in a haystack", ""]
     root = results / "needle"
@@ -229,6 +235,15 @@ def needle_section(results: Path, summary: dict[str, Any]) -> list[str]:
         js = model_dir / "needle.json"
         if js.is_file():
             summary.setdefault("needle", {})[model_dir.name] = _link(js)
+        for part in sorted(p for p in model_dir.iterdir() if p.is_dir() and (p / "needle.md").is_file()):
+            # a later run beside the model's grid (a re-selected preset): its own tables, under the model's
+            sub = [("###" + ln if ln.startswith("#") else ln) for ln in (part / "needle.md").read_text().strip().splitlines()]
+            lines += [f"#### {model_dir.name}: {NEEDLE_PARTS.get(part.name, part.name)}", ""]
+            lines += [ln for ln in sub if not ln.startswith("#### Needle")] + [""]
+            for png in sorted(part.glob("*.png")):
+                lines += [f"![{png.stem}]({_link(png)})", ""]
+            if (part / "needle.json").is_file():
+                summary.setdefault("needle", {})[f"{model_dir.name}/{part.name}"] = _link(part / "needle.json")
     if not found:
         lines += ["No runs yet: `STAGES=needle bash docs/long-context-reproduce.sh`.", ""]
     return lines

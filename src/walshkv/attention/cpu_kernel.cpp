@@ -22,9 +22,9 @@
 #include <immintrin.h>
 #endif
 // AMX (Sapphire Rapids and later; Linux asks for the tile state per process): eq+'s dense key map as bf16 tile
-// products, see amx_map below. Compiled in only where the build targets AMX-BF16 (and AVX512-BF16 for the
+// products, see amx_tiles below. Compiled in only where the build targets AMX-BF16 (and AVX512-BF16 for the
 // conversions); used only where the kernel also got the kernel's permission (amx_ready) and the caller asks.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
     defined(__linux__)
 #define WK_AMX 1
 #include <sys/syscall.h>
@@ -154,6 +154,8 @@ struct Src {
   const uint8_t* seg_end[MAX_SEGS];
   int seg_start[MAX_SEGS], seg_size[MAX_SEGS], seg_bits[MAX_SEGS];
   const float* seg_levels[MAX_SEGS];  // max(2^bits, 32) floats (zero padded: whole-vector permutes)
+  // each level as bf16 hi (low half) and lo (high half) parts, the split the AMX key map makes (levels of <= 5 bits)
+  alignas(64) int32_t seg_pairs[MAX_SEGS][32];
   float row_mul;                      // FMT_TQ: the row factor is norm * row_mul (1 / sqrt(d))
 };
 
@@ -294,11 +296,9 @@ static inline void amx_cols(const uint16_t* __restrict ah, const uint16_t* __res
   }
 }
 
-// ktile rows (ld_in floats, L used) -> z rows (kp.ld floats) = b @ mt[h] by bf16x3 tile products (see KPost).
-// ahi, alo: [TILE][Lp] uint16 scratch. Rows nt..15 of a started block of 16 are computed from stale (finite)
-// scratch and never read.
-static void amx_map(const KPost& kp, int64_t h, int nt, const float* __restrict ktile, int64_t ld_in,
-                    uint16_t* __restrict ahi, uint16_t* __restrict alo, float* __restrict z) {
+// ktile rows (ld_in floats, L used) -> their bf16 hi and lo parts, ahi, alo: [TILE][Lp] uint16 (zeros past L).
+static void amx_convert(const KPost& kp, int nt, const float* __restrict ktile, int64_t ld_in, uint16_t* __restrict ahi,
+                        uint16_t* __restrict alo) {
   const int Lp = kp.Lp;
   for (int i = 0; i < nt; ++i) {
     const float* src = ktile + i * ld_in;
@@ -313,6 +313,13 @@ static void amx_map(const KPost& kp, int64_t h, int nt, const float* __restrict 
       _mm256_storeu_si256((__m256i*)(alo + i * Lp + l), (__m256i)lo);
     }
   }
+}
+
+// z rows (kp.ld floats) = b @ mt[h] by bf16x3 tile products (see KPost) from the rows' parts ahi, alo ([TILE][Lp]).
+// Rows nt..15 of a started block of 16 are computed from stale (finite) scratch and never read.
+static void amx_tiles(const KPost& kp, int64_t h, int nt, const uint16_t* __restrict ahi,
+                      const uint16_t* __restrict alo, float* __restrict z) {
+  const int Lp = kp.Lp;
   const int64_t ld = kp.ld, nct = ld / 16;  // ld: a multiple of 32, so nct is even
   const uint16_t* __restrict bhi = kp.bhi + h * (int64_t)(Lp / 2) * ld * 2;
   const uint16_t* __restrict blo = kp.blo + h * (int64_t)(Lp / 2) * ld * 2;
@@ -427,8 +434,10 @@ static inline void had_key(const float* __restrict b, const vf* __restrict r, co
 }
 
 // ktile rows (ld_in floats, L used) -> ztile rows (kp.ld floats): the pre-RoPE key, then RoPE at pos0 + t + i.
+// AMX form: abf holds the rows' bf16 parts ([2][TILE][Lp]); converted: the decoder wrote them there already (tq).
 static void transform_keys(const KPost& kp, int64_t h, int64_t t, int nt, const float* __restrict ktile, int64_t ld_in,
-                           const float* __restrict rs, float* __restrict ztile, uint16_t* __restrict abf) {
+                           const float* __restrict rs, float* __restrict ztile, uint16_t* __restrict abf,
+                           bool converted = false) {
   const float* __restrict mu = kp.mu + h * kp.ld;
   float* __restrict z = ztile;
   const int nv = kp.d / VW;
@@ -465,7 +474,8 @@ static void transform_keys(const KPost& kp, int64_t h, int64_t t, int nt, const 
     }
   } else if (kp.amx) {
 #if WK_AMX
-    amx_map(kp, h, nt, ktile, ld_in, abf, abf + TILE * kp.Lp, z);
+    if (!converted) amx_convert(kp, nt, ktile, ld_in, abf, abf + TILE * kp.Lp);
+    amx_tiles(kp, h, nt, abf, abf + TILE * kp.Lp, z);
     const vf* m = (const vf*)mu;
     const int half = kp.d / 2;
     if (half % VW == 0) {  // row factor, mean and RoPE in one pass over each row
@@ -511,6 +521,20 @@ static void transform_keys(const KPost& kp, int64_t h, int64_t t, int nt, const 
   }
 }
 
+// float -> bf16 bits, round to nearest even (finite inputs), as the AVX512-BF16 conversions round
+static inline uint32_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+static inline float bf16_float(uint32_t h) {
+  const uint32_t u = h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 static Src make_src(const std::vector<int64_t>& a) {
   Src s;
   s.codes = reinterpret_cast<const uint8_t*>(a.at(0));
@@ -548,6 +572,11 @@ static Src make_src(const std::vector<int64_t>& a) {
       s.seg_levels[i] = reinterpret_cast<const float*>(e[8]);
       if (s.seg_bits[i] < 1 || s.seg_bits[i] > 8 || s.seg_start[i] < 0 || s.seg_start[i] + s.seg_size[i] > s.L)
         throw std::invalid_argument("walshkv decode attention: bad tq segment");
+      for (int c = 0; c < 32; ++c) {
+        const float lv = c < (1 << std::min(s.seg_bits[i], 5)) ? s.seg_levels[i][c] : 0.0f;
+        const uint32_t hi = bf16_bits(lv), lo = bf16_bits(lv - bf16_float(hi));
+        s.seg_pairs[i][c] = (int32_t)(hi | (lo << 16));
+      }
     }
     s.row_mul = 1.0f / std::sqrt((float)s.d);
     return s;
@@ -984,6 +1013,77 @@ static void decode_tile_tq(const Src& s, int64_t b, int64_t h, int64_t t, int nt
   }
 }
 
+#if WK_AMX
+// B-bit codes (B <= 4) of one tq segment straight to the bf16 hi and lo parts of their levels (the AMX key map's
+// split of each decoded row, the same bits as converting the float levels): a lane permute of the integer codes
+// over a table of (hi | lo << 16), two narrowing stores; no float row written and read back.
+template <int BITS>
+static inline void unpack_pairs(const uint8_t* __restrict row, int n, const uint8_t* end,
+                                const int32_t* __restrict pairs, uint16_t* __restrict hi, uint16_t* __restrict lo) {
+  constexpr uint32_t M = (1u << BITS) - 1u;
+  constexpr int GR = 16, GB = GR * BITS / 8;
+  alignas(64) static constexpr std::array<int8_t, 64> ctl = generic_shuffle<BITS, 16>();
+  alignas(64) static constexpr std::array<int32_t, 16> shl = generic_shifts<BITS, 16>();
+  const __m512i c = _mm512_load_si512(ctl.data()), sh = _mm512_load_si512(shl.data());
+  const __m512i m = _mm512_set1_epi32((int)M);
+  const __m512i tab = _mm512_load_si512(pairs);  // codes of <= 4 bits index the first 16 entries
+  uint8_t tmp[16] = {0};
+  int i = 0;
+  for (; i + GR <= n; i += GR) {
+    const uint8_t* p = row + i / GR * GB;
+    __m128i x;
+    if (p + 16 <= end) {
+      x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    } else {
+      std::memcpy(tmp, p, GB);
+      x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
+    }
+    const __m512i w = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(x), c), sh), m);
+    const __m512i pr = _mm512_permutexvar_epi32(w, tab);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm512_cvtepi32_epi16(pr));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(pr, 16)));
+  }
+  for (; i < n; ++i) {  // the codes after the last whole group, one at a time
+    const int bp = i * BITS;
+    unsigned v = row[bp >> 3];
+    if (((bp & 7) + BITS) > 8) v |= (unsigned)row[(bp >> 3) + 1] << 8;
+    const uint32_t pr = (uint32_t)pairs[(v >> (bp & 7)) & M];
+    hi[i] = (uint16_t)(pr & 0xFFFFu);
+    lo[i] = (uint16_t)(pr >> 16);
+  }
+}
+
+// Whether tq rows can go straight to bf16 parts (every segment of at most 4 bits).
+static bool tq_pairs_ok(const Src& s) {
+  if (s.fmt != FMT_TQ) return false;
+  for (int g = 0; g < s.nseg; ++g)
+    if (s.seg_bits[g] > 4) return false;
+  return true;
+}
+
+// tq rows t..t+nt-1 straight to the AMX map's scratch (ahi, alo: [TILE][Lp], positions L..Lp-1 stay zero), their
+// row factors (norm / sqrt(d)) in rs, as decode_tile_tq gives them.
+static void decode_tile_tq_pairs(const Src& s, int64_t b, int64_t h, int64_t t, int nt, uint16_t* ahi, uint16_t* alo,
+                                 int Lp, float* rs) {
+  const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
+  for (int i = 0; i < nt; ++i) {
+    for (int g = 0; g < s.nseg; ++g) {
+      const uint8_t* r = s.seg_codes[g] + b * s.seg_s0[g] + h * s.seg_s1[g] + (t + i) * s.seg_s2[g];
+      uint16_t* hi = ahi + i * Lp + s.seg_start[g];
+      uint16_t* lo = alo + i * Lp + s.seg_start[g];
+      const int n = s.seg_size[g];
+      switch (s.seg_bits[g]) {
+        case 1: unpack_pairs<1>(r, n, s.seg_end[g], s.seg_pairs[g], hi, lo); break;
+        case 2: unpack_pairs<2>(r, n, s.seg_end[g], s.seg_pairs[g], hi, lo); break;
+        case 3: unpack_pairs<3>(r, n, s.seg_end[g], s.seg_pairs[g], hi, lo); break;
+        default: unpack_pairs<4>(r, n, s.seg_end[g], s.seg_pairs[g], hi, lo); break;
+      }
+    }
+    rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
+  }
+}
+#endif
+
 static TileFn tile_fn(int fmt) {
   switch (fmt) {
     case FMT_INT4: return decode_tile<FMT_INT4>;
@@ -1044,12 +1144,22 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
   const int64_t nk = LK / VW, nv = LV / VW;
   float rsk[TILE], rsv[TILE];
   bool first = true;
+#if WK_AMX
+  const bool pairs = kp.amx && tq_pairs_ok(K);  // tq codes straight to the AMX map's bf16 parts
+#else
+  const bool pairs = false;
+#endif
   for (int64_t tb = t0; tb < t1; tb += TILE) {
     const int nt = (int)std::min<int64_t>(TILE, t1 - tb);
-    kdec(K, b, h, tb, nt, ktile, LKD, rsk);
+#if WK_AMX
+    if (pairs)
+      decode_tile_tq_pairs(K, b, h, tb, nt, abf, abf + TILE * kp.Lp, kp.Lp, rsk);
+    else
+#endif
+      kdec(K, b, h, tb, nt, ktile, LKD, rsk);
     const float* kscore = ktile;
     if (kp.on) {  // keys before RoPE: to the model's basis and rotated to their positions (row factor folded)
-      transform_keys(kp, h, tb, nt, ktile, LKD, rsk, ztile, abf);
+      transform_keys(kp, h, tb, nt, ktile, LKD, rsk, ztile, abf, pairs);
       for (int i = 0; i < nt; ++i) rsk[i] = 1.0f;
       kscore = ztile;
     }
@@ -1231,10 +1341,18 @@ static void decode_rows(const std::vector<int64_t>& desc, const std::vector<int6
         const int64_t bh = task / ntiles, tb = (task % ntiles) * TILE;
         const int nt = (int)std::min<int64_t>(TILE, n - tb);
         const int64_t b = bh / H, h = bh % H;
-        dec(S, b, h, t0 + tb, nt, tile, LD, rs);
+#if WK_AMX
+        const bool pairs = kp.amx && tq_pairs_ok(S);
+        if (pairs)
+          decode_tile_tq_pairs(S, b, h, t0 + tb, nt, abf, abf + TILE * kp.Lp, kp.Lp, rs);
+        else
+#else
+        const bool pairs = false;
+#endif
+          dec(S, b, h, t0 + tb, nt, tile, LD, rs);
         float* dst = out + (bh * n + tb) * Lout;
         if (kp.on) {
-          transform_keys(kp, h, t0 + tb, nt, tile, LD, rs, ztile, abf);
+          transform_keys(kp, h, t0 + tb, nt, tile, LD, rs, ztile, abf, pairs);
           for (int i = 0; i < nt; ++i) std::memcpy(dst + i * Lout, ztile + i * kp.ld, sizeof(float) * Lout);
         } else {
           for (int i = 0; i < nt; ++i)
