@@ -237,7 +237,8 @@ def needle_section(results: Path, summary: dict[str, Any]) -> list[str]:
             summary.setdefault("needle", {})[model_dir.name] = _link(js)
         for part in sorted(p for p in model_dir.iterdir() if p.is_dir() and (p / "needle.md").is_file()):
             # a later run beside the model's grid (a re-selected preset): its own tables, under the model's
-            sub = [("###" + ln if ln.startswith("#") else ln) for ln in (part / "needle.md").read_text().strip().splitlines()]
+            text = (part / "needle.md").read_text().strip().splitlines()
+            sub = [("###" + ln if ln.startswith("#") else ln) for ln in text]
             lines += [f"#### {model_dir.name}: {NEEDLE_PARTS.get(part.name, part.name)}", ""]
             lines += [ln for ln in sub if not ln.startswith("#### Needle")] + [""]
             for png in sorted(part.glob("*.png")):
