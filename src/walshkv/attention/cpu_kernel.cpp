@@ -678,6 +678,37 @@ static constexpr std::array<int32_t, LANES> generic_shifts() {
   return c;
 }
 
+#if defined(__AVX2__) || defined(__AVX512BW__)
+// The 16 bytes from p, whose first gb hold a group of codes, never read past end (one past the tensor's last byte):
+// near the end they come through a zero-padded copy.
+static inline __m128i group_bytes(const uint8_t* p, const uint8_t* end, int gb) {
+  if (p + 16 <= end) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  uint8_t tmp[16] = {0};
+  std::memcpy(tmp, p, gb);
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
+}
+#endif
+
+#if defined(__AVX512BW__)
+// The whole groups of 16 B-bit LSB-first codes of a row, each as 16 int32 lanes handed to f(first code, lanes): one
+// byte shuffle, one per-lane shift and a mask per group. Returns the first code after the last whole group.
+template <int BITS, class F>
+static inline int code_groups16(const uint8_t* __restrict row, int n, const uint8_t* end, F&& f) {
+  constexpr uint32_t M = (1u << BITS) - 1u;
+  constexpr int GR = 16, GB = GR * BITS / 8;
+  alignas(64) static constexpr std::array<int8_t, 64> ctl = generic_shuffle<BITS, 16>();
+  alignas(64) static constexpr std::array<int32_t, 16> shl = generic_shifts<BITS, 16>();
+  const __m512i c = _mm512_load_si512(ctl.data()), sh = _mm512_load_si512(shl.data());
+  const __m512i m = _mm512_set1_epi32((int)M);
+  int i = 0;
+  for (; i + GR <= n; i += GR) {
+    const __m128i x = group_bytes(row + i / GR * GB, end, GB);
+    f(i, _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(x), c), sh), m));
+  }
+  return i;
+}
+#endif
+
 // B in 1..8 (used for 3, 5, 6, 7 and for vht2 bands): groups of GR codes (GR * B / 8 bytes) with one
 // byte shuffle + variable shift; the codes after the last whole group bit by bit.
 template <int BITS>
@@ -722,16 +753,9 @@ static inline void unpack_generic(const uint8_t* __restrict row, int d, float of
     const __m512i c = _mm512_load_si512(ctl.data()), sh = _mm512_load_si512(shl.data());
     const __m512i m = _mm512_set1_epi32((int)M);
     const __m512 o = _mm512_set1_ps(off);
-    uint8_t tmp[16] = {0};
     for (; i + GR <= d; i += GR) {
       const uint8_t* p = row + i / GR * GB;
-      __m128i x;
-      if (p + 16 <= end) {
-        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      } else {  // near the end of the tensor: never read past it
-        std::memcpy(tmp, p, GB);
-        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
-      }
+      const __m128i x = group_bytes(p, end, GB);
       const __m512i y = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(x), c);
       const __m512i w = _mm512_and_si512(_mm512_srlv_epi32(y, sh), m);
       _mm512_storeu_ps(buf + i, _mm512_sub_ps(_mm512_cvtepi32_ps(w), o));
@@ -746,16 +770,9 @@ static inline void unpack_generic(const uint8_t* __restrict row, int d, float of
     const __m256i sh = _mm256_load_si256(reinterpret_cast<const __m256i*>(shl.data()));
     const __m256i m = _mm256_set1_epi32((int)M);
     const __m256 o = _mm256_set1_ps(off);
-    uint8_t tmp[16] = {0};
     for (; i + GR <= d; i += GR) {
       const uint8_t* p = row + i / GR * GB;
-      __m128i x;
-      if (p + 16 <= end) {
-        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      } else {
-        std::memcpy(tmp, p, GB);
-        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
-      }
+      const __m128i x = group_bytes(p, end, GB);
       const __m256i y = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(x), c);
       const __m256i w = _mm256_and_si256(_mm256_srlv_epi32(y, sh), m);
       _mm256_storeu_ps(buf + i, _mm256_sub_ps(_mm256_cvtepi32_ps(w), o));
@@ -925,17 +942,10 @@ static inline bool unpack_levels(const uint8_t* __restrict row, int n, const uin
     const __m256i sh = _mm256_load_si256(reinterpret_cast<const __m256i*>(shl.data()));
     const __m256i m = _mm256_set1_epi32((int)M);
     const __m256 l0 = _mm256_loadu_ps(lv), l1 = _mm256_loadu_ps(lv + 8);
-    uint8_t tmp[16] = {0};
     int i = 0;
     for (; i + GR <= n; i += GR) {
       const uint8_t* p = row + i / GR * GB;
-      __m128i x;
-      if (p + 16 <= end) {
-        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      } else {
-        std::memcpy(tmp, p, GB);
-        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
-      }
+      const __m128i x = group_bytes(p, end, GB);
       const __m256i w = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(x), c), sh), m);
       __m256 y = _mm256_permutevar8x32_ps(l0, w);
       if constexpr (BITS == 4)
@@ -947,27 +957,10 @@ static inline bool unpack_levels(const uint8_t* __restrict row, int n, const uin
   }
 #elif defined(__AVX512BW__)
   if constexpr (BITS <= 4) {
-    constexpr uint32_t M = (1u << BITS) - 1u;
-    constexpr int GR = 16, GB = GR * BITS / 8;
-    alignas(64) static constexpr std::array<int8_t, 64> ctl = generic_shuffle<BITS, 16>();
-    alignas(64) static constexpr std::array<int32_t, 16> shl = generic_shifts<BITS, 16>();
-    const __m512i c = _mm512_load_si512(ctl.data()), sh = _mm512_load_si512(shl.data());
-    const __m512i m = _mm512_set1_epi32((int)M);
     const __m512 l0 = _mm512_loadu_ps(lv);
-    uint8_t tmp[16] = {0};
-    int i = 0;
-    for (; i + GR <= n; i += GR) {
-      const uint8_t* p = row + i / GR * GB;
-      __m128i x;
-      if (p + 16 <= end) {
-        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      } else {
-        std::memcpy(tmp, p, GB);
-        x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
-      }
-      const __m512i w = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(x), c), sh), m);
-      _mm512_storeu_ps(buf + i, _mm512_permutexvar_ps(w, l0));
-    }
+    const int i = code_groups16<BITS>(row, n, end, [&](int j, __m512i w) {
+      _mm512_storeu_ps(buf + j, _mm512_permutexvar_ps(w, l0));
+    });
     levels_tail<BITS>(row, i, n, lv, buf);
     return true;
   }
@@ -1021,28 +1014,12 @@ template <int BITS>
 static inline void unpack_pairs(const uint8_t* __restrict row, int n, const uint8_t* end,
                                 const int32_t* __restrict pairs, uint16_t* __restrict hi, uint16_t* __restrict lo) {
   constexpr uint32_t M = (1u << BITS) - 1u;
-  constexpr int GR = 16, GB = GR * BITS / 8;
-  alignas(64) static constexpr std::array<int8_t, 64> ctl = generic_shuffle<BITS, 16>();
-  alignas(64) static constexpr std::array<int32_t, 16> shl = generic_shifts<BITS, 16>();
-  const __m512i c = _mm512_load_si512(ctl.data()), sh = _mm512_load_si512(shl.data());
-  const __m512i m = _mm512_set1_epi32((int)M);
   const __m512i tab = _mm512_load_si512(pairs);  // codes of <= 4 bits index the first 16 entries
-  uint8_t tmp[16] = {0};
-  int i = 0;
-  for (; i + GR <= n; i += GR) {
-    const uint8_t* p = row + i / GR * GB;
-    __m128i x;
-    if (p + 16 <= end) {
-      x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    } else {
-      std::memcpy(tmp, p, GB);
-      x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
-    }
-    const __m512i w = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(x), c), sh), m);
+  int i = code_groups16<BITS>(row, n, end, [&](int j, __m512i w) {
     const __m512i pr = _mm512_permutexvar_epi32(w, tab);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm512_cvtepi32_epi16(pr));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(pr, 16)));
-  }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + j), _mm512_cvtepi32_epi16(pr));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(pr, 16)));
+  });
   for (; i < n; ++i) {  // the codes after the last whole group, one at a time
     const int bp = i * BITS;
     unsigned v = row[bp >> 3];
@@ -1133,6 +1110,43 @@ static inline void acc_block(const float* __restrict w, const float* __restrict 
   }
 }
 
+// Per thread: the AMX key map's scratch (a K tile's rows as bf16 hi and lo parts, zeroed) with the thread's tile
+// configuration loaded; nullptr without the AMX map. Freed (and the tiles released) by amx_scratch_free.
+static uint16_t* amx_scratch(const KPost& kp) {
+  if (!kp.amx) return nullptr;
+  uint16_t* abf = static_cast<uint16_t*>(std::aligned_alloc(64, (size_t)(2 * TILE * kp.Lp * 2 + 63) / 64 * 64));
+  if (!abf) throw std::bad_alloc();
+  std::memset(abf, 0, (size_t)2 * TILE * kp.Lp * 2);
+#if WK_AMX
+  amx_configure();
+#endif
+  return abf;
+}
+
+static void amx_scratch_free(uint16_t* abf) {
+  if (!abf) return;
+#if WK_AMX
+  _tile_release();
+#endif
+  std::free(abf);
+}
+
+// K rows t..t+nt-1 into the float tile, or, for the AMX map over tq codes of at most 4 bits, straight to the
+// scratch's bf16 parts (returns true: transform_keys then skips the conversion). Row factors in rs either way.
+static bool decode_k_tile(const Src& K, TileFn dec, const KPost& kp, int64_t b, int64_t h, int64_t t, int nt,
+                          float* tile, int64_t ld, float* rs, uint16_t* abf) {
+#if WK_AMX
+  if (kp.amx && tq_pairs_ok(K)) {
+    decode_tile_tq_pairs(K, b, h, t, nt, abf, abf + TILE * kp.Lp, kp.Lp, rs);
+    return true;
+  }
+#else
+  (void)kp, (void)abf;
+#endif
+  dec(K, b, h, t, nt, tile, ld, rs);
+  return false;
+}
+
 // One (batch, head, token range): online softmax over tiles. q: [G][LK] (zero columns pad), acc: [G][LV];
 // m, l: [G]. LK, LV are multiples of VW; buffers 64-byte aligned.
 static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, const KPost& kp,
@@ -1144,19 +1158,9 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
   const int64_t nk = LK / VW, nv = LV / VW;
   float rsk[TILE], rsv[TILE];
   bool first = true;
-#if WK_AMX
-  const bool pairs = kp.amx && tq_pairs_ok(K);  // tq codes straight to the AMX map's bf16 parts
-#else
-  const bool pairs = false;
-#endif
   for (int64_t tb = t0; tb < t1; tb += TILE) {
     const int nt = (int)std::min<int64_t>(TILE, t1 - tb);
-#if WK_AMX
-    if (pairs)
-      decode_tile_tq_pairs(K, b, h, tb, nt, abf, abf + TILE * kp.Lp, kp.Lp, rsk);
-    else
-#endif
-      kdec(K, b, h, tb, nt, ktile, LKD, rsk);
+    const bool pairs = decode_k_tile(K, kdec, kp, b, h, tb, nt, ktile, LKD, rsk, abf);
     const float* kscore = ktile;
     if (kp.on) {  // keys before RoPE: to the model's basis and rotated to their positions (row factor folded)
       transform_keys(kp, h, tb, nt, ktile, LKD, rsk, ztile, abf, pairs);
@@ -1257,15 +1261,7 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
       float* ztile = ktile + TILE * LKD;
       float* vtile = ztile + TILE * LK;
       float* sc = vtile + TILE * LV;
-      uint16_t* abf = nullptr;  // AMX: the K tile's rows as bf16 hi and lo
-      if (kp.amx) {
-        abf = static_cast<uint16_t*>(std::aligned_alloc(64, (size_t)round_up(2 * TILE * kp.Lp * 2, 64)));
-        if (!abf) throw std::bad_alloc();
-        std::memset(abf, 0, (size_t)2 * TILE * kp.Lp * 2);
-#if WK_AMX
-        amx_configure();
-#endif
-      }
+      uint16_t* abf = amx_scratch(kp);  // AMX: the K tile's rows as bf16 hi and lo
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < N * nsplit; ++task) {
         const int64_t n = task / nsplit, sp = task % nsplit;
@@ -1275,12 +1271,7 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
                     pl.data() + task * G, pacc + task * G * LV, ktile, ztile, vtile, sc, abf);
       }
       std::free(ktile);
-      if (abf) {
-#if WK_AMX
-        _tile_release();
-#endif
-        std::free(abf);
-      }
+      amx_scratch_free(abf);
     }
   }
   for (int64_t n = 0; n < N; ++n) {  // merge the ranges
@@ -1326,30 +1317,14 @@ static void decode_rows(const std::vector<int64_t>& desc, const std::vector<int6
     {
       float* tile = alloc_floats(TILE * LD + TILE * (kp.on ? kp.ld : 0));
       float* ztile = tile + TILE * LD;
-      uint16_t* abf = nullptr;
-      if (kp.amx) {
-        abf = static_cast<uint16_t*>(std::aligned_alloc(64, (size_t)round_up(2 * TILE * kp.Lp * 2, 64)));
-        if (!abf) throw std::bad_alloc();
-        std::memset(abf, 0, (size_t)2 * TILE * kp.Lp * 2);
-#if WK_AMX
-        amx_configure();
-#endif
-      }
+      uint16_t* abf = amx_scratch(kp);
       float rs[TILE];
 #pragma omp for schedule(static)
       for (int64_t task = 0; task < B * H * ntiles; ++task) {
         const int64_t bh = task / ntiles, tb = (task % ntiles) * TILE;
         const int nt = (int)std::min<int64_t>(TILE, n - tb);
         const int64_t b = bh / H, h = bh % H;
-#if WK_AMX
-        const bool pairs = kp.amx && tq_pairs_ok(S);
-        if (pairs)
-          decode_tile_tq_pairs(S, b, h, t0 + tb, nt, abf, abf + TILE * kp.Lp, kp.Lp, rs);
-        else
-#else
-        const bool pairs = false;
-#endif
-          dec(S, b, h, t0 + tb, nt, tile, LD, rs);
+        const bool pairs = decode_k_tile(S, dec, kp, b, h, t0 + tb, nt, tile, LD, rs, abf);
         float* dst = out + (bh * n + tb) * Lout;
         if (kp.on) {
           transform_keys(kp, h, t0 + tb, nt, tile, LD, rs, ztile, abf, pairs);
@@ -1360,12 +1335,7 @@ static void decode_rows(const std::vector<int64_t>& desc, const std::vector<int6
         }
       }
       std::free(tile);
-      if (abf) {
-#if WK_AMX
-        _tile_release();
-#endif
-        std::free(abf);
-      }
+      amx_scratch_free(abf);
     }
   }
 }
