@@ -165,6 +165,33 @@ def check_kernel_constants(module: Any) -> None:
         )
 
 
+def build_kernel(flags: list[str], source: str | None = None) -> Any:
+    """Compile (or load from torch's extension cache) the kernel with these compiler flags.
+
+    :func:`load_kernel` builds it for this CPU (``-march=native``); the tests also build it for other instruction
+    sets the CPU can run (``-march=haswell``: AVX2 only; ``-march=skylake-avx512``: AVX-512 without AMX), so every
+    path is checked on one machine.
+
+    Raises:
+        Exception: whatever the build raises (no compiler, no ninja, a flag the compiler refuses).
+    """
+    from torch.utils import cpp_extension  # slow to import (setuptools); only the first use pays it
+
+    source = kernel_source() if source is None else source
+    tag = f"{source}{flags}{platform.machine()}{torch.backends.cpu.get_cpu_capability()}"
+    name = "walshkv_decode_attn_" + hashlib.sha256(tag.encode()).hexdigest()[:12]
+    # without the implicit <torch/extension.h> (all of ATen) the build is much shorter
+    lean = "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters
+    return cpp_extension.load_inline(
+        name=name,
+        cpp_sources=[source],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+        **({"no_implicit_headers": True} if lean else {}),
+    )
+
+
 def load_kernel() -> Any:
     """Compile (first use) or load the C++ kernel; ``None`` if no compiler works (warns once).
 
@@ -181,8 +208,6 @@ def load_kernel() -> Any:
     with _lock:
         if _kernel is not None or _kernel_failed:
             return _kernel
-        from torch.utils import cpp_extension  # slow to import (setuptools); only the first use pays it
-
         errors = []
         try:
             source = kernel_source()
@@ -190,19 +215,8 @@ def load_kernel() -> Any:
             source = None
             errors.append(f"{KERNEL_SOURCE}: {type(exc).__name__}: {exc} (reinstall walshkv)")
         for flags in (_CFLAGS_NATIVE, _CFLAGS_PORTABLE) if source is not None else ():
-            tag = f"{source}{flags}{platform.machine()}{torch.backends.cpu.get_cpu_capability()}"
-            name = "walshkv_decode_attn_" + hashlib.sha256(tag.encode()).hexdigest()[:12]
-            # without the implicit <torch/extension.h> (all of ATen) the build is much shorter
-            lean = "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters
             try:
-                module = cpp_extension.load_inline(
-                    name=name,
-                    cpp_sources=[source],
-                    extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                    **({"no_implicit_headers": True} if lean else {}),
-                )
+                module = build_kernel(flags, source)
             except Exception as exc:  # no compiler, no ninja, a flag the compiler refuses, ...
                 errors.append(f"{' '.join(flags)}: {type(exc).__name__}: {str(exc).strip()[-400:]}")
                 continue

@@ -1,0 +1,78 @@
+"""The CPU kernel built for each instruction set this CPU can run, against the reference.
+
+The kernel is built with ``-march=native`` (walshkv.attention.cpu.load_kernel), so one machine tests one ISA's code;
+the machines here differ (AVX2 only, AVX-512, AVX-512 with AMX). These builds run the other paths on the same
+machine: AVX2 only (``-march=haswell``) and AVX-512 without AMX (``-march=skylake-avx512``), each where the CPU can
+run it. The presets' parts, rot+int4 and q4_0, decode attention and a prefill tile's decode.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codecs"))  # the shared matrix's stub
+
+from matrix import CalibrationStub
+
+from walshkv.attention import cpu, decode_attention
+from walshkv.codecs.registry import parse_codec
+
+KV, D = 2, 64
+PAIRS = [
+    ("prerope+center+eq+tq:3.5", "tq:3"),
+    ("prerope+center+eqd+tq:3", "tq:2.5"),
+    ("sink:1:prerope+center+eq+rot+iq4_nl", "tq:4"),
+    ("rot+int4", "int4"),
+    ("q4_0", "q8_0"),
+    ("rot+int3", "int2"),
+]
+ISAS = {"avx2": ("-march=haswell", ("avx2", "fma")), "avx512": ("-march=skylake-avx512", ("avx512f", "avx512bw"))}
+
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+    reason="no C++ compiler: the CPU kernel cannot be built",
+)
+
+
+def _cpu_has(flags: tuple[str, ...]) -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    have = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+    return all(f in have for f in flags)
+
+
+@pytest.mark.parametrize("isa", sorted(ISAS))
+def test_the_kernel_built_for_each_isa_matches_the_reference(isa, monkeypatch):
+    march, flags = ISAS[isa]
+    if not _cpu_has(flags):
+        pytest.skip(f"this CPU cannot run {isa} code")
+    module = cpu.build_kernel(["-O3", march, "-fopenmp", "-std=c++20"])
+    cpu.check_kernel_constants(module)
+    assert not module.amx_compiled  # neither target has AMX: the fp32 key map
+    monkeypatch.setattr(cpu, "_kernel", module)
+    monkeypatch.setattr(cpu, "_KPOST", {})  # row lengths follow the build's vector width
+    cal = CalibrationStub(D, KV)
+    gen = torch.Generator().manual_seed(11)
+    for kspec, vspec in PAIRS:
+        sink = kspec.startswith("sink:1:")
+        kc = parse_codec(kspec.removeprefix("sink:1:")).bind(1, "k", cal)
+        vc = parse_codec(vspec).bind(1, "v", cal)
+        start = 1 if sink else 0
+        k, v = torch.randn(2, KV, 77, D, generator=gen), torch.randn(2, KV, 77, D, generator=gen)
+        pk, pv = kc.encode(k, start), vc.encode(v, start)
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn(2, KV * 3, 1, D, generator=gen).to(dtype)
+            want = decode_attention(q, pk, pv, kc, vc, backend="reference", start=start)
+            got = decode_attention(q, pk, pv, kc, vc, backend="cpu", start=start)
+            tol = 3e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0, msg=f"{isa} {kspec}/{vspec}")
+        rows = cpu.decode_chunk_cpu(pk, pv, kc, vc, start, 5, 70)
+        assert rows is not None, kspec
+        torch.testing.assert_close(rows[1], vc.decode(pv.slice_seq(5, 70), start + 5).float(), atol=2e-5, rtol=0)
