@@ -353,7 +353,7 @@ def _amx_pairs(mt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def amx_key_map() -> bool:
-    """Whether ``eq+``'s dense per-key map runs on AMX tiles (bf16 hi + lo parts, fp32 sums; see ``amx_map`` in
+    """Whether ``eq+``'s dense per-key map runs on AMX tiles (bf16 hi + lo parts, fp32 sums; see ``amx_tiles`` in
     the .cpp): the kernel was built for a CPU with AMX-BF16, Linux granted the tile state, and the environment
     variable ``WALSHKV_CPU_AMX`` is not ``0`` (set it to ``0`` to time or test the AVX path on such a CPU)."""
     if os.environ.get("WALSHKV_CPU_AMX", "1").strip() == "0":

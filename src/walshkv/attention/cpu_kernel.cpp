@@ -23,7 +23,7 @@
 #endif
 // AMX (Sapphire Rapids and later; Linux asks for the tile state per process): eq+'s dense key map as bf16 tile
 // products, see amx_tiles below. Compiled in only where the build targets AMX-BF16 (and AVX512-BF16 for the
-// conversions); used only where the kernel also got the kernel's permission (amx_ready) and the caller asks.
+// conversions); used only where Linux granted the tile state (amx_ready) and the caller asks for it.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
     defined(__linux__)
 #define WK_AMX 1
@@ -572,8 +572,8 @@ static Src make_src(const std::vector<int64_t>& a) {
       s.seg_levels[i] = reinterpret_cast<const float*>(e[8]);
       if (s.seg_bits[i] < 1 || s.seg_bits[i] > 8 || s.seg_start[i] < 0 || s.seg_start[i] + s.seg_size[i] > s.L)
         throw std::invalid_argument("walshkv decode attention: bad tq segment");
-      for (int c = 0; c < 32; ++c) {
-        const float lv = c < (1 << std::min(s.seg_bits[i], 5)) ? s.seg_levels[i][c] : 0.0f;
+      for (int c = 0; c < 32; ++c) {  // the level table holds at least 32 floats (zero padded)
+        const float lv = s.seg_levels[i][c];
         const uint32_t hi = bf16_bits(lv), lo = bf16_bits(lv - bf16_float(hi));
         s.seg_pairs[i][c] = (int32_t)(hi | (lo << 16));
       }
@@ -678,6 +678,15 @@ static constexpr std::array<int32_t, LANES> generic_shifts() {
   return c;
 }
 
+// Code i of a B-bit LSB-first row (B <= 8).
+template <int BITS>
+static inline unsigned code_at(const uint8_t* __restrict row, int i) {
+  const int bp = i * BITS;
+  unsigned v = row[bp >> 3];
+  if (((bp & 7) + BITS) > 8) v |= (unsigned)row[(bp >> 3) + 1] << 8;  // the code spills into the next byte
+  return (v >> (bp & 7)) & ((1u << BITS) - 1u);
+}
+
 #if defined(__AVX2__) || defined(__AVX512BW__)
 // The 16 bytes from p, whose first gb hold a group of codes, never read past end (one past the tensor's last byte):
 // near the end they come through a zero-padded copy.
@@ -714,7 +723,7 @@ static inline int code_groups16(const uint8_t* __restrict row, int n, const uint
 template <int BITS>
 static inline void unpack_generic(const uint8_t* __restrict row, int d, float off, const uint8_t* end,
                                   float* __restrict buf) {
-  constexpr uint32_t M = (1u << BITS) - 1u;
+  [[maybe_unused]] constexpr uint32_t M = (1u << BITS) - 1u;  // the SIMD paths' mask
   int i = 0;
 #if defined(__AVX512VBMI__)
   if constexpr (BITS == 3) {  // 64 codes (24 bytes) at a time: byte permute + multishift, no per-lane shifts
@@ -781,12 +790,7 @@ static inline void unpack_generic(const uint8_t* __restrict row, int d, float of
 #else
   (void)end;
 #endif
-  for (; i < d; ++i) {
-    const int bp = i * BITS;
-    unsigned w = row[bp >> 3];
-    if (((bp & 7) + BITS) > 8) w |= (unsigned)row[(bp >> 3) + 1] << 8;  // the code spills into the next byte
-    buf[i] = (float)((w >> (bp & 7)) & M) - off;
-  }
+  for (; i < d; ++i) buf[i] = (float)code_at<BITS>(row, i) - off;
 }
 
 static inline void lookup_levels(float* __restrict buf, int n, const float* __restrict lv, int bits);
@@ -918,13 +922,7 @@ static inline void lookup_levels(float* __restrict buf, int n, const float* __re
 template <int BITS>
 static inline void levels_tail(const uint8_t* __restrict row, int i, int n, const float* __restrict lv,
                                float* __restrict buf) {
-  constexpr uint32_t M = (1u << BITS) - 1u;
-  for (; i < n; ++i) {
-    const int bp = i * BITS;
-    unsigned v = row[bp >> 3];
-    if (((bp & 7) + BITS) > 8) v |= (unsigned)row[(bp >> 3) + 1] << 8;  // the code spills into the next byte
-    buf[i] = lv[(v >> (bp & 7)) & M];
-  }
+  for (; i < n; ++i) buf[i] = lv[code_at<BITS>(row, i)];
 }
 
 // B-bit codes (B <= 4) straight to their levels lv[c], as unpack_generic's groups then a lane permute on the
@@ -1013,7 +1011,6 @@ static void decode_tile_tq(const Src& s, int64_t b, int64_t h, int64_t t, int nt
 template <int BITS>
 static inline void unpack_pairs(const uint8_t* __restrict row, int n, const uint8_t* end,
                                 const int32_t* __restrict pairs, uint16_t* __restrict hi, uint16_t* __restrict lo) {
-  constexpr uint32_t M = (1u << BITS) - 1u;
   const __m512i tab = _mm512_load_si512(pairs);  // codes of <= 4 bits index the first 16 entries
   int i = code_groups16<BITS>(row, n, end, [&](int j, __m512i w) {
     const __m512i pr = _mm512_permutexvar_epi32(w, tab);
@@ -1021,10 +1018,7 @@ static inline void unpack_pairs(const uint8_t* __restrict row, int n, const uint
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(pr, 16)));
   });
   for (; i < n; ++i) {  // the codes after the last whole group, one at a time
-    const int bp = i * BITS;
-    unsigned v = row[bp >> 3];
-    if (((bp & 7) + BITS) > 8) v |= (unsigned)row[(bp >> 3) + 1] << 8;
-    const uint32_t pr = (uint32_t)pairs[(v >> (bp & 7)) & M];
+    const uint32_t pr = (uint32_t)pairs[code_at<BITS>(row, i)];
     hi[i] = (uint16_t)(pr & 0xFFFFu);
     lo[i] = (uint16_t)(pr >> 16);
   }

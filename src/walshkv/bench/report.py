@@ -293,7 +293,8 @@ def _memory_target(fused: Sequence[dict[str, Any]], codecs: Sequence[str | None]
     # the overhead is measured at the longest context below the checked one whose prefill runs every tile shape of
     # the fused prefill: a later chunk over a whole decoded tile of KV_CHUNK packed keys (at least KV_CHUNK +
     # prefill_chunk tokens: 3,072 by default). Shorter prefills never build those tiles' temporaries, which glibc
-    # keeps once freed, so they miss part of that fixed cost (about 150 MiB with smollm2-135m on 2 threads).
+    # keeps once freed, so they miss part of that fixed cost (docs/results/bench-glibc-default: walshkv:3.5's
+    # overhead 646 MiB at 1,024 tokens, 761 at 3,072).
     big = fused[-1] if fused else None
     smaller = [r for r in fused[:-1] if r["ctx"] >= KV_CHUNK + r.get("prefill_chunk", 1024)]
     smaller = smaller or [r for r in fused[:-1] if r["ctx"] > r.get("prefill_chunk", 1024)] or fused[:-1]
