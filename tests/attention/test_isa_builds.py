@@ -3,7 +3,8 @@
 The kernel is built with ``-march=native`` (walshkv.attention.cpu.load_kernel), so one machine tests one ISA's code;
 the machines here differ (AVX2 only, AVX-512, AVX-512 with AMX). These builds run the other paths on the same
 machine: AVX2 only (``-march=haswell``) and AVX-512 without AMX (``-march=skylake-avx512``), each where the CPU can
-run it. The presets' parts, rot+int4 and q4_0, decode attention and a prefill tile's decode.
+run it. The presets' parts, rot+int4 and q4_0 (their K scored by byte dot products), decode attention and a
+prefill tile's decode.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def test_the_kernel_built_for_each_isa_matches_the_reference(isa, monkeypatch):
     module = cpu.build_kernel(["-O3", march, "-fopenmp", "-std=c++20"])
     cpu.check_kernel_constants(module)
     assert not module.amx_compiled  # neither target has AMX: the fp32 key map
+    assert module.int_dot_compiled  # 4-bit K scored by byte dot products (vpmaddubsw: neither target has VNNI)
     monkeypatch.setattr(cpu, "_kernel", module)
     monkeypatch.setattr(cpu, "_KPOST", {})  # row lengths follow the build's vector width
     cal = CalibrationStub(D, KV)
@@ -108,3 +110,11 @@ def test_the_kernel_built_for_each_isa_matches_the_reference(isa, monkeypatch):
         rows = cpu.decode_chunk_cpu(pk, pv, kc, vc, start, 5, 70)
         assert rows is not None, kspec
         torch.testing.assert_close(rows[1], vc.decode(pv.slice_seq(5, 70), start + 5).float(), atol=2e-5, rtol=0)
+    for kspec, d in (("int4", 48), ("int4", 80), ("q4_0", 96)):  # code vectors the row fills in part
+        kc, vc = parse_codec(kspec), parse_codec("int4")
+        k, v = torch.randn(2, KV, 45, d, generator=gen), torch.randn(2, KV, 45, d, generator=gen)
+        pk, pv = kc.encode(k), vc.encode(v)
+        q = torch.randn(2, KV * 3, 1, d, generator=gen)
+        want = decode_attention(q, pk, pv, kc, vc, backend="reference")
+        got = decode_attention(q, pk, pv, kc, vc, backend="cpu")
+        torch.testing.assert_close(got, want, atol=3e-5, rtol=0, msg=f"{isa} {kspec} d={d}")

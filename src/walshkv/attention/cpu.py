@@ -362,6 +362,18 @@ def amx_key_map() -> bool:
     return kernel is not None and bool(getattr(kernel, "amx_compiled", False)) and bool(kernel.amx_ready())
 
 
+def int_dot_scores() -> bool:
+    """Whether 4-bit K codes (``int4`` under any rotation, ``q4_0``; not keys stored before RoPE) are scored by byte
+    dot products against an integer split of the query (see ``IQuery`` in the .cpp: three int8 parts, exact int32
+    sums, float32-sized rounding) instead of being unpacked to floats: the kernel was built for AVX2 or AVX-512BW
+    (VNNI's ``vpdpbusd`` where the CPU has it) and the environment variable ``WALSHKV_CPU_INT_DOT`` is not ``0``
+    (set it to ``0`` to time or test the float path)."""
+    if os.environ.get("WALSHKV_CPU_INT_DOT", "1").strip() == "0":
+        return False
+    kernel = load_kernel()
+    return kernel is not None and bool(getattr(kernel, "int_dot_compiled", False))
+
+
 def prerope_key_map(k_codec: Codec, v_codec: Codec, head_dim: int, kv_heads: int) -> str | None:
     """How the CPU kernel maps a ``prerope+`` K codec's decoded rows to keys: ``"hadamard"`` (a fast Walsh-Hadamard
     transform with sign flips, ``d log2 d`` additions per key: no ``eq+``, or ``eqd+``'s diagonal one), ``"matrix"``
@@ -439,7 +451,20 @@ def fused_decode_cpu(
     threads = torch.get_num_threads()
     nsplit = _nsplit(b * h, t, threads)
     kernel.run(
-        kdesc, vdesc, kpost, qb.data_ptr(), m.data_ptr(), l_sum.data_ptr(), acc.data_ptr(), b, h, g, t, nsplit, threads
+        kdesc,
+        vdesc,
+        kpost,
+        qb.data_ptr(),
+        m.data_ptr(),
+        l_sum.data_ptr(),
+        acc.data_ptr(),
+        b,
+        h,
+        g,
+        t,
+        nsplit,
+        threads,
+        int_dot=int_dot_scores(),
     )
     del keep_k, keep_v, keep_p
     if plan.out_map is not None:

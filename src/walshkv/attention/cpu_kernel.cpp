@@ -118,6 +118,41 @@ static inline void hsum4(vf a0, vf a1, vf a2, vf a3, float* out) {
   out[3] = e[3];
 }
 
+// The lane sums of VW vectors at once, as one vector (lane i: the sum of a[i]'s lanes): a transpose-and-add
+// tree, about 3 shuffles and adds per vector instead of hsum's 6-8.
+static inline vf hsum_lanes(const vf* __restrict a) {
+#if WK_VW == 16
+  __m512 s1[8], s2[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit group: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of a = a[2i], b = a[2i+1]
+    const __m512 x = (__m512)a[2 * i], y = (__m512)a[2 * i + 1];
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 4; ++i)  // per 128-bit group: the group's sums of vectors 4i .. 4i+3
+    s2[i] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
+                          _mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
+  const __m512 p01 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 p23 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return (vf)_mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)));
+#elif WK_VW == 8 && defined(__AVX__)
+  __m256 s1[4], s2[2];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 x = (__m256)a[2 * i], y = (__m256)a[2 * i + 1];
+    s1[i] = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 2; ++i)
+    s2[i] = _mm256_add_ps(_mm256_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
+                          _mm256_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
+  return (vf)_mm256_add_ps(_mm256_permute2f128_ps(s2[0], s2[1], 0x20), _mm256_permute2f128_ps(s2[0], s2[1], 0x31));
+#else
+  vf out;
+  for (int i = 0; i < VW; ++i) out[i] = hsum(a[i]);
+  return out;
+#endif
+}
+
 // exp(x) for x <= 0, lane-wise: Cody-Waite range reduction and a degree-6 polynomial (relative
 // error ~1e-7, no libm call); 0 below -87 and for -inf.
 static inline vf vexp_nonpos(vf x) {
@@ -967,41 +1002,41 @@ static inline bool unpack_levels(const uint8_t* __restrict row, int n, const uin
   return false;
 }
 
+// nt rows (stride st bytes) of one tq segment's B-bit codes to their levels, into rows of ld floats from dst.
+template <int BITS>
+static void tq_segment_rows(const uint8_t* __restrict r, int64_t st, int nt, int n, const uint8_t* end,
+                            const float* __restrict lv, float* __restrict dst, int64_t ld) {
+  for (int i = 0; i < nt; ++i) {
+    if (unpack_levels<BITS>(r + i * st, n, end, lv, dst + i * ld)) continue;  // codes to levels in one pass
+    unpack_generic<BITS>(r + i * st, n, 0.0f, end, dst + i * ld);
+    lookup_levels(dst + i * ld, n, lv, BITS);
+  }
+}
+
 // tq: each segment's codes (own tensor and strides) unpacked to its buffer positions, then replaced by
 // their Lloyd-Max levels; the row factor is norm / sqrt(d).
 static void decode_tile_tq(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
                            float* rs) {
   const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
-  for (int i = 0; i < nt; ++i) {
-    float* row_buf = tile + i * ld;
-    for (int g = 0; g < s.nseg; ++g) {
-      const uint8_t* r = s.seg_codes[g] + b * s.seg_s0[g] + h * s.seg_s1[g] + (t + i) * s.seg_s2[g];
-      float* dst = row_buf + s.seg_start[g];
-      const int n = s.seg_size[g];
-      const float* lv = s.seg_levels[g];
-      bool done = false;
-      switch (s.seg_bits[g]) {  // codes to levels in one pass where the ISA allows
-        case 1: done = unpack_levels<1>(r, n, s.seg_end[g], lv, dst); break;
-        case 2: done = unpack_levels<2>(r, n, s.seg_end[g], lv, dst); break;
-        case 3: done = unpack_levels<3>(r, n, s.seg_end[g], lv, dst); break;
-        case 4: done = unpack_levels<4>(r, n, s.seg_end[g], lv, dst); break;
-        default: break;
-      }
-      if (done) continue;
-      switch (s.seg_bits[g]) {
-        case 1: unpack_generic<1>(r, n, 0.0f, s.seg_end[g], dst); break;
-        case 2: unpack_generic<2>(r, n, 0.0f, s.seg_end[g], dst); break;
-        case 3: unpack_generic<3>(r, n, 0.0f, s.seg_end[g], dst); break;
-        case 4: unpack_generic<4>(r, n, 0.0f, s.seg_end[g], dst); break;
-        case 5: unpack_generic<5>(r, n, 0.0f, s.seg_end[g], dst); break;
-        case 6: unpack_generic<6>(r, n, 0.0f, s.seg_end[g], dst); break;
-        case 7: unpack_generic<7>(r, n, 0.0f, s.seg_end[g], dst); break;
-        default: unpack_generic<8>(r, n, 0.0f, s.seg_end[g], dst); break;
-      }
-      lookup_levels(dst, n, s.seg_levels[g], s.seg_bits[g]);
+  for (int g = 0; g < s.nseg; ++g) {  // segment by segment: its bit width and pointers set once per tile
+    const uint8_t* r = s.seg_codes[g] + b * s.seg_s0[g] + h * s.seg_s1[g] + t * s.seg_s2[g];
+    const int64_t st = s.seg_s2[g];
+    const int n = s.seg_size[g];
+    const uint8_t* end = s.seg_end[g];
+    const float* lv = s.seg_levels[g];
+    float* dst = tile + s.seg_start[g];
+    switch (s.seg_bits[g]) {
+      case 1: tq_segment_rows<1>(r, st, nt, n, end, lv, dst, ld); break;
+      case 2: tq_segment_rows<2>(r, st, nt, n, end, lv, dst, ld); break;
+      case 3: tq_segment_rows<3>(r, st, nt, n, end, lv, dst, ld); break;
+      case 4: tq_segment_rows<4>(r, st, nt, n, end, lv, dst, ld); break;
+      case 5: tq_segment_rows<5>(r, st, nt, n, end, lv, dst, ld); break;
+      case 6: tq_segment_rows<6>(r, st, nt, n, end, lv, dst, ld); break;
+      case 7: tq_segment_rows<7>(r, st, nt, n, end, lv, dst, ld); break;
+      default: tq_segment_rows<8>(r, st, nt, n, end, lv, dst, ld); break;
     }
-    rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
   }
+  for (int i = 0; i < nt; ++i) rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
 }
 
 #if WK_AMX
@@ -1034,24 +1069,29 @@ static bool tq_pairs_ok(const Src& s) {
 
 // tq rows t..t+nt-1 straight to the AMX map's scratch (ahi, alo: [TILE][Lp], positions L..Lp-1 stay zero), their
 // row factors (norm / sqrt(d)) in rs, as decode_tile_tq gives them.
+template <int BITS>
+static void tq_segment_pairs(const uint8_t* __restrict r, int64_t st, int nt, int n, const uint8_t* end,
+                             const int32_t* __restrict pairs, uint16_t* __restrict hi, uint16_t* __restrict lo, int Lp) {
+  for (int i = 0; i < nt; ++i) unpack_pairs<BITS>(r + i * st, n, end, pairs, hi + i * Lp, lo + i * Lp);
+}
+
 static void decode_tile_tq_pairs(const Src& s, int64_t b, int64_t h, int64_t t, int nt, uint16_t* ahi, uint16_t* alo,
                                  int Lp, float* rs) {
   const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
-  for (int i = 0; i < nt; ++i) {
-    for (int g = 0; g < s.nseg; ++g) {
-      const uint8_t* r = s.seg_codes[g] + b * s.seg_s0[g] + h * s.seg_s1[g] + (t + i) * s.seg_s2[g];
-      uint16_t* hi = ahi + i * Lp + s.seg_start[g];
-      uint16_t* lo = alo + i * Lp + s.seg_start[g];
-      const int n = s.seg_size[g];
-      switch (s.seg_bits[g]) {
-        case 1: unpack_pairs<1>(r, n, s.seg_end[g], s.seg_pairs[g], hi, lo); break;
-        case 2: unpack_pairs<2>(r, n, s.seg_end[g], s.seg_pairs[g], hi, lo); break;
-        case 3: unpack_pairs<3>(r, n, s.seg_end[g], s.seg_pairs[g], hi, lo); break;
-        default: unpack_pairs<4>(r, n, s.seg_end[g], s.seg_pairs[g], hi, lo); break;
-      }
+  for (int g = 0; g < s.nseg; ++g) {  // segment by segment, as decode_tile_tq
+    const uint8_t* r = s.seg_codes[g] + b * s.seg_s0[g] + h * s.seg_s1[g] + t * s.seg_s2[g];
+    const int64_t st = s.seg_s2[g];
+    const int n = s.seg_size[g];
+    uint16_t* hi = ahi + s.seg_start[g];
+    uint16_t* lo = alo + s.seg_start[g];
+    switch (s.seg_bits[g]) {
+      case 1: tq_segment_pairs<1>(r, st, nt, n, s.seg_end[g], s.seg_pairs[g], hi, lo, Lp); break;
+      case 2: tq_segment_pairs<2>(r, st, nt, n, s.seg_end[g], s.seg_pairs[g], hi, lo, Lp); break;
+      case 3: tq_segment_pairs<3>(r, st, nt, n, s.seg_end[g], s.seg_pairs[g], hi, lo, Lp); break;
+      default: tq_segment_pairs<4>(r, st, nt, n, s.seg_end[g], s.seg_pairs[g], hi, lo, Lp); break;
     }
-    rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
   }
+  for (int i = 0; i < nt; ++i) rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
 }
 #endif
 
@@ -1070,25 +1110,6 @@ static TileFn tile_fn(int fmt) {
   throw std::invalid_argument("walshkv decode attention: unknown packed format");
 }
 
-// Scores of NB query heads (rows of q, stride LK) against nt decoded K rows: sc[c * TILE + i].
-template <int NB>
-static inline void score_block(const float* __restrict q, int64_t LK, int64_t nk, const float* __restrict ktile,
-                               int nt, const float* __restrict rsk, float* __restrict sc) {
-  const vf* qv[NB];
-  for (int c = 0; c < NB; ++c) qv[c] = (const vf*)(q + c * LK);
-  for (int i = 0; i < nt; ++i) {
-    const vf* kb = (const vf*)(ktile + i * LK);
-    vf a[4] = {vf{}, vf{}, vf{}, vf{}};
-    for (int64_t k = 0; k < nk; ++k) {
-      const vf x = kb[k];
-      for (int c = 0; c < NB; ++c) a[c] += x * qv[c][k];
-    }
-    float s4[4];
-    hsum4(a[0], a[1], a[2], a[3], s4);
-    for (int c = 0; c < NB; ++c) sc[c * TILE + i] = s4[c] * rsk[i];
-  }
-}
-
 // acc[c] += sum_i w[c * TILE + i] * vtile[i] for NB heads, one vector of the row at a time in registers.
 template <int NB>
 static inline void acc_block(const float* __restrict w, const float* __restrict vtile, int nt, int64_t LV, int64_t nv,
@@ -1103,6 +1124,276 @@ static inline void acc_block(const float* __restrict w, const float* __restrict 
     for (int c = 0; c < NB; ++c) ((vf*)(acc + c * LV))[k] = a[c];
   }
 }
+
+// ---- 4-bit K codes against an integer query (int4, q4_0): scores without a float K row ----
+// The scaled query x of each head is split into three int8 parts, x ~ s (q1 + q2 / 128 + q3 / 16384) with
+// s = max|x| / 127 (|q1| <= 127, |q2|, |q3| <= 64; the split's error is below 2^-14 s: float32 rounding's size, not
+// bf16's), and the codes' dot products with the parts are summed exactly in int32 by byte dot products
+// (AVX512-VNNI vpdpbusd; AVX2 and AVX-512BW without VNNI: vpmaddubsw + vpmaddwd, exact here as 2 * 15 * 127 < 2^15)
+// in Horner form ((c.q1) * 128 + c.q2) * 128 + c.q3: per int32 lane at most 4 * 15 * 2^21 per code vector, so
+// up to IDOT_MAXCH vectors stay below 2^31. The codes' offset (int4's qmax, q4_0's 8) is taken off with the
+// query's own lane sums, an exact integer, so a score's only roundings are the query's split and one float
+// conversion per lane (and q4_0's block scale). Codes are read as bytes, 64 per AVX-512 vector (32 on AVX2):
+// int4's row of nb bytes holds buffer positions k (low nibble) and nb + k (high); a vector takes VW * 2 bytes
+// [lows | highs]. q4_0: a vector per 32 * VW / 8 values (two blocks on AVX-512, one on AVX2), in value order.
+#if (defined(__AVX512BW__) && WK_VW == 16) || (defined(__AVX2__) && WK_VW == 8)
+#define WK_IDOT 1
+#if WK_VW == 16
+typedef __m512i vb;
+#else
+typedef __m256i vb;
+#endif
+static constexpr int IDOT_MAXCH = 8;  // code vectors per row at most (longer rows take the float path)
+static constexpr int IDOT_VB = VW * 4;  // bytes per vector
+
+// The query of one head, split for the byte dot products (see above), in the code vectors' byte order.
+struct alignas(64) IQuery {
+  int8_t q[IDOT_MAXCH][3][IDOT_VB];
+  int32_t offq[IDOT_MAXCH][VW];  // per vector: offset * the Horner sums of the parts over each lane's 4 bytes
+  int32_t offt[VW];              // their sum over the vectors (int4: one row factor)
+  float qs;                      // s / 16384: an integer score times qs is the float score
+};
+
+// Code vectors per row for this K format (0: no integer path: another format, a row too long, a fractional offset).
+static int idot_chunks(const Src& s) {
+  int n = 0;
+  if (s.fmt == FMT_INT4 && s.offset == std::nearbyint(s.offset)) n = (s.row_bytes + VW * 2 - 1) / (VW * 2);
+  else if (s.fmt == FMT_Q4_0) n = (s.d / 32 + VW / 8 - 1) / (VW / 8);
+  return n <= IDOT_MAXCH ? n : 0;
+}
+
+// Buffer position of byte u of code vector c (-1: a padding byte, whose query byte is 0).
+static inline int idot_pos(const Src& s, int c, int u) {
+  if (s.fmt == FMT_INT4) {
+    const int sb = VW * 2, k = c * sb + u % sb;
+    return k >= s.row_bytes ? -1 : (u < sb ? k : s.row_bytes + k);
+  }
+  const int p = c * IDOT_VB + u;
+  return p < s.d ? p : -1;
+}
+
+// x: the scaled query (buffer order, s.L floats used). False where it is not finite or too small to split (the caller
+// takes the float path).
+static bool idot_prepare(const Src& s, int nch, const float* __restrict x, IQuery& iq) {
+  float a = 0.0f;
+  for (int j = 0; j < s.L; ++j) a = std::max(a, std::fabs(x[j]));
+  if (!std::isfinite(a)) return false;
+  const float sc = a > 0.0f ? a / 127.0f : 1.0f, inv = 1.0f / sc;
+  if (!std::isfinite(inv)) return false;  // a query so small that 127 / max|x| overflows: the float path
+  const int32_t off = s.fmt == FMT_INT4 ? (int32_t)s.offset : 8;
+  std::memset(&iq, 0, sizeof(IQuery));
+  for (int c = 0; c < nch; ++c)
+    for (int u = 0; u < IDOT_VB; ++u) {
+      const int p = idot_pos(s, c, u);
+      if (p < 0) continue;
+      float r = std::min(127.0f, std::max(-127.0f, x[p] * inv));
+      const float q1 = std::nearbyint(r);
+      r = (r - q1) * 128.0f;
+      const float q2 = std::nearbyint(r);
+      const float q3 = std::nearbyint((r - q2) * 128.0f);
+      iq.q[c][0][u] = (int8_t)q1;
+      iq.q[c][1][u] = (int8_t)q2;
+      iq.q[c][2][u] = (int8_t)q3;
+      const int32_t w = off * ((int32_t)q1 * 16384 + (int32_t)q2 * 128 + (int32_t)q3);
+      iq.offq[c][u / 4] += w;
+      iq.offt[u / 4] += w;
+    }
+  iq.qs = sc / 16384.0f;
+  return true;
+}
+
+static inline vb vb_zero() {
+#if WK_VW == 16
+  return _mm512_setzero_si512();
+#else
+  return _mm256_setzero_si256();
+#endif
+}
+
+static inline vb vb_load(const int32_t* p) {
+#if WK_VW == 16
+  return _mm512_load_si512(p);
+#else
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+#endif
+}
+
+// acc + per int32 lane the sum of its 4 byte products u (unsigned) * s (signed)
+static inline vb dp_u8s8(vb acc, vb u, const int8_t* s8) {
+#if WK_VW == 16
+  const __m512i s = _mm512_load_si512(s8);
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+#else
+  const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(s8));
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+#endif
+}
+
+static inline vb vb_shl7(vb a) {
+#if WK_VW == 16
+  return _mm512_slli_epi32(a, 7);
+#else
+  return _mm256_slli_epi32(a, 7);
+#endif
+}
+
+static inline vf vb_float(vb a, vb b) {  // float(a - b)
+#if WK_VW == 16
+  return (vf)_mm512_cvtepi32_ps(_mm512_sub_epi32(a, b));
+#else
+  return (vf)_mm256_cvtepi32_ps(_mm256_sub_epi32(a, b));
+#endif
+}
+
+// 16 bytes from p (n <= 16 of them in the row; the rest read as 0 where p + 16 would pass end)
+static inline __m128i idot_bytes16(const uint8_t* p, int n, const uint8_t* end) {
+  return group_bytes(p, end, std::min(n, 16));
+}
+
+// One row's code vectors (and q4_0's per-lane block scales).
+template <int FMT>
+static inline void idot_codes(const Src& s, const uint8_t* __restrict row, int nch, vb* __restrict cv,
+                              vf* __restrict scl) {
+#if WK_VW == 8
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+#endif
+  if constexpr (FMT == FMT_INT4) {
+    const int nb = s.row_bytes;
+    (void)scl;
+    for (int c = 0; c < nch; ++c) {
+#if WK_VW == 16
+      const int k = c * 32;
+      const __m128i x0 = idot_bytes16(row + k, nb - k, s.end);
+      const __m128i x1 = k + 16 < nb ? idot_bytes16(row + k + 16, nb - k - 16, s.end) : _mm_setzero_si128();
+      const __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(x0), x1, 1);
+      const __m256i m = _mm256_set1_epi8(0x0F);
+      const __m256i lo = _mm256_and_si256(x, m), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m);
+      cv[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+#else
+      const int k = c * 16;
+      const __m128i x = idot_bytes16(row + k, nb - k, s.end);
+      cv[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m4), _mm_and_si128(x, m4));
+#endif
+    }
+  } else {  // FMT_Q4_0: blocks of 18 bytes, fp16 scale then 16 bytes: value j low nibble, value j + 16 high
+    for (int c = 0; c < nch; ++c) {
+#if WK_VW == 16
+      const int nblk = s.d / 32;
+      const uint8_t* b0 = row + 2 * c * 18;
+      const bool two = 2 * c + 1 < nblk;
+      const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 2));
+      const __m128i x1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 20)) : _mm_setzero_si128();
+      const __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(x0), x1, 1);
+      const __m256i m = _mm256_set1_epi8(0x0F);
+      const __m256i lo = _mm256_and_si256(x, m), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m);
+      const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [lo0, lo1, hi0, hi1]
+      cv[c] = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));               // [lo0, hi0, lo1, hi1]
+      scl[c] = (vf)_mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(h2f(b0)),
+                                        _mm512_set1_ps(two ? h2f(b0 + 18) : 0.0f));
+#else
+      const uint8_t* b0 = row + c * 18;
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 2));
+      cv[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m4), _mm_and_si128(x, m4));
+      scl[c] = splat(h2f(b0));
+#endif
+    }
+  }
+}
+
+// One head's integer score of one row's code vectors, as float lanes (the caller sums them). NCH > 0: that many
+// vectors (unrolled); 0: nch of them.
+template <int FMT, int NCH>
+static inline vf idot_one(const IQuery& Q, int nch, const vb* __restrict cv, const vf* __restrict scl) {
+  const int n = NCH > 0 ? NCH : nch;
+  if constexpr (FMT == FMT_INT4) {  // one row factor: Horner over every vector at once
+    (void)scl;
+    vb a = dp_u8s8(vb_zero(), cv[0], Q.q[0][0]);
+    for (int k = 1; k < n; ++k) a = dp_u8s8(a, cv[k], Q.q[k][0]);
+    a = vb_shl7(a);
+    for (int k = 0; k < n; ++k) a = dp_u8s8(a, cv[k], Q.q[k][1]);
+    a = vb_shl7(a);
+    for (int k = 0; k < n; ++k) a = dp_u8s8(a, cv[k], Q.q[k][2]);
+    return vb_float(a, vb_load(Q.offt));
+  } else {  // q4_0: each vector's lanes times their block's scale
+    vf s = vf{};
+    for (int k = 0; k < n; ++k) {
+      vb a = dp_u8s8(vb_zero(), cv[k], Q.q[k][0]);
+      a = dp_u8s8(vb_shl7(a), cv[k], Q.q[k][1]);
+      a = dp_u8s8(vb_shl7(a), cv[k], Q.q[k][2]);
+      s += vb_float(a, vb_load(Q.offq[k])) * scl[k];
+    }
+    return s;
+  }
+}
+
+// Scores of every head (sc[j * TILE + i]) against K rows t..t+nt-1, straight from their 4-bit codes: VW rows'
+// code vectors at a time, then per head their VW scores summed by one hsum_lanes (slots from nt on: junk the
+// softmax overwrites).
+typedef void (*IdotFn)(const Src&, int64_t, int64_t, int64_t, int, const IQuery*, int64_t, int, float*);
+
+template <int FMT, int NCH>
+static void idot_tile(const Src& s, int64_t b, int64_t h, int64_t t, int nt, const IQuery* __restrict iq, int64_t G,
+                      int nch, float* __restrict sc) {
+  const uint8_t* c = s.codes + b * s.cs0 + h * s.cs1 + t * s.cs2;
+  const uint8_t* sp = FMT == FMT_INT4 ? s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2 : nullptr;
+  const int n = NCH > 0 ? NCH : nch;
+  vb cv[VW][NCH > 0 ? NCH : IDOT_MAXCH];
+  vf scl[VW][FMT == FMT_Q4_0 ? (NCH > 0 ? NCH : IDOT_MAXCH) : 1];
+  alignas(64) float rs[VW];
+  for (int i0 = 0; i0 < nt; i0 += VW) {
+    const int nb = std::min(VW, nt - i0);
+    for (int i = 0; i < VW; ++i) {
+      if (i < nb) {
+        idot_codes<FMT>(s, c + (i0 + i) * s.cs2, n, cv[i], scl[i]);
+        rs[i] = FMT == FMT_INT4 ? h2f(sp + (i0 + i) * s.ss2) : 1.0f;
+      } else {
+        for (int k = 0; k < n; ++k) cv[i][k] = vb_zero();
+        if constexpr (FMT == FMT_Q4_0)
+          for (int k = 0; k < n; ++k) scl[i][k] = vf{};
+        rs[i] = 0.0f;
+      }
+    }
+    const vf rv = *(const vf*)rs;
+    for (int64_t j = 0; j < G; ++j) {
+      vf part[VW];
+      for (int i = 0; i < VW; ++i) part[i] = idot_one<FMT, NCH>(iq[j], n, cv[i], scl[i]);
+      *(vf*)(sc + j * TILE + i0) = hsum_lanes(part) * (rv * iq[j].qs);
+    }
+  }
+}
+
+static IdotFn idot_fn(int fmt, int nch) {
+  if (fmt == FMT_INT4) {
+    switch (nch) {
+      case 1: return idot_tile<FMT_INT4, 1>;
+      case 2: return idot_tile<FMT_INT4, 2>;
+      case 4: return idot_tile<FMT_INT4, 4>;
+      default: return idot_tile<FMT_INT4, 0>;
+    }
+  }
+  switch (nch) {
+    case 1: return idot_tile<FMT_Q4_0, 1>;
+    case 2: return idot_tile<FMT_Q4_0, 2>;
+    case 4: return idot_tile<FMT_Q4_0, 4>;
+    default: return idot_tile<FMT_Q4_0, 0>;
+  }
+}
+#else
+#define WK_IDOT 0
+struct IQuery {};
+typedef void (*IdotFn)(const Src&, int64_t, int64_t, int64_t, int, const IQuery*, int64_t, int, float*);
+static int idot_chunks(const Src&) { return 0; }
+static bool idot_prepare(const Src&, int, const float*, IQuery&) { return false; }
+static IdotFn idot_fn(int, int) { return nullptr; }
+#endif
 
 // Per thread: the AMX key map's scratch (a K tile's rows as bf16 hi and lo parts, zeroed) with the thread's tile
 // configuration loaded; nullptr without the AMX map. Freed (and the tiles released) by amx_scratch_free.
@@ -1141,64 +1432,116 @@ static bool decode_k_tile(const Src& K, TileFn dec, const KPost& kp, int64_t b, 
   return false;
 }
 
+// Scores of NB query heads (rows of q, stride LK) against nt decoded K rows: sc[c * TILE + i].
+template <int NB>
+static inline void score_block(const float* __restrict q, int64_t LK, int64_t nk, const float* __restrict ktile,
+                               int nt, const float* __restrict rsk, float* __restrict sc) {
+  const vf* qv[NB];
+  for (int c = 0; c < NB; ++c) qv[c] = (const vf*)(q + c * LK);
+  for (int i = 0; i < nt; ++i) {
+    const vf* kb = (const vf*)(ktile + i * LK);
+    vf a[4] = {vf{}, vf{}, vf{}, vf{}};
+    for (int64_t k = 0; k < nk; ++k) {
+      const vf x = kb[k];
+      for (int c = 0; c < NB; ++c) a[c] += x * qv[c][k];
+    }
+    float s4[4];
+    hsum4(a[0], a[1], a[2], a[3], s4);
+    for (int c = 0; c < NB; ++c) sc[c * TILE + i] = s4[c] * rsk[i];
+  }
+}
+
+static inline void score_tile(const float* __restrict krows, const float* __restrict q, int64_t G, int64_t LK,
+                              int64_t nk, int nt, const float* __restrict rsk, float* __restrict sc) {
+  for (int64_t j0 = 0; j0 < G; j0 += JB) {
+    const float* qj = q + j0 * LK;
+    float* sj = sc + j0 * TILE;
+    switch (std::min<int64_t>(JB, G - j0)) {
+      case 1: score_block<1>(qj, LK, nk, krows, nt, rsk, sj); break;
+      case 2: score_block<2>(qj, LK, nk, krows, nt, rsk, sj); break;
+      case 3: score_block<3>(qj, LK, nk, krows, nt, rsk, sj); break;
+      default: score_block<4>(qj, LK, nk, krows, nt, rsk, sj); break;
+    }
+  }
+}
+
+static inline float hmax(vf v) {  // the largest lane
+  const v8f a0 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+#if WK_VW == 16
+  const v8f a1 = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8f a = a0 > a1 ? a0 : a1;
+#else
+  const v8f a = a0;
+#endif
+  const v4f b0 = __builtin_shufflevector(a, a, 0, 1, 2, 3), b1 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  v4f b = b0 > b1 ? b0 : b1;
+  const v4f c = __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  b = b > c ? b : c;
+  return std::max(b[0], b[1]);
+}
+
+// Online softmax update of every head over one tile's scores (sc rows become the tile's unnormalised weights; the
+// slots past nt are set to weight 0): running max m, denominator l, and the V sums acc rescaled where m grows.
+static inline void softmax_tile(float* __restrict sc, int nt, int64_t G, bool first, float* __restrict m,
+                                float* __restrict l, float* __restrict acc, int64_t LV, int64_t nv) {
+  for (int64_t j = 0; j < G; ++j) {
+    float* sj = sc + j * TILE;
+    for (int i = nt; i < TILE; ++i) sj[i] = -std::numeric_limits<float>::infinity();
+    vf* sv = (vf*)sj;
+    vf mv = sv[0];
+    for (int v = 1; v < TILE / VW; ++v) mv = mv > sv[v] ? mv : sv[v];
+    const float mt = hmax(mv);
+    const float mn = first ? mt : std::max(m[j], mt);
+    vf sum = vf{};
+    for (int v = 0; v < TILE / VW; ++v) {
+      const vf p = vexp_nonpos(sv[v] - mn);  // unused slots: -inf -> 0
+      sum += p;
+      sv[v] = p;
+    }
+    if (!first && mn > m[j]) {
+      const float alpha = vexp_nonpos(splat(m[j] - mn))[0];
+      vf* a = (vf*)(acc + j * LV);
+      for (int64_t k = 0; k < nv; ++k) a[k] *= alpha;
+      l[j] *= alpha;
+    }
+    l[j] += hsum(sum);
+    m[j] = mn;
+  }
+}
+
 // One (batch, head, token range): online softmax over tiles. q: [G][LK] (zero columns pad), acc: [G][LV];
 // m, l: [G]. LK, LV are multiples of VW; buffers 64-byte aligned.
 static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, const KPost& kp,
                       const float* __restrict q, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t G, int64_t LKD,
                       int64_t LK, int64_t LV, float* __restrict m, float* __restrict l, float* __restrict acc,
                       float* __restrict ktile, float* __restrict ztile, float* __restrict vtile,
-                      float* __restrict sc, uint16_t* __restrict abf) {
+                      float* __restrict sc, uint16_t* __restrict abf, IdotFn idot, const IQuery* __restrict iq,
+                      int nch) {
   // LKD: floats per decoded K row; LK: per scored row (the query's length: LKD, or kp.ld for prerope+)
+  // iq: the heads' integer queries where K's 4-bit codes are scored by byte dot products (idot), else nullptr
   const int64_t nk = LK / VW, nv = LV / VW;
   float rsk[TILE], rsv[TILE];
   bool first = true;
   for (int64_t tb = t0; tb < t1; tb += TILE) {
     const int nt = (int)std::min<int64_t>(TILE, t1 - tb);
-    const bool pairs = decode_k_tile(K, kdec, kp, b, h, tb, nt, ktile, LKD, rsk, abf);
-    const float* kscore = ktile;
-    if (kp.on) {  // keys before RoPE: to the model's basis and rotated to their positions (row factor folded)
-      transform_keys(kp, h, tb, nt, ktile, LKD, rsk, ztile, abf, pairs);
-      for (int i = 0; i < nt; ++i) rsk[i] = 1.0f;
-      kscore = ztile;
-    }
-    for (int64_t j0 = 0; j0 < G; j0 += JB) {  // scores: (integer) codes . query, times the row factor
-      const float* qj = q + j0 * LK;
-      float* sj = sc + j0 * TILE;
-      switch (std::min<int64_t>(JB, G - j0)) {
-        case 1: score_block<1>(qj, LK, nk, kscore, nt, rsk, sj); break;
-        case 2: score_block<2>(qj, LK, nk, kscore, nt, rsk, sj); break;
-        case 3: score_block<3>(qj, LK, nk, kscore, nt, rsk, sj); break;
-        default: score_block<4>(qj, LK, nk, kscore, nt, rsk, sj); break;
+    if (iq) {
+      idot(K, b, h, tb, nt, iq, G, nch, sc);
+    } else {
+      const bool pairs = decode_k_tile(K, kdec, kp, b, h, tb, nt, ktile, LKD, rsk, abf);
+      const float* kscore = ktile;
+      if (kp.on) {  // keys before RoPE: to the model's basis and rotated to their positions (row factor folded)
+        transform_keys(kp, h, tb, nt, ktile, LKD, rsk, ztile, abf, pairs);
+        for (int i = 0; i < nt; ++i) rsk[i] = 1.0f;
+        kscore = ztile;
       }
+      score_tile(kscore, q, G, LK, nk, nt, rsk, sc);
     }
-    for (int64_t j = 0; j < G; ++j) {  // online softmax update
-      float* sj = sc + j * TILE;
-      for (int i = nt; i < TILE; ++i) sj[i] = -std::numeric_limits<float>::infinity();
-      vf* sv = (vf*)sj;
-      vf mv = sv[0];
-      for (int v = 1; v < TILE / VW; ++v) mv = mv > sv[v] ? mv : sv[v];
-      float mt = mv[0];
-      for (int z = 1; z < VW; ++z) mt = std::max(mt, mv[z]);
-      const float mn = first ? mt : std::max(m[j], mt);
-      vf sum = vf{};
-      for (int v = 0; v < TILE / VW; ++v) {
-        const vf p = vexp_nonpos(sv[v] - mn);  // unused slots: -inf -> 0
-        sum += p;
-        sv[v] = p;
-      }
-      if (!first && mn > m[j]) {
-        const float alpha = vexp_nonpos(splat(m[j] - mn))[0];
-        vf* a = (vf*)(acc + j * LV);
-        for (int64_t k = 0; k < nv; ++k) a[k] *= alpha;
-        l[j] *= alpha;
-      }
-      l[j] += hsum(sum);
-      m[j] = mn;
-    }
+    softmax_tile(sc, nt, G, first, m, l, acc, LV, nv);
     first = false;
     vdec(V, b, h, tb, nt, vtile, LV, rsv);
-    for (int64_t j = 0; j < G; ++j)
-      for (int i = 0; i < nt; ++i) sc[j * TILE + i] *= rsv[i];
+    for (int i = nt; i < TILE; ++i) rsv[i] = 0.0f;
+    for (int64_t j = 0; j < G; ++j)  // the weights times V's row factors
+      for (int v = 0; v < TILE / VW; ++v) ((vf*)(sc + j * TILE))[v] *= *(const vfu*)(rsv + v * VW);
     for (int64_t j0 = 0; j0 < G; j0 += JB) {  // weighted V rows: up to JB heads x one vector in registers
       const float* w = sc + j0 * TILE;
       float* a = acc + j0 * LV;
@@ -1227,7 +1570,7 @@ static float* alloc_floats(int64_t n) {  // 64-byte aligned, zeroed
 // kpost: empty, or the prerope+ descriptor (make_kpost); then q is [B*H][G][d] in the model's basis.
 static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& vdesc, const std::vector<int64_t>& kpost,
                 int64_t q_ptr, int64_t m_ptr, int64_t l_ptr, int64_t acc_ptr, int64_t B, int64_t H, int64_t G, int64_t T,
-                int64_t nsplit, int64_t nthreads) {
+                int64_t nsplit, int64_t nthreads, bool int_dot) {
   const Src K = make_src(kdesc), V = make_src(vdesc);
   const KPost kp = make_kpost(kpost, H, T);
   if (kp.on && kp.L != K.L) throw std::invalid_argument("walshkv decode attention: prerope matrix rows != K row length");
@@ -1245,6 +1588,19 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
   float* qp = alloc_floats(N * G * LK);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t j = 0; j < G; ++j) std::memcpy(qp + (n * G + j) * LK, q + (n * G + j) * QL, sizeof(float) * QL);
+  // 4-bit K (int4, q4_0; not keys before RoPE): the heads' queries split for byte dot products (IQuery)
+  const int nch = int_dot && !kp.on ? idot_chunks(K) : 0;
+  IQuery* iqs = nullptr;
+  if (nch > 0) {
+    iqs = static_cast<IQuery*>(std::aligned_alloc(64, (size_t)round_up(N * G * (int64_t)sizeof(IQuery), 64)));
+    if (!iqs) throw std::bad_alloc();
+    for (int64_t r = 0; r < N * G && iqs; ++r)
+      if (!idot_prepare(K, nch, qp + r * LK, iqs[r])) {  // a non-finite query: the float path
+        std::free(iqs);
+        iqs = nullptr;
+      }
+  }
+  const IdotFn idot = iqs ? idot_fn(K.fmt, nch) : nullptr;
   std::vector<float> pm(N * nsplit * G, NEG_INF), pl(N * nsplit * G, 0.0f);
   float* pacc = alloc_floats(N * nsplit * G * LV);
   {
@@ -1262,7 +1618,8 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
         const int64_t t0 = sp * per, t1 = std::min<int64_t>(T, t0 + per);
         if (t0 < t1)
           run_range(K, V, kdec, vdec, kp, qp + n * G * LK, n / H, n % H, t0, t1, G, LKD, LK, LV, pm.data() + task * G,
-                    pl.data() + task * G, pacc + task * G * LV, ktile, ztile, vtile, sc, abf);
+                    pl.data() + task * G, pacc + task * G * LV, ktile, ztile, vtile, sc, abf, idot,
+                    iqs ? iqs + n * G : nullptr, nch);
       }
       std::free(ktile);
       amx_scratch_free(abf);
@@ -1288,6 +1645,7 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
   }
   std::free(qp);
   std::free(pacc);
+  std::free(iqs);
 }
 
 // Packed rows t0 .. t0+n-1 of every (batch, head) to floats: out [B*H][n][Lout], 64-byte aligned rows not needed.
@@ -1335,10 +1693,13 @@ static void decode_rows(const std::vector<int64_t>& desc, const std::vector<int6
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("run", &run, "fused decode attention over packed K/V (see walshkv.attention.cpu)");
+  mod.def("run", &run, "fused decode attention over packed K/V (see walshkv.attention.cpu)", py::arg("kdesc"),
+          py::arg("vdesc"), py::arg("kpost"), py::arg("q"), py::arg("m"), py::arg("l"), py::arg("acc"), py::arg("B"),
+          py::arg("H"), py::arg("G"), py::arg("T"), py::arg("nsplit"), py::arg("nthreads"), py::arg("int_dot") = true);
   mod.def("decode_rows", &decode_rows, "packed rows to floats, as the kernel reads them (prefill tiles)");
   mod.attr("vector_lanes") = VW;
   mod.attr("amx_compiled") = (bool)WK_AMX;
+  mod.attr("int_dot_compiled") = (bool)WK_IDOT;
   mod.def("amx_ready", &amx_ready, "whether eq+'s key map can run on AMX tiles here (compiled in and permitted)");
   // What the Python side must agree with (walshkv.attention.cpu_formats reads FORMATS by name).
   py::dict formats;
