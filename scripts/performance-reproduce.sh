@@ -77,13 +77,13 @@ walshkv bench --part attention --kv-len "${KV_LEN_KEYMAP:-16384,65536}" --codec 
   --out "$keymap_out"
 paste_block "$keymap_out" "$keymap"
 # the fast presets (walshkv:B-fast: recommend --fast at 4k tokens, docs/long-context.md; no dense per-key map in
-# decode) against the shipped walshkv:3, walshkv:3.5 and walshkv:4.5, rot+int4 and SDPA, each preset with its own
+# decode) against the shipped walshkv:3, walshkv:3.5 and walshkv:4.5, rot+int4, q4_0 and SDPA, each preset with its own
 # shipped file (no --kv-mean-center), at 16k and 64k (a few minutes); then generation at the longest context,
 # walshkv:3.5 and walshkv:3.5-fast against DynamicCache fp32 and bf16 (about 15 minutes). One pair of blocks per
 # instruction set (fast and fast-gen; fast-avx2 and fast-gen-avx2)
 walshkv bench --part attention --kv-len "${KV_LEN_FAST:-16384,65536}" --codec walshkv:3 --codec walshkv:3-fast \
   --codec walshkv:3.5 --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+int4 \
-  --quiet --no-plot --out "docs/results/bench-fast$isa"
+  --codec q4_0 --quiet --no-plot --out "docs/results/bench-fast$isa"
 paste_block "docs/results/bench-fast$isa" "fast$isa"
 # on a CPU with AMX-BF16 the kernel maps eq+'s keys on tiles (walshkv.attention.cpu.amx_key_map): the same
 # eq+ presets with that off (WALSHKV_CPU_AMX=0, the fp32 multiply-adds every other CPU runs), in a run of their own
