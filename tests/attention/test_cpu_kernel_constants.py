@@ -68,3 +68,14 @@ def test_token_ranges_keep_every_thread_busy():
     for n, t, threads in ((3, 16384, 2), (3, 300, 2), (1, 100, 8), (5, 4096, 3), (6, 600, 4)):
         s = _nsplit(n, t, threads)
         assert 1 <= s <= max(1, -(-t // _MIN_SPLIT_TOKENS)), (n, t, threads, s)
+
+
+def test_small_steps_run_on_one_thread_only_under_passive_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waking passive OpenMP workers costs more than a short step's work (see cpu._SERIAL_WORK)."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert cpu._serial_step(3 * 1024, prerope=True) and cpu._serial_step(3 * 4096, prerope=False)
+    assert not cpu._serial_step(3 * 4096, prerope=True) and not cpu._serial_step(3 * 16384, prerope=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert not cpu._serial_step(3 * 128, prerope=True)
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert not cpu._serial_step(3 * 128, prerope=False)

@@ -54,6 +54,12 @@ the last one must be contiguous):
   AVX-512, a gather otherwise); the row factor is ``norm / sqrt(d)``. The basis is the codec's inverse
   rotation (sign flips, then the WHT), so the query is rotated once and the V sum unrotated once.
 
+4-bit K codes (``int4``, ``q4_0``; not ``prerope+``) are scored without unpacking them to floats: the query of each
+head is split into three int8 parts (``x ~ s (q1 + q2/128 + q3/16384)``, ``s = max|x| / 127``) and the codes' byte dot
+products with them are summed exactly in int32 (VNNI ``vpdpbusd``, else ``vpmaddubsw`` + ``vpmaddwd``), the codes'
+offset taken off with the query's own integer sums: float32-sized rounding (:func:`int_dot_scores`;
+``WALSHKV_CPU_INT_DOT=0`` keeps the float path).
+
 Keys stored before RoPE (``prerope+``, :mod:`walshkv.attention.keys`): each decoded K row is mapped to the pre-RoPE
 key by one small matrix per kv head (a fast Walsh-Hadamard transform where that matrix is one) and rotated to its
 position in the kernel. With ``eq+`` the matrix is dense; on CPUs with AMX-BF16 it runs on AMX tiles as three bf16
@@ -399,6 +405,20 @@ def _lanes() -> int:
     return int(kernel.vector_lanes) if kernel is not None else 16
 
 
+#: Under ``OMP_WAIT_POLICY=passive`` a parallel region first wakes its sleeping workers (about 0.1 ms on the 2-vCPU
+#: machines here), so a step with less work than this runs on the calling thread alone: keys (batch x kv heads x
+#: tokens) times 3 for keys stored before RoPE (their per-key map), 1 otherwise. Measured on an Intel Xeon (2 vCPUs,
+#: passive): one thread is faster up to about 2k tokens x 3 kv heads for the presets, 4-8k x 3 for ``rot+int4``.
+#: With spinning workers (OpenMP's default) two threads were never slower, so the rule applies to passive only.
+_SERIAL_WORK = 18432
+
+
+def _serial_step(keys: int, prerope: bool) -> bool:
+    """Whether a decode step this small runs on one thread (see ``_SERIAL_WORK``)."""
+    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+    return passive and keys * (3 if prerope else 1) < _SERIAL_WORK
+
+
 def _nsplit(n: int, t: int, threads: int) -> int:
     """Token ranges per (batch, kv head): about four tasks per thread, their count a multiple of the thread count
     where the ranges stay at least ``_MIN_SPLIT_TOKENS`` long (9 tasks on 2 threads leave one thread 5 of them: 11%
@@ -449,6 +469,8 @@ def fused_decode_cpu(
     l_sum = torch.empty(b, h, g)
     acc = torch.empty(b, h, g, plan.v.length)
     threads = torch.get_num_threads()
+    if threads > 1 and _serial_step(b * h * t, plan.prerope is not None):
+        threads = 1
     nsplit = _nsplit(b * h, t, threads)
     kernel.run(
         kdesc,
