@@ -20,8 +20,19 @@ from walshkv._version import __version__
 
 __all__ = ["CPU_FLAGS", "code_commit", "code_version", "cpu_meta", "proc_line"]
 
-#: The instruction-set flags (``/proc/cpuinfo`` names) that change which kernels run and how fast.
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vbmi", "amx_tile", "amx_bf16", "amx_int8")
+#: The instruction-set flags (``/proc/cpuinfo`` names, spelled as the kernel spells them: ``avx512vbmi`` but
+#: ``avx512_vnni``) that change which kernels run and how fast.
+CPU_FLAGS = (
+    "avx2",
+    "avx_vnni",
+    "avx512f",
+    "avx512vbmi",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # .../walshkv
 
