@@ -118,41 +118,6 @@ static inline void hsum4(vf a0, vf a1, vf a2, vf a3, float* out) {
   out[3] = e[3];
 }
 
-// The lane sums of VW vectors at once, as one vector (lane i: the sum of a[i]'s lanes): a transpose-and-add
-// tree, about 3 shuffles and adds per vector instead of hsum's 6-8.
-static inline vf hsum_lanes(const vf* __restrict a) {
-#if WK_VW == 16
-  __m512 s1[8], s2[4];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit group: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of a = a[2i], b = a[2i+1]
-    const __m512 x = (__m512)a[2 * i], y = (__m512)a[2 * i + 1];
-    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-  }
-  for (int i = 0; i < 4; ++i)  // per 128-bit group: the group's sums of vectors 4i .. 4i+3
-    s2[i] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
-                          _mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
-  const __m512 p01 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 p23 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return (vf)_mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(2, 0, 2, 0)),
-                           _mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)));
-#elif WK_VW == 8 && defined(__AVX__)
-  __m256 s1[4], s2[2];
-  for (int i = 0; i < 4; ++i) {
-    const __m256 x = (__m256)a[2 * i], y = (__m256)a[2 * i + 1];
-    s1[i] = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
-  }
-  for (int i = 0; i < 2; ++i)
-    s2[i] = _mm256_add_ps(_mm256_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
-                          _mm256_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
-  return (vf)_mm256_add_ps(_mm256_permute2f128_ps(s2[0], s2[1], 0x20), _mm256_permute2f128_ps(s2[0], s2[1], 0x31));
-#else
-  vf out;
-  for (int i = 0; i < VW; ++i) out[i] = hsum(a[i]);
-  return out;
-#endif
-}
-
 // exp(x) for x <= 0, lane-wise: Cody-Waite range reduction and a degree-6 polynomial (relative
 // error ~1e-7, no libm call); 0 below -87 and for -inf.
 static inline vf vexp_nonpos(vf x) {
@@ -1146,6 +1111,37 @@ typedef __m256i vb;
 static constexpr int IDOT_MAXCH = 8;  // code vectors per row at most (longer rows take the float path)
 static constexpr int IDOT_VB = VW * 4;  // bytes per vector
 
+// The lane sums of VW vectors at once, as one vector (lane i: the sum of a[i]'s lanes): a transpose-and-add
+// tree, about 3 shuffles and adds per vector instead of hsum's 6-8.
+static inline vf hsum_lanes(const vf* __restrict a) {
+#if WK_VW == 16
+  __m512 s1[8], s2[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit group: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of a = a[2i], b = a[2i+1]
+    const __m512 x = (__m512)a[2 * i], y = (__m512)a[2 * i + 1];
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 4; ++i)  // per 128-bit group: the group's sums of vectors 4i .. 4i+3
+    s2[i] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
+                          _mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
+  const __m512 p01 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 p23 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return (vf)_mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)));
+#else
+  __m256 s1[4], s2[2];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 x = (__m256)a[2 * i], y = (__m256)a[2 * i + 1];
+    s1[i] = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 2; ++i)
+    s2[i] = _mm256_add_ps(_mm256_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
+                          _mm256_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
+  return (vf)_mm256_add_ps(_mm256_permute2f128_ps(s2[0], s2[1], 0x20), _mm256_permute2f128_ps(s2[0], s2[1], 0x31));
+#endif
+}
+
 // The query of one head, split for the byte dot products (see above), in the code vectors' byte order.
 struct alignas(64) IQuery {
   int8_t q[IDOT_MAXCH][3][IDOT_VB];
@@ -1253,11 +1249,6 @@ static inline vf vb_float(vb a, vb b) {  // float(a - b)
 #endif
 }
 
-// 16 bytes from p (n <= 16 of them in the row; the rest read as 0 where p + 16 would pass end)
-static inline __m128i idot_bytes16(const uint8_t* p, int n, const uint8_t* end) {
-  return group_bytes(p, end, std::min(n, 16));
-}
-
 // One row's code vectors (and q4_0's per-lane block scales).
 template <int FMT>
 static inline void idot_codes(const Src& s, const uint8_t* __restrict row, int nch, vb* __restrict cv,
@@ -1271,15 +1262,16 @@ static inline void idot_codes(const Src& s, const uint8_t* __restrict row, int n
     for (int c = 0; c < nch; ++c) {
 #if WK_VW == 16
       const int k = c * 32;
-      const __m128i x0 = idot_bytes16(row + k, nb - k, s.end);
-      const __m128i x1 = k + 16 < nb ? idot_bytes16(row + k + 16, nb - k - 16, s.end) : _mm_setzero_si128();
+      const __m128i x0 = group_bytes(row + k, s.end, std::min(nb - k, 16));
+      const __m128i x1 =
+          k + 16 < nb ? group_bytes(row + k + 16, s.end, std::min(nb - k - 16, 16)) : _mm_setzero_si128();
       const __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(x0), x1, 1);
       const __m256i m = _mm256_set1_epi8(0x0F);
       const __m256i lo = _mm256_and_si256(x, m), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m);
       cv[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 #else
       const int k = c * 16;
-      const __m128i x = idot_bytes16(row + k, nb - k, s.end);
+      const __m128i x = group_bytes(row + k, s.end, std::min(nb - k, 16));
       cv[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m4), _mm_and_si128(x, m4));
 #endif
     }
