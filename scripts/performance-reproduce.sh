@@ -8,11 +8,11 @@
 # positions, so its longest context is 8192 - NEW_TOKENS (8176 tokens with the default 16 new tokens); the
 # 32k-token runs need a model trained on 32k positions: qwen2.5-1.5b (32768), the opt-in last step (QWEN_CTX).
 #
-# Expected time on 2 idle cores (AVX2, 2 threads): about 45 minutes without the qwen step. The attention part
+# Expected time on 2 idle cores (AVX2, 2 threads): about 55 minutes without the opt-in steps. The attention part
 # takes about 5 minutes; the generation part about 25: at 8176 tokens each row takes 1-3 minutes (prefill
 # 35 s for DynamicCache fp32, about 100 s for the compressed caches), except DynamicCache bf16 (about
-# 5 minutes: bf16 matmuls are emulated on AVX2, prefill is about 7x slower than fp32); the glibc step about
-# 8 and the tq attention step a few. CTX="1024" for a shorter run (a few minutes).
+# 5 minutes: bf16 matmuls are emulated on AVX2, prefill is about 7x slower than fp32); the glibc step (3 runs
+# a row) about 15-25 and the tq attention step a few. CTX="1024" for a shorter run (a few minutes).
 # QWEN_CTX=4096: adds qwen2.5-1.5b's walshkv:3.5 preset against DynamicCache fp32/bf16 and rot+int4 (about
 # 25 minutes more); QWEN_CTX=32768 runs the issue's 32k context (several hours on 2 cores).
 #
@@ -41,11 +41,13 @@ walshkv bench --kv-len "${KV_LEN:-1024,4096,16384,65536}" --ctx "${CTX:-1024,$sm
   --gen-codec rot+int4 --gen-codec q4_0 "${smol_preset[@]}" --new-tokens "$new" --quiet --out "$out"
 python scripts/update_readme.py "$out/bench.md" docs/performance.md
 # the same generation runs under glibc's default allocator settings (the peak-memory target must hold there
-# too), DynamicCache fp32 only (about 8 minutes); 3072 tokens: the shortest prefill that runs every tile shape of
-# the fused prefill, where the target's fixed overhead is measured (walshkv.bench.report._memory_target)
+# too), DynamicCache fp32 only; 3072 tokens: the shortest prefill that runs every tile shape of the fused prefill,
+# where the target's fixed overhead is measured (walshkv.bench.report._memory_target). Peak memory under glibc's
+# defaults moves by about 100 MiB between identical runs, so every row runs GLIBC_RUNS times (default 3, about
+# 15 minutes) and the table reports medians and the spread
 walshkv bench --part generation --ctx "${CTX_GLIBC:-1024,3072,$smol_longest}" --malloc-mmap-threshold 0 \
-  --gen-codec rot+int4 "${smol_preset[@]}" --dynamic-dtype float32 --new-tokens "$new" --quiet --no-plot \
-  --out docs/results/bench-glibc-default
+  --gen-codec rot+int4 "${smol_preset[@]}" --dynamic-dtype float32 --new-tokens "$new" \
+  --gen-runs "${GLIBC_RUNS:-3}" --quiet --no-plot --out docs/results/bench-glibc-default
 python scripts/update_readme.py docs/results/bench-glibc-default/bench.md docs/performance.md glibc
 # smollm2-135m's other shipped preset (walshkv:4.5, whatever spec its file names: the table in docs/performance.md
 # was measured when it was the 512-token winner sink:1:center+rot+iq4_nl/tq:4) and tq variants in the fused
@@ -95,6 +97,15 @@ fi
 walshkv bench --part generation --ctx "${CTX_FAST:-$smol_longest}" --gen-codec walshkv:3.5 --gen-codec walshkv:3.5-fast \
   --new-tokens "$new" --quiet --no-plot --out "docs/results/bench-fast-gen$isa"
 paste_block "docs/results/bench-fast-gen$isa" "fast-gen$isa"
+# opt-in: smollm2-135m past its trained positions (SMOL_CTX_LONG=32768: the issue's 32k context, timing only, the
+# text it generates there means nothing; about 40 minutes on 2 cores), its presets against DynamicCache and rot+int4
+if [[ -n "${SMOL_CTX_LONG:-}" ]]; then
+  walshkv bench --part generation --ctx "$SMOL_CTX_LONG" --gen-codec rot+int4 --gen-codec walshkv:3.5 \
+    --gen-codec walshkv:3.5-fast --new-tokens "$new" --quiet --no-plot --out "docs/results/bench-gen-long$isa"
+  paste_block "docs/results/bench-gen-long$isa" "gen-long$isa"
+else
+  echo "skipped smollm2-135m at 32k (SMOL_CTX_LONG=32768 to run it)"
+fi
 # opt-in: qwen2.5-1.5b (max_position_embeddings 32768) with its walshkv:3.5 preset; pasted where the page has
 # a <!-- results:qwen:start --> ... <!-- results:qwen:end --> block
 if [[ -n "${QWEN_CTX:-}" ]]; then

@@ -13,9 +13,11 @@ from walshkv.bench import (
     GenerationCodec,
     bench_generation,
     bench_markdown,
+    combine_runs,
     crossover,
     default_generation_codecs,
     format_generation_table,
+    format_run_spread,
     position_notes,
     resolve_generation_codecs,
     targets,
@@ -296,3 +298,53 @@ def test_position_notes():
 def test_shipped_files_resolve_relative_to_the_checkout():
     assert Path(__file__).resolve().parents[2] / "docs" / "results" / "presets" == PRESETS_DIR
     assert shipped_preset_file("smollm2-135m", "walshkv:7") is None
+
+
+def _run(step_ms, prefill, loaded_mib, peak_mib):
+    row = _row(8176, "fused", 1.0, codec="rot+int4", label="fused rot+int4", malloc_mmap_threshold=0)
+    seconds = step_ms / 1000
+    row.update(
+        decode_seconds_median=seconds,
+        step_ms=step_ms,
+        update_ms=1.0,
+        attn_ms=2.0,
+        other_ms=step_ms - 3.0,
+        prefill_seconds=prefill,
+        prefill_update_seconds=0.1,
+        prefill_attn_seconds=0.2,
+        rss_after_load=loaded_mib * 2**20,
+        peak_rss=peak_mib * 2**20,
+        decode_tokens_per_s=1 / seconds,
+    )
+    return row
+
+
+def test_rows_of_several_runs_report_their_medians_and_spread():
+    runs = [_run(100.0, 20.0, 550, 1400), _run(90.0, 22.0, 552, 1300), _run(95.0, 21.0, 549, 1350)]
+    assert combine_runs(runs[:1]) is runs[0]
+    row = combine_runs(runs)
+    assert row["runs"] == 3 and row["step_ms"] == 95.0 and row["prefill_seconds"] == 21.0
+    assert row["decode_tokens_per_s"] == pytest.approx(1000 / 95.0)
+    assert row["peak_rss"] == 1350 * 2**20 and row["rss_after_load"] == 550 * 2**20
+    assert row["peak_minus_loaded_minus_cache"] == (1350 - 550 - 1) * 2**20  # the columns agree with each other
+    assert [v["peak_rss"] for v in row["run_values"]] == [r["peak_rss"] for r in runs]
+    spread = format_run_spread([row])
+    assert "90.0 - 100.0" in spread and "20.0 - 22.0" in spread and "1300 - 1400" in spread
+    small = combine_runs([_run(80.0, 5.0, 550, 1200), _run(81.0, 5.0, 550, 1210), _run(82.0, 5.0, 550, 1190)])
+    small["ctx"] = 3072
+    (line,) = [x for x in targets({"generation": [small, row]}) if x.startswith("- Peak memory")]
+    assert "glibc's default allocator settings (medians of 3 runs)" in line
+    meta = {
+        "machine": {"cpu": "c", "logical_cpus": 2, "torch": "t", "torch_threads": 2},
+        "command": "walshkv bench",
+        "crossover_context": {},
+    }
+    md = "\n".join(bench_markdown({"meta": meta, "generation": [small, row]}))
+    assert "median of its runs" in md and "| runs" in md
+
+
+def test_runs_must_be_a_whole_number(capsys):
+    with pytest.raises(ValueError, match="runs must be a whole number >= 1, got 0"):
+        bench_generation("smollm2-135m", [8], ["int4"], runs=0, progress=False)
+    assert main(["bench", "--part", "generation", "--gen-runs", "0", "--quiet"]) == 2
+    assert "--gen-runs must be at least 1, got 0" in capsys.readouterr().err

@@ -121,6 +121,7 @@ from walshkv.attention.cpu_formats import (
     cpu_supports,
 )
 from walshkv.attention.keys import hadamard_factors, key_transform, rope_half_tables
+from walshkv.codecs import turbo
 from walshkv.codecs.base import Codec, Packed
 from walshkv.ops.packing import packed_nbytes
 
@@ -228,6 +229,7 @@ def load_kernel() -> Any:
                 continue
             check_kernel_constants(module)
             _kernel = module
+            turbo.set_row_packer(tq_pack_rows)
             return _kernel
         _kernel_failed = True
         warnings.warn(
@@ -238,6 +240,40 @@ def load_kernel() -> Any:
             stacklevel=2,
         )
         return None
+
+
+def tq_pack_rows(
+    rotated: torch.Tensor, norm16: torch.Tensor, tables: list[tuple[str, int, int, int, torch.Tensor]]
+) -> tuple[dict[str, torch.Tensor], float] | None:
+    """tq's encoder after its rotation, in C++: the packed code fields of ``rotated`` and the largest norm.
+
+    Installed as :data:`walshkv.codecs.turbo`'s row packer when the kernel loads; the torch path of
+    :meth:`walshkv.codecs.turbo.TurboQuant._encode` is its reference (the same bits:
+    ``tests/attention/test_tq_pack.py``).
+
+    Args:
+        rotated: ``[..., d]`` float32, the rotated rows ``H(s * x)``.
+        norm16: ``[..., 1]`` float16, their norms.
+        tables: ``(name, start, stop, bits, thresholds)`` per segment (thresholds float32, sorted).
+
+    Returns:
+        ``({name: uint8 [..., nbytes]}, largest norm)`` (nothing packed when the largest norm is Inf or NaN), or
+        ``None`` where the kernel is not loaded or the tensors are not plain contiguous CPU tensors.
+    """
+    kernel = _kernel
+    if kernel is None or rotated.dtype != torch.float32 or not rotated.is_contiguous() or not norm16.is_contiguous():
+        return None
+    lead, d = rotated.shape[:-1], rotated.shape[-1]
+    n = rotated.numel() // d if d else 0
+    fields = {}
+    desc = [n, d, rotated.data_ptr(), norm16.data_ptr(), len(tables)]
+    for name, start, stop, bits, thresholds in tables:
+        if not thresholds.is_contiguous() or thresholds.dtype != torch.float32:
+            return None
+        out = torch.empty((*lead, packed_nbytes(stop - start, bits)), dtype=torch.uint8)
+        fields[name] = out
+        desc += [start, stop, bits, thresholds.data_ptr(), thresholds.numel(), out.data_ptr()]
+    return fields, kernel.tq_pack(desc, torch.get_num_threads())
 
 
 def kernel_available() -> bool:

@@ -21,7 +21,9 @@ measured in the same run (these machines are shared and noisy, so absolute times
    on a text other than the bench text). Each row is named by its spec (``walshkv:3.5 = SPEC`` for a
    preset). Without ``--gen-codec``: ``rot+int4``, ``q4_0`` and the model's shipped presets, each with its
    file from ``docs/results/presets/<model>/`` (a note names the presets without one). Each run is a
-   fresh subprocess, so its peak resident memory (``VmHWM``) is its own. Per row: decode tokens per
+   fresh subprocess, so its peak resident memory (``VmHWM``) is its own; ``--gen-runs N`` runs every row N
+   times, the rows taking turns, and reports each row's medians and its runs' spread (under glibc's default
+   allocator the peak moves by about 100 MiB between identical runs). Per row: decode tokens per
    second and the ratio against DynamicCache fp32 and bf16, the median decode step split into the cache's
    update (``update_ms``: encoding, bookkeeping), the attention function (``attn_ms``) and the rest of the
    model (``other_ms``), prefill seconds (and against DynamicCache fp32), cache bytes, resident memory
@@ -50,6 +52,7 @@ from walshkv.bench.generation import (
     DYNAMIC_DTYPES,
     GenerationCodec,
     bench_generation,
+    combine_runs,
     crossover,
     default_generation_codecs,
     position_notes,
@@ -60,6 +63,7 @@ from walshkv.bench.report import (
     bench_markdown,
     format_attention_table,
     format_generation_table,
+    format_run_spread,
     generation_label,
     plot_bench,
     targets,
@@ -76,11 +80,13 @@ __all__ = [
     "bench_attention",
     "bench_generation",
     "bench_markdown",
+    "combine_runs",
     "copy_bandwidth",
     "crossover",
     "default_generation_codecs",
     "format_attention_table",
     "format_generation_table",
+    "format_run_spread",
     "generation_label",
     "interleaved_seconds",
     "machine_description",

@@ -431,6 +431,7 @@ def bench_generation(
     reserve: bool = True,
     malloc_mmap_threshold: int = 65536,
     prefill: Prefill = "quantized",
+    runs: int = 1,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """Decode speed, per-step time split and peak memory of compressed caches against DynamicCache, per context.
@@ -456,14 +457,19 @@ def bench_generation(
         malloc_mmap_threshold: ``MALLOC_MMAP_THRESHOLD_`` for the child processes (glibc), 0 = unset.
         prefill: the compressed caches' prefill, ``"quantized"`` (quantize on write) or ``"exact"`` (the prompt
             attends to its exact K/V, as serving engines do; see :class:`walshkv.cache.CompressedCache`).
+        runs: runs of every row, each in a fresh process, the rows taking turns; a row reports the medians of its
+            runs (:func:`combine_runs`; under glibc's default allocator peak memory moves by about 100 MiB between
+            identical runs, so one run cannot decide a memory target).
         progress: show a progress bar.
 
     Returns:
         One row per (context, cache) with the fields of :mod:`walshkv.bench`'s docstring.
 
     Raises:
-        ValueError: as :func:`resolve_generation_codecs`, or a dtype not in :data:`DYNAMIC_DTYPES`.
+        ValueError: as :func:`resolve_generation_codecs`, a dtype not in :data:`DYNAMIC_DTYPES`, or ``runs < 1``.
     """
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs must be a whole number >= 1, got {runs!r}")
     for d in dynamic_dtypes:
         if d not in _DTYPES:
             raise ValueError(f"dynamic dtype {d!r}: choose from {', '.join(_DTYPES)}")
@@ -521,10 +527,13 @@ def bench_generation(
                             "reserve": reserve,
                         }
                     )
-        rows = [
-            _run_child(job, malloc_mmap_threshold)
-            for job in tqdm(jobs, desc="bench generation", unit="run", disable=not progress)
-        ]
+        done: list[list[dict[str, Any]]] = [[] for _ in jobs]
+        with tqdm(total=len(jobs) * runs, desc="bench generation", unit="run", disable=not progress) as bar:
+            for _ in range(runs):  # in turn, so that a slow spell of the machine falls on every row alike
+                for i, job in enumerate(jobs):
+                    done[i].append(_run_child(job, malloc_mmap_threshold))
+                    bar.update()
+        rows = [combine_runs(r) for r in done]
     for ctx in contexts:
         here = [r for r in rows if r["ctx"] == ctx]
         refs = {r.get("dtype", "float32"): r for r in here if r["cache"] == "dynamic"}
@@ -536,6 +545,42 @@ def bench_generation(
             ref = refs.get("float32")
             r["prefill_vs_dynamic"] = None if ref is None else r["prefill_seconds"] / ref["prefill_seconds"]
     return rows
+
+
+#: The fields of a row that :func:`combine_runs` takes the median of (the rest are the same in every run).
+RUN_MEDIANS = (
+    "decode_seconds_median",
+    "step_ms",
+    "update_ms",
+    "attn_ms",
+    "other_ms",
+    "prefill_seconds",
+    "prefill_update_seconds",
+    "prefill_attn_seconds",
+    "rss_after_load",
+    "peak_rss",
+)
+#: What each row keeps of every run (``row["runs"]``), for the spread.
+RUN_FIELDS = ("step_ms", "prefill_seconds", "rss_after_load", "peak_rss")
+
+
+def combine_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One row from identical runs: the median of each of :data:`RUN_MEDIANS`, ``runs`` (their count) and
+    ``run_values`` (:data:`RUN_FIELDS` of every run); a single run is returned as it is.
+
+    ``decode_tokens_per_s`` is the inverse of the median step and ``peak_minus_loaded_minus_cache`` the median peak
+    minus the median loaded size minus the cache, so the row's columns agree with each other.
+    """
+    if len(runs) == 1:
+        return runs[0]
+    row = dict(runs[0])
+    for key in RUN_MEDIANS:
+        row[key] = statistics.median(r[key] for r in runs)
+    row["decode_tokens_per_s"] = 1.0 / row["decode_seconds_median"]
+    row["peak_minus_loaded_minus_cache"] = row["peak_rss"] - row["rss_after_load"] - row["cache_bytes"]
+    row["runs"] = len(runs)
+    row["run_values"] = [{k: r[k] for k in RUN_FIELDS} for r in runs]
+    return row
 
 
 def _run_child(job: dict[str, Any], malloc_mmap_threshold: int) -> dict[str, Any]:

@@ -41,7 +41,7 @@ def _check(args: argparse.Namespace) -> tuple[list[bench.GenerationCodec], list[
         The resolved generation codecs (presets resolved, calibration in hand) and the notes to print (presets the
         default table leaves out); ``None`` without a generation part.
     """
-    for flag, value in (("--repeats", args.repeats), ("--new-tokens", args.new_tokens)):
+    for flag, value in (("--repeats", args.repeats), ("--new-tokens", args.new_tokens), ("--gen-runs", args.gen_runs)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     if args.prefill_chunk < 1:
@@ -140,6 +140,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             reserve=not args.no_reserve,
             malloc_mmap_threshold=args.malloc_mmap_threshold,
             prefill=args.prefill,
+            runs=args.gen_runs,
             progress=not args.quiet,
         )
         result["generation"] = gen
@@ -228,6 +229,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "K/V, stored compressed, as serving engines do)",
     )
     bp.add_argument("--prefill-chunk", type=int, default=1024, help="generation: tokens per prefill forward")
+    bp.add_argument(
+        "--gen-runs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="generation: runs of every row, each in a fresh process, taking turns; the table reports medians "
+        "and a second table the spread (peak memory moves by ~100 MiB between identical runs under glibc's "
+        "default allocator: use 3 or 5 to judge a memory target)",
+    )
     bp.add_argument(
         "--decoded",
         action="store_true",

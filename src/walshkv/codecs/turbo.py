@@ -30,6 +30,7 @@ and ``gamma = ||r||`` as fp16. Decode adds ``sqrt(pi/2) / d * gamma * S^T z``, w
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,6 +58,24 @@ TQPROD_BITS: tuple[float, ...] = (1.0, *(b + 1 for b in TQ_BITS if b + 1 <= 8))
 #: Codebooks: the unit Gaussian, or the exact beta-type density of a rotated coordinate at this head_dim.
 CODEBOOKS = ("gauss", "beta")
 _MAX_SEED = 2**62
+
+#: ``(rotated, norm16, tables) -> (fields, largest norm) | None``: packs tq's rotated rows in C++ with the same bits
+#: as :meth:`TurboQuant._encode`'s torch path (which stays the reference). Set by :mod:`walshkv.attention.cpu` once
+#: its kernel is loaded (:func:`set_row_packer`); ``None`` (no kernel, or it declines) keeps the torch path.
+RowPacker = Callable[[torch.Tensor, torch.Tensor, list], "tuple[dict[str, torch.Tensor], float] | None"]
+_ROW_PACKER: RowPacker | None = None
+
+
+def set_row_packer(packer: RowPacker | None) -> RowPacker | None:
+    """Install (or with ``None`` remove) tq's row packer; returns the one it replaces (tests swap it).
+
+    A packer takes the rotated rows ``[..., d]`` (float32, contiguous), their fp16 norms ``[..., 1]`` and
+    ``_segment_tables``' ``(name, start, stop, bits, thresholds)`` list, and returns the packed fields (without
+    ``norm``) and the largest norm (NaN if any is NaN), or ``None`` to leave the block to the torch path.
+    """
+    global _ROW_PACKER
+    old, _ROW_PACKER = _ROW_PACKER, packer
+    return old
 
 
 def _fmt_bits(bits: float) -> str:
@@ -180,6 +199,15 @@ class TurboQuant(Codec):
         d = x.shape[-1]
         norm = torch.linalg.vector_norm(x if x.dtype == torch.float64 else x.to(torch.float64), dim=-1, keepdim=True)
         norm16 = norm.to(torch.float16)
+        packer = _ROW_PACKER
+        if packer is not None and x.device.type == "cpu" and norm16.numel():
+            # the C++ packer (a decode step's one token in a few microseconds instead of ~25 torch ops); anything
+            # it declines or refuses (an Inf or NaN norm) takes the torch path below, which raises what it must
+            done = packer(self.rotate(x), norm16, self._segment_tables(d, x.device))
+            if done is not None and done[1] <= FP16_MAX:
+                tensors = done[0]
+                tensors["norm"] = norm16
+                return Packed(tensors, d, x.dtype)
         smallest = 0.0
         if norm16.numel():
             smallest, biggest = min_max(norm16)
