@@ -98,11 +98,17 @@ walshkv bench --part generation --ctx "${CTX_FAST:-$smol_longest}" --gen-codec w
   --new-tokens "$new" --quiet --no-plot --out "docs/results/bench-fast-gen$isa"
 paste_block "docs/results/bench-fast-gen$isa" "fast-gen$isa"
 # opt-in: smollm2-135m past its trained positions (SMOL_CTX_LONG=32768: the issue's 32k context, timing only, the
-# text it generates there means nothing; about 40 minutes on 2 cores), its presets against DynamicCache and rot+int4
+# text it generates there means nothing), its presets against DynamicCache and rot+int4; about 45 minutes on 2
+# cores with AMX, longer on AVX2
 if [[ -n "${SMOL_CTX_LONG:-}" ]]; then
   walshkv bench --part generation --ctx "$SMOL_CTX_LONG" --gen-codec rot+int4 --gen-codec walshkv:3.5 \
     --gen-codec walshkv:3.5-fast --new-tokens "$new" --quiet --no-plot --out "docs/results/bench-gen-long$isa"
   paste_block "docs/results/bench-gen-long$isa" "gen-long$isa"
+  # and under glibc's default allocator (DynamicCache fp32's per-step torch.cat is not inflated there)
+  walshkv bench --part generation --ctx "$SMOL_CTX_LONG" --malloc-mmap-threshold 0 --gen-codec rot+int4 \
+    --gen-codec walshkv:3.5 --dynamic-dtype float32 --new-tokens "$new" --quiet --no-plot \
+    --out "docs/results/bench-gen-long-glibc$isa"
+  paste_block "docs/results/bench-gen-long-glibc$isa" "gen-long-glibc$isa"
 else
   echo "skipped smollm2-135m at 32k (SMOL_CTX_LONG=32768 to run it)"
 fi
