@@ -264,7 +264,7 @@ def tq_pack_rows(
     if kernel is None or rotated.dtype != torch.float32 or not rotated.is_contiguous() or not norm16.is_contiguous():
         return None
     lead, d = rotated.shape[:-1], rotated.shape[-1]
-    n = rotated.numel() // d if d else 0
+    n = rotated.numel() // d  # d >= 1: the codec checked the head size
     fields = {}
     desc = [n, d, rotated.data_ptr(), norm16.data_ptr(), len(tables)]
     for name, start, stop, bits, thresholds in tables:

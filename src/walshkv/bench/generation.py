@@ -560,7 +560,7 @@ RUN_MEDIANS = (
     "rss_after_load",
     "peak_rss",
 )
-#: What each row keeps of every run (``row["runs"]``), for the spread.
+#: What each row keeps of every run (``row["run_values"]``), for the spread.
 RUN_FIELDS = ("step_ms", "prefill_seconds", "rss_after_load", "peak_rss")
 
 
