@@ -17,7 +17,14 @@ from walshkv.codecs import parse_cache_spec
 from walshkv.codecs.builtin_presets import BUILTIN, is_fast_preset, preset_budget
 from walshkv.constants import Keys
 from walshkv.models import ModelShape
-from walshkv.presets import dense_key_map, known_model, model_presets, resolve_preset, resolve_specs
+from walshkv.presets import (
+    dense_key_map,
+    known_model,
+    model_presets,
+    resolve_engine_preset,
+    resolve_preset,
+    resolve_specs,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ModelShape(arch="llama", layers=30, q_heads=9, kv_heads=3, head_dim=64, params=134515008)
@@ -139,3 +146,18 @@ def test_fast_presets_ship_with_files_whose_keys_the_kernel_maps_fast():
         assert resolve_preset(name, cal).spec == p.spec
         bound = parse_cache_spec(p.spec).bind(3, cal)
         assert prerope_key_map(bound.k, bound.v, 64, 3) == "hadamard", name
+
+
+def test_an_engine_gets_the_models_own_preset_or_a_refusal_never_the_builtin_spec():
+    """resolve_engine_preset: the shipped spec for a known model; no model or an unknown one is refused by name."""
+    p = resolve_engine_preset("walshkv:3.5", engine="test", model="smollm2-135m")
+    assert p.spec == model_presets()["smollm2-135m"]["presets"]["walshkv:3.5"]["spec"]
+    assert p.source == "shipped:smollm2-135m"
+    with pytest.raises(ValueError, match=r"^test: walshkv:3\.5 is chosen per model .*no model is named: NAME IT"):
+        resolve_engine_preset("walshkv:3.5", engine="test", how="NAME IT")
+    with pytest.raises(ValueError, match=r"'mystery-7b' is not a model walshkv has measured"):
+        resolve_engine_preset("walshkv:3.5", engine="test", model="mystery-7b")
+    with pytest.raises(ValueError, match=r"walshkv has no measured walshkv:3-fast for qwen2\.5-1\.5b"):
+        resolve_engine_preset("walshkv:3-fast", engine="test", model="qwen2.5-1.5b")
+    with pytest.raises(ValueError, match=r"walshkv:3, walshkv:3\.5"):  # an unknown preset name lists the valid ones
+        resolve_engine_preset("walshkv:7", engine="test", model="smollm2-135m")

@@ -17,6 +17,13 @@ package, and the fused kernels do not know it, so run it through ``walshkv eval`
 
 ``ropecenter:M+X`` keeps only the M channel pairs with the largest mean (by norm over kv heads): a bias
 kernel then costs M complex multiply-adds per key and query head.
+
+``eqr[:L]+X`` (K only) is ``eq+``'s transform fitted in the frame after RoPE to moments that hold at every position:
+the pre-RoPE K covariance and query moment turned by RoPE and averaged over positions ``0 .. L-1``
+(:func:`rope_averaged`; no ``L``: the limit of a long context, where every pair of channel pairs with different
+frequencies decorrelates). One fixed transform after RoPE folds into the query once per decode step (no per-key
+map); ``eq+`` fitted to the post-RoPE statistics of short calibration windows does not hold at 4k (the table in
+docs/long-context.md), since slow pairs have not turned there yet.
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ import torch
 from walshkv.cli import main as cli
 from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.calibration import PreRopeSource, RopeTables
+from walshkv.codecs.equalize import Equalized
 from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.registry import register_wrapper
 from walshkv.fileio import write_json_atomic
+from walshkv.ops.equalize import k_equalizer
 from walshkv.ops.rope import RopeTable, apply_rope
 
 
@@ -95,6 +104,76 @@ class RopeCentered(PreRope):
         return y + self._offset(y, start)
 
 
+def rope_averaged(m: torch.Tensor, inv_freq: torch.Tensor, length: int | None) -> torch.Tensor:
+    """``mean over p < length of R(p) m R(p)ᵀ`` for a second moment ``m`` ``[..., d, d]`` before RoPE (float64).
+
+    In complex form (pair ``j`` is channel ``j`` and ``j + d/2``, ``z = x + i y``, RoPE multiplies ``z_j`` by
+    ``e^{i p θ_j}``), ``E[z_j z̄_k]`` turns with ``θ_j - θ_k`` and ``E[z_j z_k]`` with ``θ_j + θ_k``; the mean of
+    ``e^{i p ω}`` over the positions is a geometric series. ``length=None``: the limit (only ``ω = 0`` survives).
+    """
+    m = m.to(torch.float64)
+    h = m.shape[-1] // 2
+    th = inv_freq.to(torch.float64)
+    xx, xy, yx, yy = m[..., :h, :h], m[..., :h, h:], m[..., h:, :h], m[..., h:, h:]
+    gam = torch.complex(xx + yy, yx - xy)
+    pi = torch.complex(xx - yy, yx + xy)
+
+    def mean_phase(w: torch.Tensor) -> torch.Tensor:
+        if length is None:
+            return (w.abs() < 1e-15).to(torch.complex128)
+        e1 = torch.exp(1j * w.to(torch.complex128))
+        el = torch.exp(1j * length * w.to(torch.complex128))
+        small = (1 - e1).abs() < 1e-12
+        out = (1 - el) / (length * torch.where(small, torch.ones_like(e1), 1 - e1))
+        return torch.where(small, torch.ones_like(out), out)
+
+    gam = gam * mean_phase(th[:, None] - th[None, :])
+    pi = pi * mean_phase(th[:, None] + th[None, :])
+    top = torch.cat([((gam + pi) / 2).real, ((pi - gam) / 2).imag], dim=-1)
+    bottom = torch.cat([((gam + pi) / 2).imag, ((gam - pi) / 2).real], dim=-1)
+    return torch.cat([top, bottom], dim=-2)
+
+
+class RopeAveragedEqualized(Equalized):
+    """``eqr[:L]+X``: ``eq+``'s K transform fitted after RoPE to moments averaged over positions ``0 .. L-1``."""
+
+    kinds = ("k",)
+    other_kind = "refuse"
+
+    def __init__(self, inner: Codec, matrix=None, spec=None, length: int | None = None) -> None:  # type: ignore[no-untyped-def]
+        self.length = length
+        super().__init__(inner, matrix, spec or f"{self.prefix}+{inner.spec}")
+
+    @property
+    def prefix(self) -> str:
+        return "eqr" if self.length is None else f"eqr:{self.length}"
+
+    def bind(self, layer_idx, kind, calibration=None):  # type: ignore[no-untyped-def]
+        if kind != "k":
+            raise ValueError(f"{self.spec}: eqr+ is for K only")
+        inner = self.inner.bind(layer_idx, kind, calibration)
+        if not isinstance(calibration, PreRopeSource):
+            raise ValueError(f"{self.spec} needs --calib-text (K and query statistics before RoPE)")
+        pre = calibration.pre_rope()
+        inv_freq = pre.rope_table(layer_idx).inv_freq
+        cov = rope_averaged(pre.k_covariance(layer_idx), inv_freq, self.length)
+        qmom = rope_averaged(pre.query_moment(layer_idx), inv_freq, self.length)
+        matrix = k_equalizer(cov, qmom).to(torch.float32)
+        return RopeAveragedEqualized(inner, matrix, self.spec, self.length)
+
+
+def _eqr_factory(args: str | None, inner: Codec) -> Codec:
+    if args is None:
+        return RopeAveragedEqualized(inner)
+    try:
+        length = int(args)
+    except ValueError:
+        length = 0
+    if length < 1:
+        raise ValueError(f"eqr takes a number of positions >= 1 (eqr:32768+tq:3.5), got {args!r}")
+    return RopeAveragedEqualized(inner, length=length)
+
+
 def _factory(args: str | None, inner: Codec) -> Codec:
     if args is None:
         return RopeCentered(inner)
@@ -123,6 +202,7 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] != "eval":
         raise SystemExit("ropecenter_probe.py runs `eval` only (bench, needle and sweep may use the fused kernels)")
     register_wrapper("ropecenter", _factory, "probe: K after RoPE minus the pre-RoPE mean turned to each position")
+    register_wrapper("eqr", _eqr_factory, "probe: eq+ after RoPE fitted to moments averaged over positions 0..L-1")
     rc = cli(argv)
     if rc == 0:
         _record_command(argv)

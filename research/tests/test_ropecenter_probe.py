@@ -84,3 +84,40 @@ def test_bad_pair_counts_and_kernel_commands_are_refused(probe, monkeypatch):
     for argv in (["bench", "--codec", "ropecenter+rot+iq4_nl"], ["needle", "--fused"]):
         with pytest.raises(SystemExit, match="eval` only"):
             probe.main(argv)
+
+
+def _brute_rope_average(m: torch.Tensor, table: RopeTable, length: int) -> torch.Tensor:
+    d = m.shape[-1]
+    eye = torch.eye(d)[:, None, None, :]  # each basis vector a sequence of one token
+    total = torch.zeros(d, d, dtype=torch.float64)
+    for p in range(length):
+        r = apply_rope(eye, table, p)[:, 0, 0].to(torch.float64).T  # column i: RoPE(e_i) at position p
+        total += r @ m @ r.T
+    return total / length
+
+
+def test_rope_averaged_moments_match_the_mean_over_positions(probe):
+    torch.manual_seed(2)
+    d = 16
+    table = _table(d)
+    a = torch.randn(d, 3 * d, dtype=torch.float64)
+    m = a @ a.T / (3 * d)
+    for length in (1, 5, 37):
+        got = probe.rope_averaged(m, table.inv_freq, length)
+        torch.testing.assert_close(got, _brute_rope_average(m, table, length), rtol=0, atol=1e-6)
+    # the limit keeps only each channel pair's isotropic part: it commutes with RoPE at every position
+    lim = probe.rope_averaged(m, table.inv_freq, None)
+    h = d // 2
+    pair = torch.diagonal(m)[:h] + torch.diagonal(m)[h:]
+    torch.testing.assert_close(lim, torch.diag(torch.cat([pair, pair]) / 2), rtol=0, atol=1e-12)
+
+
+def test_eqr_transform_after_rope_is_fixed_and_refuses_v(probe):
+    from walshkv.codecs.floats import FloatCodec
+
+    codec = probe._eqr_factory("4096", FloatCodec("fp32"))
+    assert codec.spec == "eqr:4096+fp32" and codec.needs_calibration
+    with pytest.raises(ValueError, match="eqr"):
+        probe._eqr_factory("0", FloatCodec("fp32"))
+    with pytest.raises(ValueError, match="K only"):
+        codec.bind(0, "v", None)

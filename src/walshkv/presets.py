@@ -76,6 +76,7 @@ __all__ = [
     "known_model",
     "model_presets",
     "preset_name_for_bits",
+    "resolve_engine_preset",
     "resolve_preset",
     "resolve_specs",
     "write_preset_file",
@@ -310,6 +311,65 @@ def resolve_preset(name: str, calibration: CalibrationLike | None = None, *, mod
         "file as --kv-mean-center)"
     )
     return Preset(key, budget, builtin, note=note)
+
+
+def resolve_engine_preset(
+    name: str,
+    *,
+    engine: str,
+    model: str | None = None,
+    calibration: CalibrationLike | None = None,
+    how: str = "name the model",
+) -> Preset:
+    """The spec a serving engine's integration stores for a preset: the model's own, never a generic one.
+
+    A preset is chosen per model (``model_presets.json``; docs/presets.md). Outside walshkv's own cache the
+    integrations (the LMCache serde, the vLLM plugin) cannot see the model's weights, so the model must be named,
+    or the calibration file that ``walshkv calibrate --preset`` / ``walshkv recommend`` wrote for this preset
+    (which records its spec) must be given. Without either, the built-in spec (:func:`resolve_preset` with no
+    model) would be stored: a spec whose quality no table measures for that model, so it is refused.
+
+    Args:
+        name: a preset name (``walshkv:3.5``).
+        engine: who asks, for messages (``"walshkv serde"``, ``"walshkv vLLM plugin"``).
+        model: a model name from ``walshkv models list`` (the shipped table's names), or ``None``.
+        calibration: the calibration file given to the integration, or ``None``.
+        how: how a user names the model in that integration (for the message).
+
+    Returns:
+        The preset with the model's shipped spec, or the spec the calibration file records for ``name``.
+
+    Raises:
+        ValueError: an unknown preset name; no model and no file written for the preset; a model walshkv has
+            not measured (the message lists the models that ship presets and how to choose one).
+    """
+    key = check_preset_name(name)
+    file = _preset_file(calibration)
+    meta = file.meta if file is not None else {}
+    if str(meta.get(Keys.Preset.NAME, "")).lower() == key and meta.get(Keys.Preset.SPEC):
+        return resolve_preset(key, calibration)
+    table = model_presets()
+    shipped = sorted(m for m, entry in table.items() if key in entry["presets"])
+    fix = (
+        f"or give the calibration file that `walshkv calibrate --preset {key} --model MODEL -o FILE` (a model "
+        f"walshkv ships presets for) or `walshkv recommend --model MODEL --bits {preset_budget(key):g} -o FILE` wrote; "
+        "or give a spec instead of a preset name"
+    )
+    if model is None:
+        raise ValueError(
+            f"{engine}: {key} is chosen per model ({', '.join(shipped) or 'none shipped'} ship one), and no model is "
+            f"named: {how}, {fix}. The built-in spec is not substituted: no table measures it on your model"
+        )
+    known = known_model(model)
+    entry = table[known]["presets"].get(key) if known else None
+    if entry is None:
+        why = f"{model!r} is not a model walshkv has measured"
+        if known:
+            why = f"walshkv has no measured {key} for {model}"
+        raise ValueError(
+            f"{engine}: {why} (models with {key}: {', '.join(shipped) or 'none'}): {how} with one of them, {fix}"
+        )
+    return resolve_preset(key, calibration, model=known)
 
 
 def resolve_specs(

@@ -27,6 +27,7 @@ import torch
 
 from walshkv.codecs import find_wrapper, parse_cache_spec
 from walshkv.codecs.center import Centered
+from walshkv.constants import Keys
 from walshkv.export import write_kv_mean_center
 from walshkv.integrations.lmcache import (
     MAGIC,
@@ -101,14 +102,14 @@ def layout_formula(spec: str, layers: int, tokens: int, heads: int, head_dim: in
     return HEADER_FIXED + len(parsed.spec.encode()) + int(payload)
 
 
-SPECS = ["rot+int4", "q4_0", "q8_0/q4_0", "tq:4/tq:3", "fp16", "layers:q8_0@0;tq:3", "walshkv:3.5"]
+SPECS = ["rot+int4", "q4_0", "q8_0/q4_0", "tq:4/tq:3", "fp16", "layers:q8_0@0;tq:3"]
 CALIBRATED = ["center+tq:4/tq:3", "center+eq+tq:3.5/eq+tq:3", "center+q8_0/q4_0"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("spec", SPECS + CALIBRATED)
 def test_round_trip_is_walshkvs_decode_and_size_is_the_layout(spec, dtype, calibration):
-    cal = str(calibration) if spec in CALIBRATED or spec.startswith("walshkv:") else None
+    cal = str(calibration) if spec in CALIBRATED else None
     codec = ChunkCodec(SerdeOptions(spec=spec, head_dim=64, num_kv_heads=2, calibration=cal))
     kv = chunk(dtype=dtype)
     size = codec.serialized_size(kv.shape, kv.dtype)
@@ -120,6 +121,52 @@ def test_round_trip_is_walshkvs_decode_and_size_is_the_layout(spec, dtype, calib
     codec.deserialize(buf, out)
     assert torch.equal(out, walshkv_reference(codec, kv, 2))
     assert size < kv.numel() * kv.element_size() or spec == "fp16"
+
+
+def test_a_preset_without_its_model_is_refused_not_replaced_by_the_builtin_spec():
+    """``walshkv:3.5`` is chosen per model: with no model named the serde must not store the built-in spec."""
+    with pytest.raises(ValueError, match=r"walshkv:3\.5 is chosen per model .*no model is named.*not substituted"):
+        ChunkCodec(SerdeOptions(spec="walshkv:3.5", head_dim=64))
+    with pytest.raises(ValueError, match=r"'llama-7b' is not a model walshkv has measured.*smollm2-135m"):
+        ChunkCodec(SerdeOptions(spec="walshkv:3.5", head_dim=64, model="llama-7b"))
+
+
+@pytest.mark.parametrize("preset", ["walshkv:3", "walshkv:3.5", "walshkv:4.5"])
+def test_the_models_own_preset_is_resolved_and_a_part_it_cannot_hold_is_named(preset):
+    """smollm2-135m's shipped presets keep a sink token and/or store K before RoPE: refused, naming the preset, its
+    source and the part (today's presets; a position-free preset would round-trip as the model's own spec)."""
+    from walshkv.presets import model_presets
+
+    spec = model_presets()["smollm2-135m"]["presets"][preset]["spec"]
+    with pytest.raises(ValueError) as err:
+        ChunkCodec(SerdeOptions(spec=preset, head_dim=64, model="smollm2-135m"))
+    msg = str(err.value)
+    assert f"{preset} (shipped:smollm2-135m) is {spec!r}, which the serde cannot hold" in msg
+    assert ("sink:N:" in msg and spec.startswith("sink:")) or "prerope+" in msg
+
+
+def test_a_file_written_for_the_preset_gives_its_spec(tmp_path):
+    """A calibration file that records the preset's spec (``walshkv calibrate --preset``/``recommend``) chooses it:
+    the chunk's header and bytes are that spec's, not the built-in one's."""
+    path = tmp_path / "walshkv-3.5.gguf"
+    g = torch.Generator().manual_seed(3)
+    write_kv_mean_center(
+        path,
+        torch.randn(2, 2, 64, generator=g),
+        arch="llama",
+        basis="plain",
+        model="tiny",
+        extra={Keys.Preset.NAME: "walshkv:3.5", Keys.Preset.SPEC: "center+tq:4/tq:3"},
+    )
+    codec = ChunkCodec(SerdeOptions(spec="walshkv:3.5", head_dim=64, calibration=str(path), model="tiny"))
+    assert codec.spec.spec == "center+tq:4/tq:3" and codec.preset is not None and codec.preset.name == "walshkv:3.5"
+    kv = chunk(dtype=torch.float32)
+    buf = torch.empty(codec.serialized_size(kv.shape, kv.dtype), dtype=torch.uint8)
+    codec.serialize(kv, buf)
+    assert ChunkCodec.read_header(buf).spec == "center+tq:4/tq:3"
+    out = torch.empty_like(kv)
+    codec.deserialize(buf, out)
+    assert torch.equal(out, walshkv_reference(codec, kv, 2))
 
 
 def test_center_plus_k_comes_back_with_its_mean(calibration):

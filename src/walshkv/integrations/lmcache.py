@@ -74,6 +74,7 @@ from walshkv.codecs.center import Centered
 from walshkv.codecs.kivi import KiviCodec
 from walshkv.codecs.spec import CacheSpec, LayeredCacheSpec, parse_cache_spec
 from walshkv.export import KMeanBias, read_kv_mean_center
+from walshkv.presets import Preset, is_preset, resolve_engine_preset
 
 __all__ = [
     "FORMAT_VERSION",
@@ -114,12 +115,16 @@ class SerdeOptions:
 
     Attributes:
         spec: a fixed-size walshkv cache spec, ``KSPEC/VSPEC`` or one spec for both (``q8_0/q4_0``,
-            ``rot+int4``, ``tq:4/tq:3``, ``center+tq:4/tq:2.5``, ``layers:...``, ``walshkv:3.5``).
+            ``rot+int4``, ``tq:4/tq:3``, ``center+tq:4/tq:2.5``, ``layers:...``), or a preset name (``walshkv:3.5``):
+            the model's own preset spec (``model`` names the model, or ``calibration`` is the file ``walshkv
+            calibrate --preset`` wrote for it), refused where the serde cannot hold a part of it; never the
+            built-in spec in its place.
         head_dim: the model's K/V head size; ``hidden`` of a chunk must be a multiple of it.
         num_kv_heads: KV heads per chunk (the model's KV heads divided by the tensor-parallel size); checked
             against ``hidden / head_dim`` when given.
         calibration: path of the ``.gguf`` file ``walshkv calibrate`` wrote (needed by ``center+`` and ``eq+``).
-        model: the model name the calibration file must record (checked when both name one).
+        model: the model name (``walshkv models list``): the calibration file must record it (checked when both
+            name one), and a preset name in ``spec`` resolves to this model's shipped spec.
         model_arch: the architecture the calibration file is used with (as ``read_kv_mean_center`` takes it).
         max_workers: threads LMCache's serde pool runs (serialization is CPU-bound).
     """
@@ -214,8 +219,20 @@ def _plain_parts(spec: CacheSpec) -> list[CacheSpec]:
     return [part for part, _ in spec.parts] if isinstance(spec, LayeredCacheSpec) else [spec]
 
 
-def _check_fixed_size(spec_text: str, spec: object) -> CacheSpec:
-    """The parsed spec if every chunk's bytes follow from its layout and none depends on positions, else raise."""
+def _check_fixed_size(spec_text: str, spec: object, preset: Preset | None = None) -> CacheSpec:
+    """The parsed spec if every chunk's bytes follow from its layout and none depends on positions, else raise.
+
+    ``preset``: the preset ``spec_text`` stands for (messages name it and its source).
+    """
+    if preset is not None:
+        try:
+            return _check_fixed_size(spec_text, spec)
+        except ValueError as e:
+            why = str(e).removeprefix("walshkv serde: ")
+            raise ValueError(
+                f"walshkv serde: {preset.name} ({preset.source}) is {spec_text!r}, which the serde cannot hold: {why}. "
+                "Store a fixed-size spec in its place, or leave the serde off for this model"
+            ) from None
     if not isinstance(spec, CacheSpec):
         raise ValueError(
             f"walshkv serde: {spec_text!r} is Hugging Face's own quantized cache, which has no byte format to "
@@ -276,7 +293,19 @@ class ChunkCodec:
 
     def __init__(self, options: SerdeOptions) -> None:
         self.options = options
-        self.spec = _check_fixed_size(options.spec, parse_cache_spec(options.spec))
+        spec_text = options.spec
+        self.preset: Preset | None = None
+        if is_preset(spec_text):  # the model's own preset (or the file's), never the built-in spec in its place
+            file = load_calibration(options.calibration, options.model_arch)[0] if options.calibration else None
+            self.preset = resolve_engine_preset(
+                spec_text,
+                engine="walshkv serde",
+                model=options.model,
+                calibration=file,
+                how='set "model" in the serde block (a name from `walshkv models list`)',
+            )
+            spec_text = self.preset.spec
+        self.spec = _check_fixed_size(spec_text, parse_cache_spec(spec_text), self.preset)
         self.head_dim = options.head_dim
         self.spec.check_head_dim(self.head_dim)
         self.calibration: KMeanBias | None = None

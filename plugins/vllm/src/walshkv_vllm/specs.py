@@ -6,11 +6,17 @@ number of bytes, fit: the plain storing codecs (``fp16``, ``intB``, ggml ``q4_0`
 file). Refused: ``kivi`` (K quantized per channel over groups of tokens), ``prerope+`` (re-rotated by position,
 which vLLM's cache update does not pass), ``eq+`` (not wired yet), ``sink:N:`` and ``layers:`` specs (the pages of
 one vLLM KV cache group must all have one size), and the ``hf-*`` peers.
+
+A preset name (``WALSHKV_VLLM_SPEC=walshkv:3.5``) stands for the served model's own preset: ``$WALSHKV_VLLM_MODEL``
+names the model (``walshkv models list``; checked against the engine's config when the backend starts), or
+``$WALSHKV_VLLM_CALIBRATION`` is the file ``walshkv calibrate --preset`` wrote for it. The built-in spec is never
+stored in its place, and a preset with a part the pages cannot hold is refused with the part named.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +25,7 @@ from walshkv.codecs.center import Centered
 from walshkv.codecs.spec import LayeredCacheSpec
 from walshkv.codecs.turbo import TurboQuant, TurboQuantProd
 from walshkv.codecs.vht2 import SqfreeCodec, VHT2Codec, VZCCodec
+from walshkv.presets import Preset, is_preset, model_presets, resolve_engine_preset
 
 if TYPE_CHECKING:
     from walshkv.codecs import CalibrationLike
@@ -27,11 +34,13 @@ __all__ = [
     "CALIBRATION_ENV",
     "DECODE_BACKEND_ENV",
     "KV_CACHE_DTYPES",
+    "MODEL_ENV",
     "PREFILL_ENV",
     "PREFILL_MODES",
     "SPEC_ENV",
     "PluginSettings",
     "check_fixed_size",
+    "check_served_model",
     "resolve_spec",
 ]
 
@@ -54,6 +63,7 @@ SPEC_ENV = "WALSHKV_VLLM_SPEC"
 CALIBRATION_ENV = "WALSHKV_VLLM_CALIBRATION"
 PREFILL_ENV = "WALSHKV_VLLM_PREFILL"
 DECODE_BACKEND_ENV = "WALSHKV_VLLM_DECODE_BACKEND"
+MODEL_ENV = "WALSHKV_VLLM_MODEL"
 
 #: ``exact``: a prompt's queries attend to its own K/V in full precision (vLLM's convention; earlier chunks and
 #: cached prefixes are read from the pages). ``quantized``: they attend to the K/V as stored (quantize-on-write,
@@ -93,11 +103,14 @@ def resolve_spec(name: str, env: dict[str, str] | None = None) -> CacheSpec:
     """The cache spec a ``--kv-cache-dtype`` name (``walshkv_q4_0``) or a walshkv spec string stands for.
 
     Args:
-        name: a key of :data:`KV_CACHE_DTYPES`, or a spec such as ``"rot+int4/q8_0"``.
+        name: a key of :data:`KV_CACHE_DTYPES`, or a spec such as ``"rot+int4/q8_0"``; a preset name
+            (``walshkv:3.5``, also in ``$WALSHKV_VLLM_SPEC``) resolves to the served model's own preset
+            (``$WALSHKV_VLLM_MODEL``, or the preset file in ``$WALSHKV_VLLM_CALIBRATION``).
         env: where ``walshkv_spec`` reads ``$WALSHKV_VLLM_SPEC`` (default ``os.environ``).
 
     Raises:
-        ValueError: an unknown name, ``walshkv_spec`` without the variable, or a spec the slots cannot hold.
+        ValueError: an unknown name, ``walshkv_spec`` without the variable, or a spec the slots cannot hold; a
+            preset with no model named, for a model walshkv has not measured, or with a part the slots cannot hold.
     """
     env = os.environ if env is None else env
     text = name
@@ -107,6 +120,67 @@ def resolve_spec(name: str, env: dict[str, str] | None = None) -> CacheSpec:
         text = KV_CACHE_DTYPES[name] or env.get(SPEC_ENV, "")
         if not text:
             raise ValueError(f"--kv-cache-dtype walshkv_spec reads the spec from ${SPEC_ENV}: set it, e.g. 'rot+int4'")
+    if is_preset(text):
+        preset = _preset(text, env)
+        try:
+            return _checked(preset.spec)
+        except ValueError as e:
+            raise ValueError(
+                f"{preset.name} ({preset.source}) is {preset.spec!r}, which vLLM pages cannot hold: {e}. Serve this "
+                f"model with a fixed-size spec in {SPEC_ENV} (or a --kv-cache-dtype the plugin adds)"
+            ) from None
+    return _checked(text)
+
+
+def _preset(text: str, env: Mapping[str, str]) -> Preset:
+    """The served model's own preset (``$WALSHKV_VLLM_MODEL``, or the preset file in ``$WALSHKV_VLLM_CALIBRATION``)."""
+    calibration = None
+    if env.get(CALIBRATION_ENV):
+        from walshkv.export import read_kv_mean_center  # needs gguf; read only for a preset or a calibrated spec
+
+        calibration = read_kv_mean_center(env[CALIBRATION_ENV])
+    return resolve_engine_preset(
+        text,
+        engine="walshkv vLLM plugin",
+        model=env.get(MODEL_ENV) or None,
+        calibration=calibration,
+        how=f"set {MODEL_ENV} to the served model's name in `walshkv models list`",
+    )
+
+
+def check_served_model(name: str, hf_config: object) -> None:
+    """Refuse a ``$WALSHKV_VLLM_MODEL`` that is not the model the engine serves (compared by shape).
+
+    Args:
+        name: the model name the preset was resolved for.
+        hf_config: the engine's transformers config (``vllm_config.model_config.hf_config``).
+
+    Raises:
+        ValueError: the architecture, layers, heads or head size differ from the named model's.
+    """
+    table = model_presets()
+    entry = table.get(name.strip().lower())
+    if entry is None:
+        return  # resolve_engine_preset has refused unknown names already
+    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = getattr(cfg, "num_attention_heads", None)
+    served = {
+        "arch": getattr(cfg, "model_type", None),
+        "layers": getattr(cfg, "num_hidden_layers", None),
+        "q_heads": heads,
+        "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // max(1, heads or 1)),
+    }
+    want = {k: entry["shape"][k] for k in served}
+    if served != want:
+        raise ValueError(
+            f"{MODEL_ENV}={name!r} ({want}) is not the model vLLM serves ({served}): its preset was chosen and "
+            f"calibrated for another model; set {MODEL_ENV} to the served model's name, or give a spec"
+        )
+
+
+def _checked(text: str) -> CacheSpec:
+    """``text`` parsed, if vLLM's pages can hold it (see :func:`resolve_spec`)."""
     spec = parse_cache_spec(text)
     if not isinstance(spec, CacheSpec) or isinstance(spec, LayeredCacheSpec):
         raise ValueError(

@@ -19,6 +19,7 @@ attention eagerly between captured pieces).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -41,7 +42,7 @@ from walshkv.codecs import CacheSpec, Codec
 from walshkv_vllm.layout import SlotLayout
 from walshkv_vllm.paged import decode_paged, prefill_paged, write_slots
 from walshkv_vllm.registration import BACKEND_PATH
-from walshkv_vllm.specs import KV_CACHE_DTYPES, PluginSettings, resolve_spec
+from walshkv_vllm.specs import KV_CACHE_DTYPES, MODEL_ENV, PluginSettings, check_served_model, resolve_spec
 
 __all__ = ["BACKEND_PATH", "WalshKVAttentionBackend", "WalshKVAttentionImpl", "WalshKVMetadata"]
 
@@ -196,6 +197,9 @@ class WalshKVAttentionImpl(AttentionImpl[WalshKVMetadata]):
         _ACTIVE["cache_dtype"] = kv_cache_dtype
         needs = self.cache.k.needs_calibration or self.cache.v.needs_calibration
         model_config = get_current_vllm_config().model_config
+        named = os.environ.get(MODEL_ENV, "")
+        if named and getattr(model_config, "hf_config", None) is not None:
+            check_served_model(named, model_config.hf_config)  # a preset chosen for another model is refused
         arch = getattr(getattr(model_config, "hf_config", None), "model_type", None)
         self._calibration = self.settings.load_calibration(arch) if needs or self.settings.calibration else None
         if needs and self._calibration is None:
