@@ -29,7 +29,7 @@ import torch
 from walshkv.calibration import collect_kv_stats
 from walshkv.data import load_text
 from walshkv.eval.provenance import code_commit, cpu_meta
-from walshkv.fileio import write_json_atomic
+from walshkv.fileio import write_json_atomic, write_text_atomic
 from walshkv.models import load_model
 
 FAMILIES = ("dense", "diag", "pair", "pair+dense:2", "pair+dense:4", "pair+dense:8")
@@ -69,6 +69,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--calib-text", default="python-docs")
     ap.add_argument("--json", required=True, help="result file")
+    ap.add_argument("--markdown", help="the summary as a markdown table")
     args = ap.parse_args(argv)
     lm = load_model(args.model)
     stats = collect_kv_stats(lm, load_text(args.calib_text), progress=False).pre_rope()
@@ -94,6 +95,21 @@ def main(argv: list[str]) -> int:
         },
     )
     print(" | ".join(f"{f} {summary[f]:.2f} dB" for f in FAMILIES))
+    if args.markdown:
+        lo = {f: min(r[f] for r in per_head) for f in FAMILIES}
+        hi = {f: max(r[f] for r in per_head) for f in FAMILIES}
+        lines = [
+            f"{args.model}, moments before RoPE from {args.calib_text}, {len(per_head)} (layer, kv head) pairs; "
+            f"code {code_commit()}; CPU {cpu_meta()['model']}. Produced by `{cmd}`.",
+            "",
+            "| family | folds into the query | mean gain (dB) | min | max |",
+            "|---|---|---|---|---|",
+        ]
+        folds = {"dense": "no (d x d per key)", "diag": "no (per-key map)", "pair": "yes"}
+        for f in FAMILIES:
+            how = folds.get(f, f"no ({2 * int(f.split(':')[1])} channels turned per key)")
+            lines.append(f"| {f} | {how} | {summary[f]:.2f} | {lo[f]:.2f} | {hi[f]:.2f} |")
+        write_text_atomic(args.markdown, "\n".join(lines) + "\n")
     return 0
 
 
