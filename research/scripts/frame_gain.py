@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
         ]
         folds = {"dense": "no (d x d per key)", "diag": "no (per-key map)", "pair": "yes"}
         for f in FAMILIES:
-            how = folds.get(f, f"no ({2 * int(f.split(':')[1])} channels turned per key)")
+            how = folds[f] if f in folds else f"no ({2 * int(f.split(':')[1])} channels turned per key)"
             lines.append(f"| {f} | {how} | {summary[f]:.2f} | {lo[f]:.2f} | {hi[f]:.2f} |")
         write_text_atomic(args.markdown, "\n".join(lines) + "\n")
     return 0
