@@ -140,7 +140,9 @@ class RopeAveragedEqualized(Equalized):
     kinds = ("k",)
     other_kind = "refuse"
 
-    def __init__(self, inner: Codec, matrix=None, spec=None, length: int | None = None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(
+        self, inner: Codec, matrix: torch.Tensor | None = None, spec: str | None = None, length: int | None = None
+    ) -> None:
         self.length = length
         super().__init__(inner, matrix, spec or f"{self.prefix}+{inner.spec}")
 
@@ -162,27 +164,28 @@ class RopeAveragedEqualized(Equalized):
         return RopeAveragedEqualized(inner, matrix, self.spec, self.length)
 
 
+def _count(args: str, what: str) -> int:
+    """A wrapper argument that must be a whole number >= 1; ``what`` names it and gives an example."""
+    try:
+        n = int(args)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{what}, got {args!r}")
+    return n
+
+
 def _eqr_factory(args: str | None, inner: Codec) -> Codec:
     if args is None:
         return RopeAveragedEqualized(inner)
-    try:
-        length = int(args)
-    except ValueError:
-        length = 0
-    if length < 1:
-        raise ValueError(f"eqr takes a number of positions >= 1 (eqr:32768+tq:3.5), got {args!r}")
+    length = _count(args, "eqr takes a number of positions >= 1 (eqr:32768+tq:3.5)")
     return RopeAveragedEqualized(inner, length=length)
 
 
 def _factory(args: str | None, inner: Codec) -> Codec:
     if args is None:
         return RopeCentered(inner)
-    try:
-        pairs = int(args)
-    except ValueError:
-        pairs = 0
-    if pairs < 1:
-        raise ValueError(f"ropecenter takes a number of channel pairs >= 1 (ropecenter:16+rot+iq4_nl), got {args!r}")
+    pairs = _count(args, "ropecenter takes a number of channel pairs >= 1 (ropecenter:16+rot+iq4_nl)")
     return RopeCentered(inner, pairs=pairs)
 
 

@@ -344,15 +344,14 @@ def resolve_engine_preset(
             not measured (the message lists the models that ship presets and how to choose one).
     """
     key = check_preset_name(name)
-    file = _preset_file(calibration)
-    meta = file.meta if file is not None else {}
-    if str(meta.get(Keys.Preset.NAME, "")).lower() == key and meta.get(Keys.Preset.SPEC):
-        return resolve_preset(key, calibration)
-    table = model_presets()
-    shipped = sorted(m for m, entry in table.items() if key in entry["presets"])
+    known = known_model(model)
+    preset = resolve_preset(key, calibration, model=known)
+    if preset.source != "built-in":  # the file's spec, or the model's shipped one
+        return preset
+    shipped = sorted(m for m, entry in model_presets().items() if key in entry["presets"])
     fix = (
         f"or give the calibration file that `walshkv calibrate --preset {key} --model MODEL -o FILE` (a model "
-        f"walshkv ships presets for) or `walshkv recommend --model MODEL --bits {preset_budget(key):g} -o FILE` wrote; "
+        f"walshkv ships presets for) or `walshkv recommend --model MODEL --bits {preset.budget:g} -o FILE` wrote; "
         "or give a spec instead of a preset name"
     )
     if model is None:
@@ -360,16 +359,10 @@ def resolve_engine_preset(
             f"{engine}: {key} is chosen per model ({', '.join(shipped) or 'none shipped'} ship one), and no model is "
             f"named: {how}, {fix}. The built-in spec is not substituted: no table measures it on your model"
         )
-    known = known_model(model)
-    entry = table[known]["presets"].get(key) if known else None
-    if entry is None:
-        why = f"{model!r} is not a model walshkv has measured"
-        if known:
-            why = f"walshkv has no measured {key} for {model}"
-        raise ValueError(
-            f"{engine}: {why} (models with {key}: {', '.join(shipped) or 'none'}): {how} with one of them, {fix}"
-        )
-    return resolve_preset(key, calibration, model=known)
+    why = f"walshkv has no measured {key} for {model}" if known else f"{model!r} is not a model walshkv has measured"
+    raise ValueError(
+        f"{engine}: {why} (models with {key}: {', '.join(shipped) or 'none'}): {how} with one of them, {fix}"
+    )
 
 
 def resolve_specs(

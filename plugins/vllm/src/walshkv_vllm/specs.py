@@ -15,6 +15,7 @@ stored in its place, and a preset with a part the pages cannot hold is refused w
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from walshkv.codecs.center import Centered
 from walshkv.codecs.spec import LayeredCacheSpec
 from walshkv.codecs.turbo import TurboQuant, TurboQuantProd
 from walshkv.codecs.vht2 import SqfreeCodec, VHT2Codec, VZCCodec
-from walshkv.presets import Preset, is_preset, model_presets, resolve_engine_preset
+from walshkv.presets import Preset, is_preset, known_model, model_presets, resolve_engine_preset
 
 if TYPE_CHECKING:
     from walshkv.codecs import CalibrationLike
@@ -134,15 +135,21 @@ def resolve_spec(name: str, env: dict[str, str] | None = None) -> CacheSpec:
 
 def _preset(text: str, env: Mapping[str, str]) -> Preset:
     """The served model's own preset (``$WALSHKV_VLLM_MODEL``, or the preset file in ``$WALSHKV_VLLM_CALIBRATION``)."""
+    return _resolved_preset(text, env.get(MODEL_ENV) or None, env.get(CALIBRATION_ENV) or None)
+
+
+@functools.cache
+def _resolved_preset(text: str, model: str | None, calibration_path: str | None) -> Preset:
+    """:func:`_preset`, once per process: every layer's backend resolves the same names (the file read once)."""
     calibration = None
-    if env.get(CALIBRATION_ENV):
+    if calibration_path:
         from walshkv.export import read_kv_mean_center  # needs gguf; read only for a preset or a calibrated spec
 
-        calibration = read_kv_mean_center(env[CALIBRATION_ENV])
+        calibration = read_kv_mean_center(calibration_path)
     return resolve_engine_preset(
         text,
         engine="walshkv vLLM plugin",
-        model=env.get(MODEL_ENV) or None,
+        model=model,
         calibration=calibration,
         how=f"set {MODEL_ENV} to the served model's name in `walshkv models list`",
     )
@@ -158,10 +165,10 @@ def check_served_model(name: str, hf_config: object) -> None:
     Raises:
         ValueError: the architecture, layers, heads or head size differ from the named model's.
     """
-    table = model_presets()
-    entry = table.get(name.strip().lower())
-    if entry is None:
+    known = known_model(name)
+    if known is None:
         return  # resolve_engine_preset has refused unknown names already
+    entry = model_presets()[known]
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     heads = getattr(cfg, "num_attention_heads", None)
     served = {
