@@ -24,7 +24,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "walshkv.constants",
         "walshkv.defaults",
         "walshkv.fileio",
-    ),  # names and protocol defaults: imports nothing of walshkv
+        "walshkv.identity",
+    ),  # names, protocol defaults, atomic files, a model's identity: imports nothing of walshkv
     ("walshkv.ops",),  # pure math on tensors
     ("walshkv.codecs",),  # codecs, wrappers, registry, spec grammar, the calibration protocol
     ("walshkv.export",),  # GGUF files other tools read (K mean, eq+ transforms)

@@ -44,7 +44,9 @@ class RandomBias:
         self.calls.append((layer, basis))
         return self.bias[layer]
 
-    def check_matches(self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None) -> None:
+    def check_matches(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None, **_: object
+    ) -> None:
         assert (num_layers, num_kv_heads, head_dim) == tuple(self.bias.shape)
 
 

@@ -28,6 +28,7 @@ from walshkv.cache.recording import RecordingCache
 from walshkv.data import make_windows
 from walshkv.defaults import CALIB_TOKENS, CTX
 from walshkv.export import KMeanBias
+from walshkv.identity import check_identity, identity_config
 from walshkv.models import LoadedModel, recording_queries
 from walshkv.ops.equalize import k_equalizer as fit_equalizer
 from walshkv.ops.equalize import k_equalizer_diagonal as fit_diagonal_equalizer
@@ -78,6 +79,7 @@ class KVStats:
     pre: dict[Any, Any] = field(default_factory=dict)  # K/query statistics before RoPE (see pre_rope)
     rope_inv_freq: torch.Tensor | None = None  # [layers, head_dim / 2]: each layer's RoPE table
     rope_scaling: torch.Tensor | None = None  # [layers]
+    model_config: dict[str, Any] | None = None  # the model's identity (walshkv.identity.identity_config)
 
     def _check(self, kind: Kind, basis: str, layer: int) -> None:
         if kind not in KINDS or basis not in BASES:
@@ -211,8 +213,16 @@ class KVStats:
             out["k_basis"] = self.k_basis
         return out
 
-    def check_matches(self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None) -> None:
-        """Refuse statistics made for a differently shaped model."""
+    def check_matches(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        model: str | None = None,
+        *,
+        model_config: dict[str, Any] | None = None,
+    ) -> None:
+        """Refuse statistics made for a model of another shape or identity (its config)."""
         want = (num_layers, num_kv_heads, head_dim)
         have = (self.num_layers, self.num_kv_heads, self.head_dim)
         if want != have:
@@ -220,6 +230,7 @@ class KVStats:
                 f"calibration for {self.model!r} has (layers, kv_heads, head_dim) = {have}, but the model"
                 f"{' ' + repr(model) if model else ''} has {want}; calibrate on this model"
             )
+        check_identity(f"calibration statistics of {self.text!r}", self.model, self.model_config, model_config, model)
 
 
 class MergedCalibration:
@@ -283,10 +294,18 @@ class MergedCalibration:
         """The statistics' RoPE table of ``layer``."""
         return self.stats.rope_table(layer)
 
-    def check_matches(self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None) -> None:
+    def check_matches(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        model: str | None = None,
+        *,
+        model_config: dict[str, Any] | None = None,
+    ) -> None:
         """Refuse a model the statistics or the file were not made for."""
-        self.stats.check_matches(num_layers, num_kv_heads, head_dim, model)
-        self.bias.check_matches(num_layers, num_kv_heads, head_dim, model)
+        self.stats.check_matches(num_layers, num_kv_heads, head_dim, model, model_config=model_config)
+        self.bias.check_matches(num_layers, num_kv_heads, head_dim, model, model_config=model_config)
 
     def describe(self) -> dict[str, Any]:
         """Provenance for result files: both halves."""
@@ -327,8 +346,25 @@ def collect_kv_stats(
     """
     layers, heads, head_dim = lm.shape.layers, lm.shape.kv_heads, lm.shape.head_dim
     n_win = max(1, tokens // ctx)
-    win = make_windows(lm.tokenizer, text.content, ctx, n_win)
-    stats = KVStats(lm.name, text.name, n_win * ctx, head_dim, heads, layers, counts=torch.zeros(layers))
+    try:
+        win = make_windows(lm.tokenizer, text.content, ctx, n_win)
+    except ValueError as err:
+        fit = re.search(r"enough for (\d+) window", str(err))
+        most = f"at most {int(fit[1]) * ctx:,} tokens" if fit else "fewer tokens"
+        raise ValueError(
+            f"calibration on {text.name} asked for {tokens:,} tokens ({n_win:,} windows of {ctx}): {err.args[0]}; "
+            f"for calibration: {most} (--tokens), or a longer --calib-text"
+        ) from err
+    stats = KVStats(
+        lm.name,
+        text.name,
+        n_win * ctx,
+        head_dim,
+        heads,
+        layers,
+        counts=torch.zeros(layers),
+        model_config=identity_config(lm.model.config),
+    )
     for key in [(k, b) for k in KINDS for b in BASES]:
         stats.sums[key] = torch.zeros(layers, heads, head_dim, dtype=torch.float64)
         stats.sq_sums[key] = torch.zeros(layers, heads, head_dim, dtype=torch.float64)

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["Backend", "Basis", "Feed", "KBasis", "Keys", "Kind", "Prefill", "Score"]
+__all__ = ["MAX_LAYERS", "MAX_WRAPPERS", "Backend", "Basis", "Feed", "KBasis", "Keys", "Kind", "Prefill", "Score"]
+
+#: The most layers a spec may name (``layers:SPEC@0-N``): far above any model (the largest have about 200), so a
+#: typo such as ``0-99999999999`` is refused when the spec is parsed, before anything is built or allocated.
+MAX_LAYERS = 4096
+#: The most wrappers one codec spec may chain (``prerope+center+eq+rot+rot+SPEC`` is 5): each of ``prerope+``,
+#: ``center+`` and ``eq+`` appears at most once, and a rotation repeated more than twice is always a mistake.
+MAX_WRAPPERS = 6
 
 #: Which half of the cache a codec serves.
 Kind = Literal["k", "v"]
@@ -39,6 +46,9 @@ class Keys:
         HEAD_DIM = "walshkv.head_dim"
         N_HEAD_KV = "walshkv.n_head_kv"
         TOKENS = "walshkv.tokens"
+        #: JSON of the model's text config (:func:`walshkv.identity.identity_config`): a file is refused by a
+        #: model whose config differs in a key both hold.
+        MODEL_CONFIG = "walshkv.model_config"
         #: Every key walshkv writes lives under this prefix (extra metadata included).
         PREFIX = "walshkv."
 

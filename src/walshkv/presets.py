@@ -570,6 +570,7 @@ def write_preset_file(path: str | Path, lm: LoadedModel, preset: Preset, stats: 
         tokens=stats.tokens,
         text=stats.text,
         model=lm.name,
+        model_config=stats.model_config,
         extra=extra,
         k_equalizer=k_eq,
         v_equalizer=v_eq,

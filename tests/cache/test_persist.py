@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import re
 import sys
 from pathlib import Path
@@ -17,8 +18,11 @@ from walshkv.presets import PRESET_BUDGETS
 
 # the shared codec matrix lives beside the codec contract (tests/codecs/matrix.py)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codecs"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # test_fileio's full disk
 
 from matrix import MATRIX, CalibrationStub
+
+from test_fileio import file_size_limit
 
 
 def _cache_spec(spec: str) -> str:
@@ -201,6 +205,24 @@ def test_save_replaces_atomically_and_refuses_before_writing(tiny_llama, tmp_pat
     with pytest.raises(ValueError, match="save between forwards"):
         half.save(path)
     assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("limit", [64, 700, 1500])
+def test_a_full_disk_names_the_path_and_keeps_the_old_file(tiny_llama, tmp_path, limit):
+    """Fault matrix: safetensors reports a failed write as its own error without the path (or not at all, for a
+    short one); save raises the OSError of the cause naming the file asked for, and the old file stays."""
+    path = tmp_path / "c.safetensors"
+    first = CompressedCache("int4", config=tiny_llama.config)
+    _run(tiny_llama, first, torch.randint(3, 90, (1, 3)), (3,))
+    first.save(path)
+    before = path.read_bytes()
+    big = CompressedCache("int8", config=tiny_llama.config)
+    _run(tiny_llama, big, torch.randint(3, 90, (1, 40)), (40,))
+    with file_size_limit(limit), pytest.raises(OSError) as info:
+        big.save(path)
+    assert info.value.errno in (errno.EFBIG, errno.ENOSPC, errno.EIO), info.value
+    assert info.value.filename == str(path), info.value
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
 
 
 # ---- refusals -------------------------------------------------------------------------------------------

@@ -160,7 +160,9 @@ class CalibrationStub:
     def pre_rope(self) -> CalibrationStub:
         return self
 
-    def check_matches(self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None) -> None:
+    def check_matches(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None, **_: object
+    ) -> None:
         return None
 
     def describe(self) -> dict[str, Any]:

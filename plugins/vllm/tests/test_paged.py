@@ -201,3 +201,38 @@ def test_prefill_refuses_bad_input() -> None:
         prefill_paged(q, k, v, *args, torch.tensor([0, 4]), torch.tensor([4, 4]), SCALE)
     with pytest.raises(ValueError, match="sequence of only"):
         prefill_paged(q, k, v, *args, torch.tensor([0, 4]), torch.tensor([3]), SCALE)
+
+
+def test_decode_refuses_block_tables_that_do_not_fit_the_pages() -> None:
+    """Fault matrix: a block id past the pages (or negative: torch would wrap it silently), fewer block-table rows
+    than requests, a negative length; each refused by name before anything is read."""
+    lens = [9, 5]
+    layout, k_codec, v_codec, pages, table, _, _ = _fill("q8_0", lens)
+    q = torch.randn(len(lens), Q_HEADS, HEAD_DIM)
+    args = (pages, layout, k_codec, v_codec)
+    for bad in (pages.shape[0], -1):
+        broken = table.clone()
+        broken[1, 0] = bad
+        with pytest.raises(ValueError, match=rf"names block {bad} .* hold blocks 0\.\.{pages.shape[0] - 1}"):
+            decode_paged(q, *args, broken, torch.tensor(lens), SCALE)
+        with pytest.raises(ValueError, match=rf"names block {bad}"):
+            read_sequence(pages, layout, broken[1], lens[1], q.dtype)
+    with pytest.raises(ValueError, match="a row per request"):
+        decode_paged(q, *args, table[:1], torch.tensor(lens), SCALE)
+    with pytest.raises(ValueError, match="lengths are >= 0"):
+        decode_paged(q, *args, table, torch.tensor([9, -1]), SCALE)
+    # a block id past the ones a length needs is never read: vLLM leaves stale ids there
+    stale = table.clone()
+    stale[1, -1] = 10_000
+    decode_paged(q, *args, stale, torch.tensor([9, 4]), SCALE)
+
+
+def test_prefill_refuses_row_offsets_past_the_queries() -> None:
+    layout, k_codec, v_codec, pages, table, seqs, _ = _fill("q4_0", [4])
+    k, v = seqs[0]
+    q = torch.randn(4, Q_HEADS, HEAD_DIM)
+    args = (pages, layout, k_codec, v_codec, table)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        prefill_paged(q, k, v, *args, torch.tensor([0, 9]), torch.tensor([9]), SCALE)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        prefill_paged(q, k, v, *args, torch.tensor([3, 1]), torch.tensor([4]), SCALE)

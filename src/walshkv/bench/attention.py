@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from walshkv.attention import cpu_supports, decode_attention, triton_supports
 from walshkv.attention.cpu import prerope_key_map
 from walshkv.attention.keys import split_prerope
-from walshkv.bench.machine import interleaved_seconds, median_seconds
+from walshkv.bench.machine import available_memory, interleaved_seconds, median_seconds
 from walshkv.codecs import CacheSpec, Packed, parse_cache_spec
 from walshkv.constants import Backend
 from walshkv.presets import resolve_specs
@@ -49,6 +49,26 @@ def _check_device(device: str) -> None:
         raise ValueError(f"--device {device}: this torch has no CUDA device; use --device cpu")
     if not (device == "cpu" or device.startswith("cuda")):
         raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
+
+
+#: Bytes per cached element a case holds at once: K and V in float32 (the source) and in each SDPA dtype
+#: (float16, bfloat16), with room for the packed codes and the query-side temporaries.
+_CASE_BYTES_PER_ELEMENT = 2 * (4 + 2 + 2) + 4
+
+
+def _check_memory(kv_lens: Sequence[int], elements_per_token: int, device: str) -> None:
+    """Refuse a ``kv_len`` whose K/V copies cannot fit before any is allocated (an allocator error or a swap storm)."""
+    free = available_memory(device)
+    if free is None or not kv_lens:
+        return
+    per_token = elements_per_token * _CASE_BYTES_PER_ELEMENT
+    worst = max(kv_lens)
+    if worst * per_token > free:
+        raise ValueError(
+            f"--kv-len {worst:,} needs about {worst * per_token / 2**30:,.1f} GiB for the K/V the bench times "
+            f"(float32, float16 and bfloat16 copies), but {device} has {free / 2**30:,.1f} GiB available: use at most "
+            f"{free // per_token:,} tokens"
+        )
 
 
 @torch.inference_mode()
@@ -133,6 +153,7 @@ def bench_attention(
         parsed.check_head_dim(head_dim)
         specs[name] = parsed.bind(layer, cal_of[spec_str] if parsed.needs_calibration else None)  # a layers: part
         spec_text[name] = spec_str
+    _check_memory(kv_lens, batch * kv_heads * head_dim, device)
     gen = torch.Generator().manual_seed(seed)
     rows: list[dict[str, Any]] = []
     jobs = len(kv_lens) * (len(SDPA_DTYPES) + len(codecs) * (2 if reference else 1))

@@ -14,7 +14,22 @@ import torch
 from walshkv.eval.provenance import cpu_meta, proc_line
 from walshkv.eval.report import library_versions
 
-__all__ = ["copy_bandwidth", "interleaved_seconds", "machine_description", "median_seconds", "thread_speedup"]
+__all__ = [
+    "available_memory",
+    "copy_bandwidth",
+    "interleaved_seconds",
+    "machine_description",
+    "median_seconds",
+    "thread_speedup",
+]
+
+
+def available_memory(device: str = "cpu") -> int | None:
+    """Bytes a benchmark may still allocate: ``MemAvailable`` (CPU) or the device's free memory; ``None``: unknown."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0]) if torch.cuda.is_available() else None
+    line = proc_line("/proc/meminfo", "MemAvailable")
+    return None if line is None else int(line.split()[1]) * 1024
 
 
 def machine_description() -> dict[str, Any]:

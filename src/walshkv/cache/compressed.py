@@ -21,6 +21,7 @@ from walshkv.cache.persist import load_cache, save_cache
 from walshkv.codecs.kivi import KiviCodec
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, LayeredCacheSpec, parse_cache_spec
 from walshkv.constants import Prefill
+from walshkv.identity import identity_config
 from walshkv.presets import resolve_preset
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ class CompressedCache(Cache):
             raise ValueError(f"residual must be >= 0 tokens, got {residual}")
         if self.cache_spec.needs_calibration and calibration is None:
             self.cache_spec.bind(0, None)  # raises the message that names the fix
+        self._kv_shape: tuple[int, int, int] | None = None  # (layers, kv heads, head_dim) of the config
         if config is None:
             super().__init__(layer_class_to_replicate=self._next_layer)
             return
@@ -127,11 +129,17 @@ class CompressedCache(Cache):
         head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
+        self._kv_shape = (text_config.num_hidden_layers, text_config.num_key_value_heads, head_dim)
         self.cache_spec.check_head_dim(head_dim)
         if isinstance(self.cache_spec, LayeredCacheSpec):
             self.cache_spec.check_layers(text_config.num_hidden_layers)
         if calibration is not None:
-            calibration.check_matches(text_config.num_hidden_layers, text_config.num_key_value_heads, head_dim)
+            calibration.check_matches(
+                text_config.num_hidden_layers,
+                text_config.num_key_value_heads,
+                head_dim,
+                model_config=identity_config(config),
+            )
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers: list[CacheLayerMixin] = []
         kivi = isinstance(self.cache_spec.k, KiviCodec)
@@ -226,6 +234,17 @@ class CompressedCache(Cache):
         refusal in layer ``i`` (NaN, overflow, a fused cache read by another attention) leaves layers
         ``0..i-1`` as they were: a step is stored in every layer or in none.
         """
+        try:
+            self._check_write(key_states, value_states, layer_idx)
+        except ValueError as err:
+            # the write of a new step's first layer changes nothing; a later layer's undoes the step so far
+            undone = [] if isinstance(layer_idx, int) and layer_idx in self._step else self.rollback_step()
+            self._step = {}
+            held = self.layers[0].get_seq_length() if self.layers else 0
+            raise ValueError(
+                f"{err} (the step was rolled back in layers {undone}: every layer holds the {held} tokens it held "
+                "before it)"
+            ) from err
         if self.layer_class_to_replicate is not None:
             while len(self.layers) <= layer_idx:
                 self.layers.append(self.layer_class_to_replicate())
@@ -249,6 +268,34 @@ class CompressedCache(Cache):
             if isinstance(out, Marker):
                 out.walshkv_misread = self.rollback_step
         return keys, values
+
+    def _check_write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        """Refuse a write this cache was not built for: a layer index past its layers, K/V of another shape.
+
+        A cache built with ``config=`` holds that config's layers, kv heads and head size; a model with more
+        layers (or other heads) than the config it was built from is named here, before any layer changes.
+        """
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"layer_idx must be a layer index >= 0, got {layer_idx!r}")
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name} must be [batch, num_kv_heads, seq_len, head_dim], got {shape}")
+        if self._kv_shape is None:
+            return
+        layers, heads, head_dim = self._kv_shape
+        fix = "build the cache with config=model.config of the model that runs it (or CompressedCache.from_preset)"
+        if layer_idx >= layers:
+            raise ValueError(
+                f"layer {layer_idx} was written, but this cache was built for a config of {layers} layers "
+                f"(0..{layers - 1}): the model that runs it has more layers than that config; {fix}"
+            )
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            if x.shape[1] != heads or x.shape[-1] != head_dim:
+                raise ValueError(
+                    f"layer {layer_idx}: {name} {tuple(x.shape)} has {x.shape[1]} kv heads of size {x.shape[-1]}, "
+                    f"but this cache was built for a config of {heads} kv heads of size {head_dim}; {fix}"
+                )
 
     def rollback_step(self) -> list[int]:
         """Undo the current step in every layer it wrote; returns their indices."""

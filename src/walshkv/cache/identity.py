@@ -1,7 +1,7 @@
 """What a saved cache records to recognise its model and calibration, and the checksum over its bytes.
 
-* :func:`model_identity`: the model's config class, layers, kv heads, head size, and a sha256 of its text config
-  (keys that only say how the model runs, such as the attention implementation, left out);
+* :func:`model_identity` (from :mod:`walshkv.identity`, where calibration files use it too): the model's config
+  class, layers, kv heads, head size, and a sha256 of its text config;
 * :func:`calibration_digest`: a sha256 over what each layer's bound codecs took from calibration (K means,
   ``eq+`` transforms, RoPE tables, calibrated orders), ``None`` for a spec that needs none;
 * :func:`checksum`: a sha256 over a header text and a dict of tensors (name, dtype, shape, bytes), in name order.
@@ -13,55 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from walshkv.cache.kivi import KiviLayer
 from walshkv.codecs.base import Codec, unwrap, wrappers
+from walshkv.identity import model_identity
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
     from walshkv.cache.compressed import CompressedCache
     from walshkv.cache.layers import CompressedLayer
 
 __all__ = ["calibration_digest", "checksum", "layer_codecs", "model_identity"]
-
-#: Config keys that say how a model runs, not what it computes: left out of the config hash.
-_RUNTIME_KEYS = frozenset(
-    {
-        "transformers_version",
-        "_name_or_path",
-        "_commit_hash",
-        "architectures",
-        "dtype",
-        "torch_dtype",
-        "attn_implementation",
-        "_attn_implementation",
-        "_attn_implementation_autoset",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-        "use_cache",
-    }
-)
-
-
-def model_identity(config: PretrainedConfig) -> dict[str, Any]:
-    """What a saved cache records of its model: config class, layers, kv heads, head size, a hash of the config."""
-    text = config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kept = {k: v for k, v in text.to_dict().items() if k not in _RUNTIME_KEYS}
-    digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
-    return {
-        "config_class": type(text).__name__,
-        "num_layers": text.num_hidden_layers,
-        "num_kv_heads": text.num_key_value_heads,
-        "head_dim": head_dim,
-        "config_sha256": digest,
-    }
 
 
 def _feed(h: Any, value: Any) -> None:

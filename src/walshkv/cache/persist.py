@@ -20,8 +20,10 @@ with a :class:`CacheFileError` whose ``reason`` names which.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,7 +138,34 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike[str]) -> None:
     text = json.dumps(header, sort_keys=True, separators=(",", ":"))
     metadata = {_HEADER: text, _CHECKSUM: checksum(text, tensors)}
     with atomic_path(path) as temp:
+        _write_file(tensors, metadata, temp)
+
+
+def _write_file(tensors: dict[str, torch.Tensor], metadata: dict[str, str], temp: Path) -> None:
+    """safetensors' ``save_file`` into ``temp``, its errors as ``OSError`` and its size checked.
+
+    safetensors reports a failed write as its own ``SafetensorError`` (no path, no errno) and a short one not
+    at all: the error becomes the ``OSError`` of the ``(os error N)`` it quotes (``atomic_path`` then names
+    the file asked for), and a file shorter than its header says is ``EIO`` (a full disk or a file-size limit).
+    """
+    try:
         save_file(tensors, os.fspath(temp), metadata=metadata)
+    except SafetensorError as err:
+        found = re.search(r"os error (\d+)", str(err))
+        if found is None:
+            raise
+        code = int(found[1])
+        raise OSError(code, f"{os.strerror(code)} (safetensors: {err})", os.fspath(temp)) from err
+    size = temp.stat().st_size
+    with open(temp, "rb") as handle:
+        n = int.from_bytes(handle.read(8), "little")
+    expected = 8 + n + sum(t.numel() * t.element_size() for t in tensors.values())
+    if size != expected:
+        raise OSError(
+            errno.EIO,
+            f"short write: {size} of {expected} bytes reached the disk (disk full or a file-size limit?)",
+            os.fspath(temp),
+        )
 
 
 # ---- load ---------------------------------------------------------------------------------------------

@@ -86,11 +86,7 @@ def append_packed(
             cap = max(need, math.ceil(old_cap * growth) if growth > 1 else 0)
             if growth > 1:
                 cap = -(-cap // GRANULE) * GRANULE
-        fresh = Packed(
-            {k: t.new_empty((*t.shape[:2], cap, *t.shape[3:])) for k, t in new.tensors.items()},
-            new.head_dim,
-            new.dtype,
-        )
+        fresh = Packed(_allocate(new, cap, reserved=cap == reserve), new.head_dim, new.dtype)
         if view is not None and used:
             for k, t in view.tensors.items():
                 fresh.tensors[k][:, :, :used].copy_(t)
@@ -99,3 +95,26 @@ def append_packed(
     for k, t in new.tensors.items():
         store.tensors[k][:, :, used:need].copy_(t)
     return store, store.slice_seq(0, need)
+
+
+def _allocate(new: Packed, cap: int, *, reserved: bool) -> dict[str, torch.Tensor]:
+    """Fields like ``new``'s with room for ``cap`` tokens; an allocation that fails says how much and why.
+
+    Raises:
+        ValueError: ``max_cache_len`` asked for more than the machine can give (nothing was stored).
+        MemoryError: growing the store for the tokens written failed (the machine is out of memory).
+    """
+    nbytes = sum(t[:, :, :1].numel() * t.element_size() for t in new.tensors.values()) * cap
+    try:
+        return {k: t.new_empty((*t.shape[:2], cap, *t.shape[3:])) for k, t in new.tensors.items()}
+    except (RuntimeError, MemoryError) as err:
+        if reserved:
+            raise ValueError(
+                f"max_cache_len={cap:,} reserves {nbytes / 2**30:,.1f} GiB for each of this layer's K and V "
+                f"stores, more than this machine can allocate ({type(err).__name__}); pass the longest sequence the "
+                "cache will hold, or max_cache_len=None (the store then grows as tokens arrive)"
+            ) from err
+        raise MemoryError(
+            f"the cache store needs {nbytes / 2**30:,.2f} GiB more for {cap:,} tokens of one layer's K or V and the "
+            f"allocation failed ({err}); free memory, use fewer bits, or hold a shorter sequence"
+        ) from err

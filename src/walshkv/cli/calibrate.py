@@ -20,6 +20,7 @@ from walshkv.cli.common import (
 from walshkv.constants import Basis
 from walshkv.defaults import CALIB_TOKENS
 from walshkv.export import write_kv_mean_center
+from walshkv.identity import identity_config
 from walshkv.ops.equalize import predicted_gain_db
 from walshkv.presets import k_pre_rope, resolve_preset, write_preset_file
 
@@ -83,6 +84,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         tokens=stats.tokens,
         text=text.name,
         model=lm.name,
+        model_config=identity_config(lm.model.config),
         k_equalizer=eq,
         v_equalizer=v_eq,
     )

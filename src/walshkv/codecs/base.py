@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 import torch
 
+from walshkv.constants import MAX_WRAPPERS
 from walshkv.ops.quant import FP16_MAX, finite_absmax
 
 if TYPE_CHECKING:
@@ -359,9 +360,41 @@ class Wrapper(Codec):
         raise NotImplementedError(f"{type(self).__name__} must implement _transform")
 
     def _encode_at(self, x: torch.Tensor, start: int) -> Packed:
-        """The reference path: the transformed block through the storing codec's own ``encode``."""
+        """The reference path: the transformed block through the storing codec's own ``encode``.
+
+        An error about the size of the values the inner codec was handed says where they came from when this
+        transform made them: finite K/V that turn into Inf, or grow past a range, inside the wrapper.
+        """
         codec, y = self._transform(x, start)
-        return codec.encode(y)
+        try:
+            return codec.encode(y)
+        except ValueError as err:
+            raise self._grown(x, y, err) from err
+
+    def _grown(self, x: torch.Tensor, y: torch.Tensor, err: ValueError) -> ValueError:
+        """``err``, or an error naming this transform where its output (not its finite input) broke a limit."""
+        if getattr(err, "walshkv_explained", False) or not x.numel():
+            return err
+        peak_in = float(x.detach().abs().amax())  # finite: the outermost encode checked it
+        peak_out = float(y.detach().abs().amax())
+        if not math.isfinite(peak_in):
+            return err
+        if not math.isfinite(peak_out):
+            out = ValueError(
+                f"{self.spec}: the {self.prefix}+ transform overflowed {y.dtype}: finite K/V (|x| up to "
+                f"{peak_in:.4g}) became Inf inside it (a rotation can grow one value by up to sqrt(head_dim)). Values "
+                f"this large are not K/V of a healthy model: rescale them, or store them without {self.prefix}+"
+            )
+        elif peak_out > 1.001 * peak_in and peak_out > FP16_MAX * 0.5:
+            out = ValueError(
+                f"{err} (those values come from {self.prefix}+: the K/V handed to {self.spec} reach only |x| up to "
+                f"{peak_in:.4g}, the transform grew them to {peak_out:.4g}; a codec without {self.prefix}+ keeps the "
+                "input's range)"
+            )
+        else:
+            return err
+        out.walshkv_explained = True  # type: ignore[attr-defined]
+        return out
 
     def _encode(self, x: torch.Tensor) -> Packed:
         return self._encode_at(x, 0)
@@ -401,6 +434,11 @@ def check_wrapper_order(chain: Sequence[Wrapper], base: str) -> None:
         ValueError: a wrapper repeated, or inside one that comes after it; the message is the misplaced
             wrapper's :attr:`Wrapper.misplaced` with the spec written in order.
     """
+    if len(chain) > MAX_WRAPPERS:
+        raise ValueError(
+            f"{len(chain)} wrappers around {base}; a codec takes at most {MAX_WRAPPERS} (prerope+, center+ and eq+ "
+            "once each, then a rotation: prerope+center+eq+rot+SPEC)"
+        )
     for w in chain:
         if w.name not in WRAPPER_ORDER:
             raise ValueError(f"wrapper {w.name!r} has no slot in WRAPPER_ORDER {WRAPPER_ORDER}; add it there")

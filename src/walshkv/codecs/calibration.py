@@ -127,8 +127,20 @@ class Provenance(Protocol):
         """``post-rope`` (K as the cache sees it) or ``pre-rope`` (made for a ``prerope+`` spec)."""
         ...
 
-    def check_matches(self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None) -> None:
-        """Raise ``ValueError`` if the calibration was made for a model of another shape (or name)."""
+    def check_matches(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        model: str | None = None,
+        *,
+        model_config: dict[str, Any] | None = None,
+    ) -> None:
+        """Raise ``ValueError`` if the calibration was made for a model of another shape, name or identity.
+
+        ``model_config`` is the model's (:func:`walshkv.identity.identity_config`); calibration that records a
+        config differing in a key both hold is refused even where the shapes agree.
+        """
         ...
 
     def describe(self) -> dict[str, Any]:

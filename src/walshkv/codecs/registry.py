@@ -22,6 +22,7 @@ from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.turbo import parse_tq_args, parse_tqprod_args
 from walshkv.codecs.vht2 import SqfreeCodec, VZCCodec, parse_vht2_args
+from walshkv.constants import MAX_WRAPPERS
 
 __all__ = [
     "CodecFactory",
@@ -123,6 +124,11 @@ def parse_codec(spec: str) -> Codec:
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"empty codec spec; {_valid_list()}")
     tokens = spec.strip().split("+")
+    if len(tokens) - 1 > MAX_WRAPPERS:
+        raise ValueError(
+            f"{spec[:60]!r}{'...' if len(spec) > 60 else ''} chains {len(tokens) - 1} wrappers; a codec takes at "
+            f"most {MAX_WRAPPERS} (prerope+, center+ and eq+ once each, then a rotation: prerope+center+eq+rot+int4)"
+        )
     base_name, base_args = _split_name(tokens[-1])
     if base_name not in _CODECS:
         hint = ""

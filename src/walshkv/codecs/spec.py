@@ -38,6 +38,7 @@ from walshkv.codecs.registry import (
     register_codec,
     register_wrapper,
 )
+from walshkv.constants import MAX_LAYERS
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
@@ -133,7 +134,8 @@ class CacheSpec:
 
 
 def _parse_layers(text: str, spec: str) -> frozenset[int]:
-    out: set[int] = set()
+    """The layer indices of ``0,1,28-29``; every index and range end checked against :data:`MAX_LAYERS` first."""
+    bounds: list[tuple[int, int]] = []
     for item in text.split(","):
         item = item.strip()
         try:
@@ -141,16 +143,21 @@ def _parse_layers(text: str, spec: str) -> frozenset[int]:
                 a, b = (int(x) for x in item.split("-", 1))
                 if b < a:
                     raise ValueError
-                out.update(range(a, b + 1))
             else:
-                out.add(int(item))
+                a = b = int(item)
         except ValueError:
             raise ValueError(
                 f"bad layer list {text!r} in {spec!r}: write layer indices and ranges like 0,1,28-29"
             ) from None
-    if min(out) < 0:
-        raise ValueError(f"layer indices are >= 0, got {text!r} in {spec!r}")
-    return frozenset(out)
+        if a < 0:
+            raise ValueError(f"layer indices are >= 0, got {text!r} in {spec!r}")
+        if b >= MAX_LAYERS:
+            raise ValueError(
+                f"layer {b} in {spec!r} is past any model (walshkv reads layer indices 0..{MAX_LAYERS - 1}); "
+                "name the model's own layers, e.g. 0,1,28-29 for a 30-layer model"
+            )
+        bounds.append((a, b))
+    return frozenset(i for a, b in bounds for i in range(a, b + 1))
 
 
 @dataclass(frozen=True)
@@ -266,6 +273,10 @@ def parse_layered_spec(spec: str) -> LayeredCacheSpec:
             if not last:
                 raise ValueError(f"{spec!r}: every part but the last needs @LAYERS (e.g. tq:5@0,29)")
             text, layers = item, None
+        if text.strip().lower().startswith("layers:"):  # checked before parsing: no nesting, no recursion
+            raise ValueError(f"{spec[:80]!r}: layers: appears twice; write one list, layers:SPEC@LAYERS;...;SPEC")
+        if text.strip().lower().startswith("sink:"):
+            raise ValueError(f"{spec[:80]!r}: sink:N: applies to the whole cache; write it before layers:")
         part = parse_cache_spec(text)
         if not isinstance(part, CacheSpec):
             raise ValueError(f"{spec!r}: a layer's spec must be a walshkv spec, not {text!r}")
@@ -289,6 +300,8 @@ def parse_sink_spec(spec: str) -> CacheSpec:
         n = -1
     if n < 1:
         raise ValueError(f"{spec!r}: N in sink:N:SPEC is a number of tokens >= 1 (sink:1:SPEC keeps the first token)")
+    if m["rest"].strip().lower().startswith("sink:"):  # before parsing: no nesting, no recursion
+        raise ValueError(f"{spec[:80]!r}: sink:N: appears twice; write it once, e.g. sink:1:center+tq:4/tq:2.5")
     inner = parse_cache_spec(m["rest"])
     if not isinstance(inner, CacheSpec):
         raise ValueError(f"{spec!r}: sink:N: wraps a walshkv spec, not Hugging Face's {inner.spec!r}")

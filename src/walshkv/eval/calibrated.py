@@ -17,6 +17,7 @@ from walshkv.codecs.base import unwrap, wrappers
 from walshkv.data import Text, load_text
 from walshkv.defaults import CALIB_TOKENS
 from walshkv.export import read_kv_mean_center
+from walshkv.identity import identity_config
 
 if TYPE_CHECKING:
     from walshkv.codecs import CacheSpec, Codec, HFCacheSpec
@@ -79,7 +80,9 @@ def calibration_for(
     if kv_mean_center:
         shape = lm.shape
         bias = read_kv_mean_center(kv_mean_center, model_arch=shape.arch)
-        bias.check_matches(shape.layers, shape.kv_heads, shape.head_dim, lm.name)
+        bias.check_matches(
+            shape.layers, shape.kv_heads, shape.head_dim, lm.name, model_config=identity_config(lm.model.config)
+        )
     if not any(s.needs_calibration for s in parsed):
         return bias
     only_bias = all(only_centering(s) for s in parsed if s.needs_calibration)

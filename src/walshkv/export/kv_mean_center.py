@@ -26,6 +26,7 @@ In the rotated basis the rotation is applied in llama.cpp's channel order, as ll
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ from walshkv._version import __version__
 from walshkv.codecs.equalize import checked_inverse
 from walshkv.constants import Keys
 from walshkv.export.gguf_file import gguf_writer
+from walshkv.identity import check_identity
 from walshkv.ops.hadamard import hadamard_transform
 from walshkv.ops.rope import RopeTable
 
@@ -180,8 +182,28 @@ class KMeanBias:
         """Provenance for result files."""
         return {"kind": "kv-mean-center file", "file": self.source, "basis": self.basis, **self.meta}
 
-    def check_matches(self, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None) -> None:
-        """Refuse a file made for another model (recorded name, or layer/head/head_dim shape).
+    @property
+    def model_config(self) -> dict[str, Any] | None:
+        """The recorded config of the model the file was calibrated on (``None`` in files older than the key)."""
+        text = self.meta.get(Keys.General.MODEL_CONFIG)
+        return json.loads(text) if text else None
+
+    def check_matches(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        model: str | None = None,
+        *,
+        model_config: dict[str, Any] | None = None,
+    ) -> None:
+        """Refuse a file made for another model (recorded name, config, or layer/head/head_dim shape).
+
+        Args:
+            num_layers, num_kv_heads, head_dim: the model's shape.
+            model: the model's name (``smollm2-135m``), where known.
+            model_config: the model's identity (:func:`walshkv.identity.identity_config`), where known;
+                checked against the file's ``walshkv.model_config`` (files older than that key skip it).
 
         Raises:
             ValueError: naming both models and the command that makes a file for this one.
@@ -199,6 +221,7 @@ class KMeanBias:
                 f"{self.source} was made for a model with (layers, kv_heads, head_dim) = {have}, but this "
                 f"model{' ' + repr(model) if model else ''} has {want}; run `walshkv calibrate` for this model"
             )
+        check_identity(self.source, made_for, self.model_config, model_config, model)
 
 
 def write_kv_mean_center(
@@ -214,6 +237,7 @@ def write_kv_mean_center(
     k_equalizer: torch.Tensor | None = None,
     v_equalizer: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    model_config: dict[str, Any] | None = None,
 ) -> None:
     """Write a K bias file.
 
@@ -229,6 +253,8 @@ def write_kv_mean_center(
         v_equalizer: the same for V, written as ``walshkv.v_eq.blk.<il>``.
         rope: ``(inv_freq [layers, head_dim/2], scaling [layers])``: the statistics are of K *before* RoPE
             (``prerope+``); written as ``walshkv.rope.*`` with ``walshkv.k_basis = "pre-rope"``.
+        model_config: the model's identity (:func:`walshkv.identity.identity_config`), written as JSON under
+            ``walshkv.model_config``: :meth:`KMeanBias.check_matches` refuses a model whose config differs.
     """
     if basis not in BASES:
         raise ValueError(f"--basis must be one of {', '.join(BASES)}, got {basis!r}")
@@ -270,6 +296,7 @@ def write_kv_mean_center(
             (Keys.General.VERSION, __version__),
             (Keys.General.CHANNEL_ORDER, "llama.cpp"),
             *(((Keys.General.K_BASIS, "pre-rope"),) if rope is not None else ()),
+            *(((Keys.General.MODEL_CONFIG, json.dumps(model_config, sort_keys=True)),) if model_config else ()),
             *(extra or {}).items(),
         ):
             writer.add_string(key, value)
@@ -376,6 +403,14 @@ def read_kv_mean_center(path: str | Path, model_arch: str | None = None) -> KMea
         data = hadamard_transform(data)  # self-inverse: back to the plain basis, llama.cpp order
     plain = from_llamacpp_channel_order(data, arch)
     meta = {k: _field(reader, k) for k in reader.fields if k.startswith(Keys.General.PREFIX)}
+    recorded = meta.get(Keys.General.MODEL_CONFIG)
+    if recorded is not None:
+        try:
+            ok = isinstance(json.loads(recorded), dict)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{path}: {Keys.General.MODEL_CONFIG} is not a JSON object (a damaged file); {fix}")
     k_eq = _read_eq(path, tensors, "k", layers, heads, head_dim)
     v_eq = _read_eq(path, tensors, "v", layers, heads, head_dim)
     if k_eq is not None:

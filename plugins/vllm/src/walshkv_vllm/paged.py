@@ -21,6 +21,8 @@ pages too.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 from walshkv.attention import decode_attention
@@ -43,6 +45,17 @@ def _check_pages(pages: torch.Tensor, layout: SlotLayout) -> None:
             f"pages {tuple(pages.shape)} do not fit the slot layout ({layout.num_kv_heads} kv heads, "
             f"{layout.slot_bytes} bytes a slot); allocate them with the layout's page_shape"
         )
+
+
+def _check_requests(block_table: torch.Tensor, lens: list[int]) -> None:
+    """Refuse a block table with fewer rows than requests, or a negative sequence length."""
+    if block_table.dim() != 2 or block_table.shape[0] < len(lens):
+        raise ValueError(
+            f"block_table {tuple(block_table.shape)} needs a row per request ({len(lens)} requests): "
+            "[num_reqs, max_blocks]"
+        )
+    if any(n < 0 for n in lens):
+        raise ValueError(f"sequence lengths are >= 0, got {lens}")
 
 
 def write_slots(
@@ -119,8 +132,16 @@ def read_sequence(
             f"positions {start}:{stop} need {-(-stop // block_size)} blocks, the block-table row has "
             f"{block_row.shape[0]}"
         )
+    used = block_row[: -(-stop // block_size)].to(device=pages.device, dtype=torch.long)
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= pages.shape[0]):
+        bad = int(used.min()) if int(used.min()) < 0 else int(used.max())
+        raise ValueError(
+            f"the block-table row names block {bad} for positions 0:{stop}, but the pages hold blocks "
+            f"0..{pages.shape[0] - 1}: a block table from another cache, or one vLLM did not fill; pass the layer's "
+            "own pages and block table"
+        )
     pos = torch.arange(start, stop, device=pages.device)
-    blocks = block_row.to(device=pages.device, dtype=torch.long)[pos // block_size]
+    blocks = used[pos // block_size]
     raw = pages[blocks, pos % block_size]  # [T, kv_heads, slot_bytes]
     return layout.from_bytes(raw.transpose(0, 1).unsqueeze(0), dtype)
 
@@ -153,6 +174,7 @@ def decode_paged(
     lens = [int(x) for x in seq_lens]
     if len(lens) != query.shape[0]:
         raise ValueError(f"{query.shape[0]} decode queries but {len(lens)} sequence lengths")
+    _check_requests(block_table, lens)
     out = torch.empty_like(query)
     for r, n in enumerate(lens):
         pk, pv = read_sequence(pages, layout, block_table[r], n, query.dtype)
@@ -212,6 +234,11 @@ def prefill_paged(
     lens = [int(x) for x in seq_lens]
     if len(starts) != len(lens) + 1:
         raise ValueError(f"query_start_loc has {len(starts)} entries for {len(lens)} requests (needs one more)")
+    _check_requests(block_table, lens)
+    if any(b < a for a, b in pairwise(starts)) or starts[0] < 0 or starts[-1] > query.shape[0]:
+        raise ValueError(
+            f"query_start_loc {starts} must rise from 0 to at most the {query.shape[0]} query rows; pass vLLM's own"
+        )
     hq, hk = query.shape[1], layout.num_kv_heads
     if hq % hk:
         raise ValueError(f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hk})")
