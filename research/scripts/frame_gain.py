@@ -12,7 +12,11 @@ high-rate score-error gain over no transform (:func:`walshkv.ops.equalize.predic
 * ``pair``: one factor per channel pair, which commutes with RoPE (``eqr+``'s long-context limit):
   ``(Σ_j sqrt(tr C_j tr M_j))²``;
 * ``pair+dense:m``: ``pair`` plus a dense transform on the ``m`` pairs that gain most from one (kept before RoPE,
-  so a kernel would turn only ``2m`` channels per key).
+  so a kernel would turn only ``2m`` channels per key);
+* ``block:b``: a dense ``b x b`` transform per block of ``b`` channels before RoPE (block-diagonal; ``b`` multiply-adds
+  per element per key, within ``O(head_dim log head_dim)`` for ``b <= log2 head_dim``), channels grouped in their
+  natural order; ``pairblock:b``: the same with each block ``b/2`` whole rotary pairs (channels ``j`` and
+  ``j + head_dim/2``), so RoPE's partner channels share a block. Optimum: ``(Σ_blocks tr (M_b^½ C_b M_b^½)^½)²``.
 
     python research/scripts/frame_gain.py --model smollm2-135m --json docs/results/long-context/frame-eqr/gain.json
 
@@ -32,7 +36,17 @@ from walshkv.eval.provenance import code_commit, cpu_meta
 from walshkv.fileio import write_json_atomic, write_text_atomic
 from walshkv.models import load_model
 
-FAMILIES = ("dense", "diag", "pair", "pair+dense:2", "pair+dense:4", "pair+dense:8")
+BLOCKS = (4, 8, 16)
+FAMILIES = (
+    "dense",
+    "diag",
+    "pair",
+    "pair+dense:2",
+    "pair+dense:4",
+    "pair+dense:8",
+    *(f"block:{b}" for b in BLOCKS),
+    *(f"pairblock:{b}" for b in BLOCKS),
+)
 
 
 def _root_trace(c: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -61,6 +75,11 @@ def family_gains_db(c: torch.Tensor, m: torch.Tensor) -> dict[str, float]:
         rest[chosen] = False
         idx = torch.cat([chosen, chosen + h])
         errors[f"pair+dense:{k}"] = (pair[rest].sum() + _root_trace(c[idx][:, idx], m[idx][:, idx])) ** 2
+    for b in BLOCKS:
+        natural = [torch.arange(i, i + b) for i in range(0, d, b)]
+        pairs = [torch.cat([torch.arange(j, j + b // 2), torch.arange(j, j + b // 2) + h]) for j in range(0, h, b // 2)]
+        for name, groups in ((f"block:{b}", natural), (f"pairblock:{b}", pairs)):
+            errors[name] = sum(_root_trace(c[g][:, g], m[g][:, g]) for g in groups) ** 2
     return {name: float(10 * torch.log10(base / err)) for name, err in errors.items()}
 
 
@@ -107,7 +126,13 @@ def main(argv: list[str]) -> int:
         ]
         folds = {"dense": "no (d x d per key)", "diag": "no (per-key map)", "pair": "yes"}
         for f in FAMILIES:
-            how = folds[f] if f in folds else f"no ({2 * int(f.split(':')[1])} channels turned per key)"
+            n = int(f.split(":")[1]) if ":" in f else 0
+            if f in folds:
+                how = folds[f]
+            elif f.startswith("pair+dense"):
+                how = f"no ({2 * n} channels turned per key)"
+            else:
+                how = f"no ({n} multiply-adds per element per key)"
             lines.append(f"| {f} | {how} | {summary[f]:.2f} | {lo[f]:.2f} | {hi[f]:.2f} |")
         write_text_atomic(args.markdown, "\n".join(lines) + "\n")
     return 0
