@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("walshkv.attention",),  # decode/prefill attention over packed codes: reference, chunked, CPU, Triton
     ("walshkv.cache",),  # the only code that touches transformers' cache API
     ("walshkv.data", "walshkv.models"),  # texts and token windows; models from PyPI packages
-    ("walshkv.calibration",),  # K/V statistics from calibration text
+    ("walshkv.calibration", "walshkv.preset_file"),  # K/V statistics from text; a preset's calibration file
     ("walshkv.eval",),  # harness, metrics, reports, sweeps, pareto, rate-distortion
     ("walshkv.recommend", "walshkv.bench", "walshkv.integrations"),  # preset search; benchmarks; LMCache, Ray
     ("walshkv.cli",),  # one module per command

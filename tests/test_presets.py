@@ -17,23 +17,26 @@ from walshkv.data import Text
 from walshkv.eval import evaluate
 from walshkv.export import read_kv_mean_center
 from walshkv.models import LoadedModel, _describe
+from walshkv.preset_file import k_mean_basis, k_pre_rope, write_preset_file
 from walshkv.presets import (
     BUILTIN,
-    CANDIDATES,
     FAST_BUDGETS,
     PRESET_BUDGETS,
-    candidates_for,
     dense_key_map,
-    fast_candidate,
     is_fast_preset,
-    k_mean_basis,
-    k_pre_rope,
     preset_name_for_bits,
     resolve_preset,
     resolve_specs,
-    write_preset_file,
 )
-from walshkv.recommend import allocate_layers, recommend, shift_width, split_text
+from walshkv.recommend import (
+    CANDIDATES,
+    allocate_layers,
+    candidates_for,
+    fast_candidate,
+    recommend,
+    shift_width,
+    split_text,
+)
 
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(3000)))
 

@@ -13,7 +13,8 @@ overrides both, for the model it was made on only.
 
 Resolution order: the calibration file's spec, then the model's shipped spec, then the built-in one.
 
-This module holds the table and its resolution only; the search lives in :mod:`walshkv.recommend`.
+This module holds the table and its resolution only: the search lives in :mod:`walshkv.recommend`, and what a
+preset's calibration file holds (and its writer) in :mod:`walshkv.preset_file`.
 
 Example:
     >>> resolve_preset("walshkv:4.5").spec  # doctest: +SKIP
@@ -27,10 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-
-import torch
 
 from walshkv.codecs import parse_cache_spec
 from walshkv.codecs.base import find_wrapper
@@ -44,107 +42,32 @@ from walshkv.codecs.builtin_presets import (
     is_fast_preset,
     preset_budget,
 )
-from walshkv.codecs.center import Centered
 from walshkv.codecs.equalize import DiagonalEqualized, Equalized
 from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, LayeredCacheSpec
 from walshkv.constants import Keys
-from walshkv.defaults import CTX
-from walshkv.export import write_kv_mean_center
 
 if TYPE_CHECKING:
-    from walshkv.calibration import KVStats
     from walshkv.codecs.calibration import CalibrationLike
-    from walshkv.constants import Basis, Kind
-    from walshkv.models import LoadedModel
 
 __all__ = [
     "BUILTIN",
-    "CANDIDATES",
     "FAST_BUDGETS",
     "MODEL_PRESETS_FILE",
     "PRESET_BUDGETS",
     "Preset",
-    "candidates_for",
     "dense_key_map",
-    "equalized_kinds",
-    "fast_candidate",
     "is_fast_preset",
     "is_preset",
-    "k_mean_basis",
-    "k_pre_rope",
     "known_model",
     "model_presets",
     "preset_name_for_bits",
     "resolve_engine_preset",
     "resolve_preset",
     "resolve_specs",
-    "write_preset_file",
+    "spec_name",
+    "spec_parts",
 ]
-
-# What `walshkv recommend` tries, by budget; specs over the budget at the model's head_dim are dropped
-# (sink:1: specs counted over the selection windows' length: their fp16 token costs (16 - b) / 512 bits
-# at 512 tokens, so they fit where the plain spec leaves room, e.g. tq's fp16 norm at head_dim 128).
-# K gets more bits than V in most: K is the sensitive half on every model measured. eq+ (a calibrated
-# query-weighted K transform) joins the best plain specs; it pays most beside a sink (the first token's
-# K lies where the transform, fitted to the typical token, amplifies error). prerope+ (K quantized before
-# RoPE, so that center+ removes a channel's whole offset) joins the eq+ ones.
-CANDIDATES: dict[float, tuple[str, ...]] = {
-    3.0: (
-        "center+tq:3.5/tq:2",
-        "center+tq:3/tq:2.5",
-        "center+rot+int3/tq:2.5",
-        "center+tq:2.5/tq:3",
-        "sink:1:center+tq:3.5/tq:2",
-        "sink:1:center+tq:3/tq:2.5",
-        "center+eq+tq:3.5/tq:2",
-        "center+eq+tq:3/tq:2.5",
-        "sink:1:center+eq+tq:3.5/tq:2",
-        "prerope+center+eq+tq:3.5/tq:2",
-        "prerope+center+eq+tq:3/tq:2.5",
-        "sink:1:prerope+center+eq+tq:3.5/tq:2",
-        "sink:1:prerope+center+eq+tq:3/tq:2.5",
-    ),
-    3.5: (
-        "center+tq:4/tq:2.5",
-        "center+rot+int4/tq:2.5",
-        "center+tq:3.5/tq:3",
-        "center+tq:3/tq:3.5",
-        "center+tq:3/tq:3",
-        "sink:1:center+tq:4/tq:2.5",
-        "sink:1:center+tq:3.5/tq:3",
-        "sink:1:center+tq:3.5/tq:2.5",
-        "center+eq+tq:4/tq:2.5",
-        "center+eq+tq:3.5/tq:3",
-        "sink:1:center+eq+tq:3.5/tq:3",
-        "sink:1:center+eq+tq:4/tq:2.5",
-        "prerope+center+eq+tq:4/tq:2.5",
-        "prerope+center+eq+tq:3.5/tq:3",
-        "sink:1:prerope+center+eq+tq:3.5/tq:3",
-        "sink:1:prerope+center+eq+tq:4/tq:2.5",
-    ),
-    4.5: (
-        "center+tq:5/tq:3.5",
-        "center+rot+int5/tq:3.5",
-        "center+rot+iq4_nl/rot+iq4_nl",
-        "center+tq:4.5/tq:4",
-        "center+rot+q4_0",
-        "center+rot+q5_0/tq:3",
-        "center+rot+q4_0/tq:4",
-        "center+tq:5/tq:3",
-        "sink:1:center+tq:5/tq:3.5",
-        "sink:1:center+rot+iq4_nl/tq:4",
-        "sink:1:center+rot+q4_0/tq:4",
-        "center+eq+tq:5/tq:3.5",
-        "center+eq+tq:4.5/tq:4",
-        "sink:1:center+eq+tq:5/tq:3.5",
-        "sink:1:center+eq+rot+iq4_nl/tq:4",
-        "prerope+center+eq+tq:5/tq:3.5",
-        "prerope+center+eq+tq:4.5/tq:4",
-        "sink:1:prerope+center+eq+tq:5/tq:3.5",
-        "sink:1:prerope+center+eq+rot+iq4_nl/tq:4",
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -394,7 +317,7 @@ def dense_key_map(spec: str | CacheSpec) -> bool:
     per key) and every post-RoPE spec (rotations and ``eq+`` move onto the query) are False: what a fast preset may
     use (:func:`candidates_for` with ``fast``).
     """
-    for part in _parts(spec):
+    for part in spec_parts(spec):
         if isinstance(part.k, PreRope):
             eq = find_wrapper(part.k, Equalized)
             if eq is not None and not isinstance(eq, DiagonalEqualized):
@@ -402,78 +325,7 @@ def dense_key_map(spec: str | CacheSpec) -> bool:
     return False
 
 
-def fast_candidate(spec: str) -> str:
-    """``spec`` with each ``prerope+`` part's dense ``eq+`` on K replaced by ``eqd+`` (its best diagonal): the fast
-    preset's version of a built-in candidate. Specs without a dense key map come back unchanged."""
-    if not dense_key_map(spec):
-        return spec
-    # prerope+ is K's outermost wrapper (refused elsewhere), so V never matches
-    out = spec.replace("prerope+center+eq+", "prerope+center+eqd+").replace("prerope+eq+", "prerope+eqd+")
-    if dense_key_map(out):
-        raise ValueError(f"{spec!r}: found no eqd+ form of its dense prerope+ eq+ key map; write it without eq+")
-    return parse_cache_spec(out).spec
-
-
-def candidates_for(
-    bits: float,
-    head_dim: int,
-    extra: Sequence[str] = (),
-    num_layers: int | None = None,
-    ctx: int = CTX,
-    fast: bool = False,
-) -> list[str]:
-    """Candidate specs whose bits per element at ``head_dim`` fit ``bits``, most bits first.
-
-    The built-in list of the nearest budget at or below ``bits`` (3, 3.5 or 4.5) is used, with its
-    preset's spec, plus ``extra``. A per-layer (``layers:``) spec needs ``num_layers``. A ``sink:N:``
-    spec's fp16 tokens are counted over a context of ``ctx`` tokens (the windows it is measured on).
-    With ``fast`` (the ``walshkv:B-fast`` presets), each built-in candidate whose keys the kernels would map by
-    a dense matrix per key (:func:`dense_key_map`) takes ``eqd+`` in place of ``eq+`` (:func:`fast_candidate`).
-
-    Returns:
-        Canonical spec strings (what result rows and preset files name).
-
-    Raises:
-        ValueError: nothing fits; with ``fast``, an ``extra`` spec with a dense key map (the message names it).
-    """
-    if fast:
-        dense = [e for e in extra if dense_key_map(e)]
-        if dense:
-            raise ValueError(
-                f"a fast preset's candidates map keys without a dense matrix, but {dense[0]!r} stores K before RoPE "
-                f"with eq+'s dense transform: write eqd+ in place of eq+ (e.g. {fast_candidate(dense[0])!r}), or "
-                "drop --fast"
-            )
-    pool: list[str] = [*extra]
-    budgets = [b for b in CANDIDATES if b <= bits + 1e-9]
-    if budgets:
-        budget = max(budgets)
-        built_in = [*CANDIDATES[budget], *(spec for name, spec in BUILTIN.items() if PRESET_BUDGETS[name] == budget)]
-        pool.extend(fast_candidate(s) for s in built_in) if fast else pool.extend(built_in)
-    fits: dict[str, float] = {}
-    for spec in pool:
-        parsed = parse_cache_spec(spec)
-        try:
-            parsed.check_head_dim(head_dim)
-        except ValueError:
-            continue
-        if isinstance(parsed, LayeredCacheSpec):
-            if num_layers is None:
-                raise ValueError(f"{spec!r} sets widths per layer: its bits per element need the model's layer count")
-            parsed.check_layers(num_layers)
-        b = (
-            parsed.bits_at(head_dim, ctx, num_layers)
-            if isinstance(parsed, CacheSpec)
-            else parsed.bits_per_element(head_dim)
-        )
-        if b <= bits + 1e-9:
-            fits.setdefault(parsed.spec, b)
-    if not fits:
-        raise ValueError(f"no candidate spec fits {bits} bits per element at head_dim {head_dim}")
-    return sorted(fits, key=lambda s: -fits[s])
-
-
-def _parts(spec: str | CacheSpec) -> list[CacheSpec]:
+def spec_parts(spec: str | CacheSpec) -> list[CacheSpec]:
     """The plain specs of ``spec``: its parts for a ``layers:`` spec, else itself (``hf-*`` specs have none)."""
     parsed = parse_cache_spec(spec)
     if isinstance(parsed, HFCacheSpec):
@@ -481,99 +333,6 @@ def _parts(spec: str | CacheSpec) -> list[CacheSpec]:
     return [p for p, _ in parsed.parts] if isinstance(parsed, LayeredCacheSpec) else [parsed]
 
 
-def _name(spec: str | CacheSpec) -> str:
+def spec_name(spec: str | CacheSpec) -> str:
+    """``spec`` as text: a string as given, a parsed spec by its canonical form."""
     return spec if isinstance(spec, str) else spec.spec
-
-
-def k_mean_basis(spec: str | CacheSpec) -> Basis:
-    """The basis a spec's K mean is subtracted in: ``rot`` for ``center+rot+...``, else ``plain``."""
-    bases = {p.k.basis if isinstance(p.k, Centered) else "plain" for p in _parts(spec)} or {"plain"}
-    if len(bases) > 1:
-        raise ValueError(
-            f"{_name(spec)!r} centers K in different bases per layer ({', '.join(sorted(bases))}); a preset file "
-            "holds one K mean basis: use the same K wrapper (center+ or center+rot+) in every part"
-        )
-    return bases.pop()
-
-
-def k_pre_rope(spec: str | CacheSpec) -> bool:
-    """True if ``spec`` quantizes K before RoPE (``prerope+``); every part of a per-layer spec must agree."""
-    kinds = {isinstance(p.k, PreRope) for p in _parts(spec)} or {False}
-    if len(kinds) > 1:
-        raise ValueError(
-            f"{_name(spec)!r} quantizes K before RoPE in some layers only; a preset file holds K statistics of one "
-            "kind: write prerope+ in every part or in none"
-        )
-    return kinds.pop()
-
-
-def equalized_kinds(spec: str | CacheSpec) -> set[Kind]:
-    """``{"k", "v"}`` or part of it: where some part of ``spec`` has ``eq+`` or ``eqd+`` (its file must hold those)."""
-    kinds: set[Kind] = set()
-    for part in _parts(spec):
-        if find_wrapper(part.k, Equalized) is not None:
-            kinds.add("k")
-        if find_wrapper(part.v, Equalized) is not None:
-            kinds.add("v")
-    return kinds
-
-
-def diagonal_equalizers(spec: str | CacheSpec, kind: Kind) -> bool:
-    """True if ``spec``'s ``kind`` transforms are ``eqd+``'s (diagonal), False if ``eq+``'s (dense).
-
-    Raises:
-        ValueError: some parts of a per-layer spec write ``eq+`` and others ``eqd+`` on ``kind``: a file holds
-            transforms of one kind.
-    """
-    found = set()
-    for part in _parts(spec):
-        eq = find_wrapper(part.k if kind == "k" else part.v, Equalized)
-        if eq is not None:
-            found.add(isinstance(eq, DiagonalEqualized))
-    if len(found) > 1:
-        raise ValueError(
-            f"{_name(spec)!r} writes eq+ in some layers and eqd+ in others on {kind.upper()}; a preset file holds "
-            "transforms of one kind: write the same one in every part"
-        )
-    return found == {True}
-
-
-def write_preset_file(path: str | Path, lm: LoadedModel, preset: Preset, stats: KVStats, note: str = "") -> Basis:
-    """Write the calibration file of ``preset`` for ``lm``: the K mean in the basis its spec needs
-    (and the ``eq+`` K / V transforms where its spec has ``eq+``).
-
-    The GGUF holds llama.cpp's ``kv_bar.blk.<il>.k`` tensors and, under ``walshkv.``, the model,
-    the calibration text and the preset's name and spec (``walshkv.preset.name/spec/budget``).
-
-    Returns:
-        The basis written (``rot`` or ``plain``).
-    """
-    basis = k_mean_basis(preset.spec)
-    pre = k_pre_rope(preset.spec)
-    k_stats = stats.pre_rope() if pre else stats
-    mean = torch.stack([k_stats.mean("k", i, "plain") for i in range(stats.num_layers)])
-    kinds = equalized_kinds(preset.spec)
-    k_eq = k_stats.equalizers("k", diagonal_equalizers(preset.spec, "k")) if "k" in kinds else None
-    v_eq = stats.equalizers("v", diagonal_equalizers(preset.spec, "v")) if "v" in kinds else None
-    extra = {Keys.Preset.NAME: preset.name, Keys.Preset.SPEC: preset.spec, Keys.Preset.BUDGET: f"{preset.budget:g}"}
-    if note:
-        extra[Keys.Preset.NOTE] = note
-    rope = None
-    if pre:
-        assert stats.rope_inv_freq is not None and stats.rope_scaling is not None  # pre_rope() above checked
-        rope = (stats.rope_inv_freq, stats.rope_scaling)
-    write_kv_mean_center(
-        path,
-        mean,
-        arch=lm.shape.arch,
-        basis=basis,
-        tokens=stats.tokens,
-        text=stats.text,
-        model=lm.name,
-        model_config=stats.model_config,
-        extra=extra,
-        k_equalizer=k_eq,
-        v_equalizer=v_eq,
-        rope=rope,
-    )
-    return basis

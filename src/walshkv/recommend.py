@@ -1,7 +1,7 @@
 """The preset search behind ``walshkv recommend``: rank the candidate specs of a budget on calibration text.
 
 ``recommend`` takes a K mean from the first half of a calibration text and ranks the candidates of
-:func:`walshkv.presets.candidates_for` on its second half (never on an evaluation text); with
+:func:`candidates_for` on its second half (never on an evaluation text); with
 ``per_layer=True``, :func:`allocate_layers` then moves ``tq`` widths between layers. Specs travel as
 :class:`~walshkv.codecs.spec.CacheSpec` objects; their canonical strings appear only where a spec leaves the
 search: result rows, :class:`LayerPlan` (written to JSON), the chosen :class:`~walshkv.presets.Preset`.
@@ -26,7 +26,7 @@ from walshkv.codecs.turbo import TQ_BITS, TurboQuant
 from walshkv.data import Text
 from walshkv.defaults import CALIB_TOKENS, CTX, RECOMMEND_WINDOWS
 from walshkv.eval.sweep import EvalJob, evaluate_specs
-from walshkv.presets import Preset, candidates_for, preset_name_for_bits
+from walshkv.presets import BUILTIN, PRESET_BUDGETS, Preset, dense_key_map, preset_name_for_bits
 
 if TYPE_CHECKING:
     from walshkv.constants import Kind
@@ -34,14 +34,153 @@ if TYPE_CHECKING:
     from walshkv.models import LoadedModel
 
 __all__ = [
+    "CANDIDATES",
     "LayerPlan",
     "Recommendation",
     "allocate_layers",
+    "candidates_for",
+    "fast_candidate",
     "recommend",
     "shift_codec",
     "shift_width",
     "split_text",
 ]
+
+# What `walshkv recommend` tries, by budget; specs over the budget at the model's head_dim are dropped
+# (sink:1: specs counted over the selection windows' length: their fp16 token costs (16 - b) / 512 bits
+# at 512 tokens, so they fit where the plain spec leaves room, e.g. tq's fp16 norm at head_dim 128).
+# K gets more bits than V in most: K is the sensitive half on every model measured. eq+ (a calibrated
+# query-weighted K transform) joins the best plain specs; it pays most beside a sink (the first token's
+# K lies where the transform, fitted to the typical token, amplifies error). prerope+ (K quantized before
+# RoPE, so that center+ removes a channel's whole offset) joins the eq+ ones.
+CANDIDATES: dict[float, tuple[str, ...]] = {
+    3.0: (
+        "center+tq:3.5/tq:2",
+        "center+tq:3/tq:2.5",
+        "center+rot+int3/tq:2.5",
+        "center+tq:2.5/tq:3",
+        "sink:1:center+tq:3.5/tq:2",
+        "sink:1:center+tq:3/tq:2.5",
+        "center+eq+tq:3.5/tq:2",
+        "center+eq+tq:3/tq:2.5",
+        "sink:1:center+eq+tq:3.5/tq:2",
+        "prerope+center+eq+tq:3.5/tq:2",
+        "prerope+center+eq+tq:3/tq:2.5",
+        "sink:1:prerope+center+eq+tq:3.5/tq:2",
+        "sink:1:prerope+center+eq+tq:3/tq:2.5",
+    ),
+    3.5: (
+        "center+tq:4/tq:2.5",
+        "center+rot+int4/tq:2.5",
+        "center+tq:3.5/tq:3",
+        "center+tq:3/tq:3.5",
+        "center+tq:3/tq:3",
+        "sink:1:center+tq:4/tq:2.5",
+        "sink:1:center+tq:3.5/tq:3",
+        "sink:1:center+tq:3.5/tq:2.5",
+        "center+eq+tq:4/tq:2.5",
+        "center+eq+tq:3.5/tq:3",
+        "sink:1:center+eq+tq:3.5/tq:3",
+        "sink:1:center+eq+tq:4/tq:2.5",
+        "prerope+center+eq+tq:4/tq:2.5",
+        "prerope+center+eq+tq:3.5/tq:3",
+        "sink:1:prerope+center+eq+tq:3.5/tq:3",
+        "sink:1:prerope+center+eq+tq:4/tq:2.5",
+    ),
+    4.5: (
+        "center+tq:5/tq:3.5",
+        "center+rot+int5/tq:3.5",
+        "center+rot+iq4_nl/rot+iq4_nl",
+        "center+tq:4.5/tq:4",
+        "center+rot+q4_0",
+        "center+rot+q5_0/tq:3",
+        "center+rot+q4_0/tq:4",
+        "center+tq:5/tq:3",
+        "sink:1:center+tq:5/tq:3.5",
+        "sink:1:center+rot+iq4_nl/tq:4",
+        "sink:1:center+rot+q4_0/tq:4",
+        "center+eq+tq:5/tq:3.5",
+        "center+eq+tq:4.5/tq:4",
+        "sink:1:center+eq+tq:5/tq:3.5",
+        "sink:1:center+eq+rot+iq4_nl/tq:4",
+        "prerope+center+eq+tq:5/tq:3.5",
+        "prerope+center+eq+tq:4.5/tq:4",
+        "sink:1:prerope+center+eq+tq:5/tq:3.5",
+        "sink:1:prerope+center+eq+rot+iq4_nl/tq:4",
+    ),
+}
+
+
+def fast_candidate(spec: str) -> str:
+    """``spec`` with each ``prerope+`` part's dense ``eq+`` on K replaced by ``eqd+`` (its best diagonal): the fast
+    preset's version of a built-in candidate. Specs without a dense key map come back unchanged."""
+    if not dense_key_map(spec):
+        return spec
+    # prerope+ is K's outermost wrapper (refused elsewhere), so V never matches
+    out = spec.replace("prerope+center+eq+", "prerope+center+eqd+").replace("prerope+eq+", "prerope+eqd+")
+    if dense_key_map(out):
+        raise ValueError(f"{spec!r}: found no eqd+ form of its dense prerope+ eq+ key map; write it without eq+")
+    return parse_cache_spec(out).spec
+
+
+def candidates_for(
+    bits: float,
+    head_dim: int,
+    extra: Sequence[str] = (),
+    num_layers: int | None = None,
+    ctx: int = CTX,
+    fast: bool = False,
+) -> list[str]:
+    """Candidate specs whose bits per element at ``head_dim`` fit ``bits``, most bits first.
+
+    The built-in list of the nearest budget at or below ``bits`` (3, 3.5 or 4.5) is used, with its
+    preset's spec, plus ``extra``. A per-layer (``layers:``) spec needs ``num_layers``. A ``sink:N:``
+    spec's fp16 tokens are counted over a context of ``ctx`` tokens (the windows it is measured on).
+    With ``fast`` (the ``walshkv:B-fast`` presets), each built-in candidate whose keys the kernels would map by
+    a dense matrix per key (:func:`dense_key_map`) takes ``eqd+`` in place of ``eq+`` (:func:`fast_candidate`).
+
+    Returns:
+        Canonical spec strings (what result rows and preset files name).
+
+    Raises:
+        ValueError: nothing fits; with ``fast``, an ``extra`` spec with a dense key map (the message names it).
+    """
+    if fast:
+        dense = [e for e in extra if dense_key_map(e)]
+        if dense:
+            raise ValueError(
+                f"a fast preset's candidates map keys without a dense matrix, but {dense[0]!r} stores K before RoPE "
+                f"with eq+'s dense transform: write eqd+ in place of eq+ (e.g. {fast_candidate(dense[0])!r}), or "
+                "drop --fast"
+            )
+    pool: list[str] = [*extra]
+    budgets = [b for b in CANDIDATES if b <= bits + 1e-9]
+    if budgets:
+        budget = max(budgets)
+        built_in = [*CANDIDATES[budget], *(spec for name, spec in BUILTIN.items() if PRESET_BUDGETS[name] == budget)]
+        pool.extend(fast_candidate(s) for s in built_in) if fast else pool.extend(built_in)
+    fits: dict[str, float] = {}
+    for spec in pool:
+        parsed = parse_cache_spec(spec)
+        try:
+            parsed.check_head_dim(head_dim)
+        except ValueError:
+            continue
+        if isinstance(parsed, LayeredCacheSpec):
+            if num_layers is None:
+                raise ValueError(f"{spec!r} sets widths per layer: its bits per element need the model's layer count")
+            parsed.check_layers(num_layers)
+        b = (
+            parsed.bits_at(head_dim, ctx, num_layers)
+            if isinstance(parsed, CacheSpec)
+            else parsed.bits_per_element(head_dim)
+        )
+        if b <= bits + 1e-9:
+            fits.setdefault(parsed.spec, b)
+    if not fits:
+        raise ValueError(f"no candidate spec fits {bits} bits per element at head_dim {head_dim}")
+    return sorted(fits, key=lambda s: -fits[s])
+
 
 #: One result row as :func:`walshkv.eval.evaluate` returns it (``row["codec"]`` is the canonical spec).
 Row = dict[str, Any]
@@ -107,7 +246,7 @@ def recommend(
             candidate, on the same selection windows), spending any bits it leaves unused, and keep the
             result if it beats the uniform winner.
         fast: choose the fast preset (``walshkv:B-fast``): only candidates the fused kernels decode without a
-            dense per-key matrix (:func:`walshkv.presets.candidates_for` with ``fast``; ``eqd+`` in place of
+            dense per-key matrix (:func:`candidates_for` with ``fast``; ``eqd+`` in place of
             ``prerope+``'s ``eq+``).
         progress: progress bars.
         executor: where the candidates run (:class:`walshkv.eval.sweep.Executor`); ``None``: here, all in one

@@ -84,7 +84,8 @@ def tiny_preset_file(tiny_model_dir: Path, calib_text_file: Path, tmp_path_facto
     from walshkv.calibration import collect_kv_stats
     from walshkv.data import load_text
     from walshkv.models import load_model
-    from walshkv.presets import Preset, write_preset_file
+    from walshkv.preset_file import write_preset_file
+    from walshkv.presets import Preset
 
     lm = load_model(str(tiny_model_dir), progress=False)
     stats = collect_kv_stats(lm, load_text(str(calib_text_file)), tokens=256, ctx=128, progress=False)

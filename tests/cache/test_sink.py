@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from conftest import logits_in_splits
 from walshkv.cache import CompressedCache, CompressedLayer, enable_fused_attention
 from walshkv.codecs.spec import CacheSpec, LayeredCacheSpec, parse_cache_spec
-from walshkv.presets import candidates_for
+from walshkv.recommend import candidates_for
 
 
 class RandomBias:

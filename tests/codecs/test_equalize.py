@@ -17,7 +17,8 @@ from walshkv.data import Text
 from walshkv.export import read_kv_mean_center, write_kv_mean_center
 from walshkv.models import LoadedModel, _describe, recording_queries
 from walshkv.ops.equalize import k_equalizer, predicted_gain_db
-from walshkv.presets import Preset, equalized_kinds, write_preset_file
+from walshkv.preset_file import equalized_kinds, write_preset_file
+from walshkv.presets import Preset
 
 TEXT = Text("toy-calib", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(2000)))
 
@@ -427,7 +428,7 @@ def test_eqd_binds_a_diagonal_transform_and_keeps_the_fast_key_map(stats):
 
 
 def test_eqd_files_hold_diagonal_transforms_and_eq_files_are_refused(tmp_path: Path, tiny_lm, stats):
-    from walshkv.presets import diagonal_equalizers
+    from walshkv.preset_file import diagonal_equalizers
 
     assert diagonal_equalizers("center+eqd+tq:3/tq:3", "k") and not diagonal_equalizers("center+eq+tq:3", "k")
     with pytest.raises(ValueError, match="eq\\+ in some layers and eqd\\+ in others"):

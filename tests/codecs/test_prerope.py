@@ -16,7 +16,8 @@ from walshkv.data import Text
 from walshkv.export import read_kv_mean_center
 from walshkv.models import LoadedModel, _describe
 from walshkv.ops.rope import RopeTable, apply_rope, rope_tables, undo_rope
-from walshkv.presets import Preset, k_pre_rope, write_preset_file
+from walshkv.preset_file import k_pre_rope, write_preset_file
+from walshkv.presets import Preset
 
 TEXT = Text("toy-calib", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(2000)))
 

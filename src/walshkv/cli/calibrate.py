@@ -22,7 +22,8 @@ from walshkv.defaults import CALIB_TOKENS
 from walshkv.export import write_kv_mean_center
 from walshkv.identity import identity_config
 from walshkv.ops.equalize import predicted_gain_db
-from walshkv.presets import k_pre_rope, resolve_preset, write_preset_file
+from walshkv.preset_file import k_pre_rope, write_preset_file
+from walshkv.presets import resolve_preset
 
 if TYPE_CHECKING:
     from walshkv.calibration import KVStats

@@ -21,8 +21,9 @@ from walshkv.cli.sweep import executor_from_args, ray_parent
 from walshkv.defaults import RECOMMEND_WINDOWS
 from walshkv.eval.report import format_table, write_json
 from walshkv.fileio import check_output_dir
-from walshkv.presets import candidates_for, k_pre_rope, preset_name_for_bits, write_preset_file
-from walshkv.recommend import recommend
+from walshkv.preset_file import k_pre_rope, write_preset_file
+from walshkv.presets import preset_name_for_bits
+from walshkv.recommend import candidates_for, recommend
 
 __all__ = ["add_parsers"]
 

@@ -1,0 +1,125 @@
+"""What a preset's calibration file holds for its spec, and the writer of that file.
+
+``walshkv calibrate --preset`` and ``walshkv recommend`` write one GGUF per (model, preset): the K mean in the basis
+the spec centers in (:func:`k_mean_basis`), K statistics before RoPE where the spec stores K before it
+(:func:`k_pre_rope`), and the ``eq+``/``eqd+`` transforms of each side it equalizes (:func:`equalized_kinds`,
+:func:`diagonal_equalizers`). :func:`write_preset_file` writes it from statistics
+(:class:`walshkv.calibration.KVStats`); :mod:`walshkv.presets` reads a preset back out of such a file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from walshkv.codecs.base import find_wrapper
+from walshkv.codecs.center import Centered
+from walshkv.codecs.equalize import DiagonalEqualized, Equalized
+from walshkv.codecs.prerope import PreRope
+from walshkv.codecs.spec import CacheSpec
+from walshkv.constants import Keys
+from walshkv.export import write_kv_mean_center
+from walshkv.presets import Preset, spec_name, spec_parts
+
+if TYPE_CHECKING:
+    from walshkv.calibration import KVStats
+    from walshkv.constants import Basis, Kind
+    from walshkv.models import LoadedModel
+
+__all__ = ["diagonal_equalizers", "equalized_kinds", "k_mean_basis", "k_pre_rope", "write_preset_file"]
+
+
+def k_mean_basis(spec: str | CacheSpec) -> Basis:
+    """The basis a spec's K mean is subtracted in: ``rot`` for ``center+rot+...``, else ``plain``."""
+    bases = {p.k.basis if isinstance(p.k, Centered) else "plain" for p in spec_parts(spec)} or {"plain"}
+    if len(bases) > 1:
+        raise ValueError(
+            f"{spec_name(spec)!r} centers K in different bases per layer ({', '.join(sorted(bases))}); a preset file "
+            "holds one K mean basis: use the same K wrapper (center+ or center+rot+) in every part"
+        )
+    return bases.pop()
+
+
+def k_pre_rope(spec: str | CacheSpec) -> bool:
+    """True if ``spec`` quantizes K before RoPE (``prerope+``); every part of a per-layer spec must agree."""
+    kinds = {isinstance(p.k, PreRope) for p in spec_parts(spec)} or {False}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"{spec_name(spec)!r} quantizes K before RoPE in some layers only; a preset file holds K statistics of one "
+            "kind: write prerope+ in every part or in none"
+        )
+    return kinds.pop()
+
+
+def equalized_kinds(spec: str | CacheSpec) -> set[Kind]:
+    """``{"k", "v"}`` or part of it: where some part of ``spec`` has ``eq+`` or ``eqd+`` (its file must hold those)."""
+    kinds: set[Kind] = set()
+    for part in spec_parts(spec):
+        if find_wrapper(part.k, Equalized) is not None:
+            kinds.add("k")
+        if find_wrapper(part.v, Equalized) is not None:
+            kinds.add("v")
+    return kinds
+
+
+def diagonal_equalizers(spec: str | CacheSpec, kind: Kind) -> bool:
+    """True if ``spec``'s ``kind`` transforms are ``eqd+``'s (diagonal), False if ``eq+``'s (dense).
+
+    Raises:
+        ValueError: some parts of a per-layer spec write ``eq+`` and others ``eqd+`` on ``kind``: a file holds
+            transforms of one kind.
+    """
+    found = set()
+    for part in spec_parts(spec):
+        eq = find_wrapper(part.k if kind == "k" else part.v, Equalized)
+        if eq is not None:
+            found.add(isinstance(eq, DiagonalEqualized))
+    if len(found) > 1:
+        raise ValueError(
+            f"{spec_name(spec)!r} writes eq+ in some layers and eqd+ in others on {kind.upper()}; a preset file holds "
+            "transforms of one kind: write the same one in every part"
+        )
+    return found == {True}
+
+
+def write_preset_file(path: str | Path, lm: LoadedModel, preset: Preset, stats: KVStats, note: str = "") -> Basis:
+    """Write the calibration file of ``preset`` for ``lm``: the K mean in the basis its spec needs
+    (and the ``eq+`` K / V transforms where its spec has ``eq+``).
+
+    The GGUF holds llama.cpp's ``kv_bar.blk.<il>.k`` tensors and, under ``walshkv.``, the model,
+    the calibration text and the preset's name and spec (``walshkv.preset.name/spec/budget``).
+
+    Returns:
+        The basis written (``rot`` or ``plain``).
+    """
+    basis = k_mean_basis(preset.spec)
+    pre = k_pre_rope(preset.spec)
+    k_stats = stats.pre_rope() if pre else stats
+    mean = torch.stack([k_stats.mean("k", i, "plain") for i in range(stats.num_layers)])
+    kinds = equalized_kinds(preset.spec)
+    k_eq = k_stats.equalizers("k", diagonal_equalizers(preset.spec, "k")) if "k" in kinds else None
+    v_eq = stats.equalizers("v", diagonal_equalizers(preset.spec, "v")) if "v" in kinds else None
+    extra = {Keys.Preset.NAME: preset.name, Keys.Preset.SPEC: preset.spec, Keys.Preset.BUDGET: f"{preset.budget:g}"}
+    if note:
+        extra[Keys.Preset.NOTE] = note
+    rope = None
+    if pre:
+        assert stats.rope_inv_freq is not None and stats.rope_scaling is not None  # pre_rope() above checked
+        rope = (stats.rope_inv_freq, stats.rope_scaling)
+    write_kv_mean_center(
+        path,
+        mean,
+        arch=lm.shape.arch,
+        basis=basis,
+        tokens=stats.tokens,
+        text=stats.text,
+        model=lm.name,
+        model_config=stats.model_config,
+        extra=extra,
+        k_equalizer=k_eq,
+        v_equalizer=v_eq,
+        rope=rope,
+    )
+    return basis
