@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from walshkv.attention import kernel_available
-from walshkv.cache import CompressedCache, enable_fused_attention
+from walshkv.cache import CompressedCache, enable_fused_attention, footprint
 from walshkv.codecs import parse_cache_spec
 from walshkv.constants import Keys, Prefill
 from walshkv.data import load_text
@@ -372,11 +372,8 @@ def _generation_child(job: dict[str, Any]) -> dict[str, Any]:
         steps.append(time.perf_counter() - t1)
         updates.append(timer.seconds["update"] - before["update"])
         attns.append(timer.seconds["attn"] - before["attn"])
-    cache_bytes = (
-        cache.nbytes()
-        if hasattr(cache, "nbytes")
-        else sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    )
+    held = footprint(cache)
+    cache_bytes = held.kv_bytes
     decode_s = statistics.median(steps)
     cpu = cpu_meta()
     text_config = model.config.get_text_config(decoder=True)
@@ -393,7 +390,7 @@ def _generation_child(job: dict[str, Any]) -> dict[str, Any]:
         "attn_ms": _median_ms(attns),
         "other_ms": _median_ms([s - u - a for s, u, a in zip(steps, updates, attns, strict=True)]),
         "cache_bytes": cache_bytes,
-        "cache_reserved_bytes": cache.reserved_nbytes() if hasattr(cache, "reserved_nbytes") else cache_bytes,
+        "cache_reserved_bytes": held.reserved_bytes,
         "rss_after_load": rss_loaded,
         "peak_rss": _vm("VmHWM"),
         "peak_minus_loaded_minus_cache": _vm("VmHWM") - rss_loaded - cache_bytes,

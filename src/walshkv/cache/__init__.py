@@ -23,7 +23,9 @@ Modules, bottom up:
 * :mod:`~walshkv.cache.hf`: Hugging Face's ``QuantizedCache`` as a peer (:func:`make_hf_cache`,
   :func:`hf_cache_nbytes`);
 * :mod:`~walshkv.cache.factory`: :func:`make_cache` (either kind) and :func:`context_state`;
-* :mod:`~walshkv.cache.recording`: :class:`RecordingCache`, how calibration and capture record K/V.
+* :mod:`~walshkv.cache.recording`: :class:`RecordingCache`, how calibration and capture record K/V;
+* :mod:`~walshkv.cache.introspect`: what any cache holds (:func:`footprint`, :func:`fp_bytes`,
+  :func:`croppable_to_prefix`, :func:`prefill_is_exact`), the one way code above this package asks.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from walshkv.cache.compressed import CompressedCache
 from walshkv.cache.factory import context_state, make_cache
 from walshkv.cache.fused import FUSED_ATTENTION, enable_fused_attention, fused_attention
 from walshkv.cache.hf import hf_cache_nbytes, make_hf_cache
+from walshkv.cache.introspect import Footprint, croppable_to_prefix, footprint, fp_bytes, prefill_is_exact
 from walshkv.cache.kivi import KiviLayer
 from walshkv.cache.layers import CompressedLayer, CompressedSlidingWindowLayer
 from walshkv.cache.persist import CacheFileError, load_cache, save_cache
@@ -43,14 +46,19 @@ __all__ = [
     "CompressedCache",
     "CompressedLayer",
     "CompressedSlidingWindowLayer",
+    "Footprint",
     "KiviLayer",
     "RecordingCache",
     "context_state",
+    "croppable_to_prefix",
     "enable_fused_attention",
+    "footprint",
+    "fp_bytes",
     "fused_attention",
     "hf_cache_nbytes",
     "load_cache",
     "make_cache",
     "make_hf_cache",
+    "prefill_is_exact",
     "save_cache",
 ]

@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from walshkv.cache import CompressedCache, context_state, hf_cache_nbytes, make_cache
+from walshkv.cache import context_state, footprint, fp_bytes, make_cache, prefill_is_exact
 from walshkv.codecs.kivi import KiviCodec
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, parse_cache_spec
 from walshkv.constants import Feed, Prefill, Score
@@ -143,7 +143,7 @@ def _decode(
     for p in range(first, last, chunk):
         n = min(chunk, last - p)
         cached, window, exact = context_state(cache)
-        exact = exact or (n > 1 and bool(getattr(cache.layers[0], "exact_prefill", False)))  # prefill="exact"
+        exact = exact or (n > 1 and prefill_is_exact(cache))
         for j in range(n):  # earlier tokens of this forward are full precision too if the cache shows them so
             earlier = window + (j if exact else 0)
             states.append((cached + j + 1, earlier + exact, earlier))
@@ -282,21 +282,16 @@ def evaluate(
                     fp_context[spec.spec].extend(_window_states(cache, first, last))
             seconds[spec.spec] += time.perf_counter() - t0
             if w == 0:
-                if isinstance(spec, HFCacheSpec):
-                    kb, vb, n = hf_cache_nbytes(cache)
-                    kv_bytes[spec.spec] = kb + vb
-                    layout_bits[spec.spec] = 8.0 * (kb + vb) / (2 * n)
-                    kv_bits[spec.spec] = (8.0 * kb / n, 8.0 * vb / n)
-                else:
-                    kv_bytes[spec.spec] = cache.nbytes()
-                    layout_bits[spec.spec] = cache.bits_per_element()
-                    kv_bits[spec.spec] = cache.bits_per_element_kv()
+                held = footprint(cache)
+                kv_bytes[spec.spec] = held.kv_bytes
+                layout_bits[spec.spec] = held.bits_per_element
+                kv_bits[spec.spec] = (held.bits_k, held.bits_v)
             metrics[spec.spec].add(*compare_logits(ref, logits, targets))
             del cache
             bar.update()
     bar.close()
 
-    fp16_bytes = _fp16_bytes(lm, ctx)
+    fp16_bytes = fp_bytes(lm.model.config, ctx)
     results: list[ResultRow] = []
     for spec in specs:
         bits = layout_bits[spec.spec]
@@ -361,14 +356,3 @@ def _quantize_on_write(specs: Sequence[CacheSpec | HFCacheSpec]) -> bool | str:
     if any(isinstance(s, CacheSpec) and isinstance(s.k, KiviCodec) for s in specs):
         kinds.append("kivi: no, its newest r to r+g-1 tokens stay in fp16")
     return f"per row ({'; '.join(kinds)})" if kinds else True
-
-
-def _fp16_bytes(lm: LoadedModel, ctx: int) -> int:
-    """Bytes an fp16 cache holds for one window of ``ctx`` tokens (sliding layers capped)."""
-    cache = CompressedCache("fp16", config=lm.model.config)
-    cfg = lm.model.config.get_text_config(decoder=True)
-    total = 0
-    for layer in cache.layers:
-        tokens = min(ctx, layer.sliding_window - 1) if getattr(layer, "is_sliding", False) else ctx
-        total += 2 * 2 * tokens * cfg.num_key_value_heads * lm.shape.head_dim
-    return total

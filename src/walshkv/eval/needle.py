@@ -57,15 +57,12 @@ import torch
 from tabulate import tabulate
 from tqdm.auto import tqdm
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from walshkv.cache import (
     CompressedCache,
-    CompressedLayer,
-    CompressedSlidingWindowLayer,
-    KiviLayer,
+    croppable_to_prefix,
     enable_fused_attention,
-    hf_cache_nbytes,
+    footprint,
     make_cache,
 )
 from walshkv.codecs.kivi import KiviCodec
@@ -602,19 +599,6 @@ def _generate(
     return generated, t1 - t0, time.perf_counter() - t1
 
 
-def _shareable(cache: Any, residual: int) -> bool:
-    """Whether a cache can be cropped back to a common prefix and hold what a fresh one would: full-attention
-    ``DynamicLayer`` or walshkv layers without a full-precision window (not KIVI's groups, not Hugging Face's
-    quantized layers, not sliding windows)."""
-    if residual:
-        return False
-    for layer in cache.layers:
-        walshkv = isinstance(layer, CompressedLayer) and not isinstance(layer, KiviLayer | CompressedSlidingWindowLayer)
-        if not (walshkv or type(layer) is DynamicLayer):
-            return False
-    return True
-
-
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -635,15 +619,8 @@ def _share_groups(trials: Sequence[Trial]) -> list[list[int]]:
 
 def _cache_bits(cache: Any, spec: CacheSpec | HFCacheSpec | None, dtype: torch.dtype) -> dict[str, float | int]:
     """Bits per K/V element and bytes a cache held after a trial (the reference: its float dtype)."""
-    if spec is None:
-        layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
-        held = sum(layer.keys.numel() + layer.values.numel() for layer in layers)
-        size = torch.tensor([], dtype=dtype).element_size()
-        return {"bits_per_element": 8.0 * size, "kv_bytes": held * size}
-    if isinstance(spec, HFCacheSpec):
-        kb, vb, n = hf_cache_nbytes(cache)
-        return {"bits_per_element": 8.0 * (kb + vb) / (2 * n), "kv_bytes": kb + vb}
-    return {"bits_per_element": cache.bits_per_element(), "kv_bytes": cache.nbytes()}
+    held = footprint(cache, dtype=dtype if spec is None else None)
+    return {"bits_per_element": held.bits_per_element, "kv_bytes": held.kv_bytes}
 
 
 def _quantize_on_write(spec: CacheSpec | HFCacheSpec | None, prefill: Prefill) -> bool | None:
@@ -757,7 +734,7 @@ def run_needle(
                     trial = trials[i]
                     bar.set_postfix_str(f"{trial.task} L={trial.length} d={trial.depth:g}: {name}")
                     reuse = 0
-                    if cache is not None and _shareable(cache, residual):
+                    if cache is not None and croppable_to_prefix(cache, residual):
                         reuse = min(_common_prefix(previous, trial.ids), trial.prompt_tokens - 1)
                     if reuse > 0:
                         cache.crop(reuse - cache.get_seq_length())  # keep the first ``reuse`` tokens
