@@ -1,4 +1,4 @@
-"""tq's encoder in the CPU kernel (``tq_pack`` in attention/cpu_kernel.cpp) against its torch path, bit for bit.
+"""tq's encoder in the CPU kernel (``tq_pack`` in attention/cpu_kernel_tq_encode.h) against its torch path, bit for bit.
 
 Once the kernel is loaded, :meth:`walshkv.codecs.turbo.TurboQuant._encode` hands the rotated rows to the kernel
 (:func:`walshkv.attention.cpu.tq_pack_rows`); its torch path, the reference, runs when no packer is installed.
