@@ -97,6 +97,10 @@ the CPU has them and GCC/Clang vector extensions otherwise (GCC >= 12 or Clang).
 its format ids (``FORMATS``, by name) and limits (``MAX_BANDS``, ``MAX_SEGS``): the Python side looks the ids up by
 name at each call and checks the names and ``MAX_BANDS`` when the module loads (:func:`check_kernel_constants`; the
 formats themselves are in :mod:`walshkv.attention.cpu_formats`).
+
+tq's encoder after its rotation is the kernel's too (``tq_pack``): :func:`tq_pack_rows` is registered, when this
+module is imported, as the implementation of :data:`walshkv.codecs.turbo.PACK_ROWS`
+(:mod:`walshkv.codecs.accelerated`), and declines until the kernel is loaded.
 """
 
 from __future__ import annotations
@@ -125,8 +129,9 @@ from walshkv.attention.cpu_formats import (
     cpu_supports,
 )
 from walshkv.attention.keys import hadamard_factors, key_transform, rope_half_tables
-from walshkv.codecs import turbo
+from walshkv.codecs import accelerated
 from walshkv.codecs.base import Codec, Packed
+from walshkv.codecs.turbo import PACK_ROWS
 from walshkv.ops.packing import packed_nbytes
 
 __all__ = [
@@ -142,6 +147,7 @@ __all__ = [
     "kernel_source",
     "load_kernel",
     "prerope_key_map",
+    "tq_pack_rows",
 ]
 
 _MIN_SPLIT_TOKENS = 256  # no parallel range shorter than this many tokens
@@ -295,7 +301,6 @@ def load_kernel() -> Any:
                 continue
             check_kernel_constants(module)
             _kernel = module
-            turbo.set_row_packer(tq_pack_rows)
             return _kernel
         _kernel_failed = True
         warnings.warn(
@@ -313,8 +318,8 @@ def tq_pack_rows(
 ) -> tuple[dict[str, torch.Tensor], float] | None:
     """tq's encoder after its rotation, in C++: the packed code fields of ``rotated`` and the largest norm.
 
-    Installed as :data:`walshkv.codecs.turbo`'s row packer when the kernel loads; the torch path of
-    :meth:`walshkv.codecs.turbo.TurboQuant._encode` is its reference (the same bits:
+    The implementation of :data:`walshkv.codecs.turbo.PACK_ROWS`, registered below when this module is imported; the
+    torch path of :meth:`walshkv.codecs.turbo.TurboQuant._encode` is its reference (the same bits:
     ``tests/attention/test_tq_pack.py``).
 
     Args:
@@ -340,6 +345,9 @@ def tq_pack_rows(
         fields[name] = out
         desc += [start, stop, bits, thresholds.data_ptr(), thresholds.numel(), out.data_ptr()]
     return fields, kernel.tq_pack(desc, torch.get_num_threads())
+
+
+accelerated.register(PACK_ROWS, tq_pack_rows)
 
 
 def kernel_available() -> bool:

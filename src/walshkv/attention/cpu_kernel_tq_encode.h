@@ -1,6 +1,6 @@
-// walshkv's CPU kernel (a header of cpu_kernel.cpp): tq's encoder after its rotation (tq_pack), which
-// walshkv/attention/cpu.py installs as walshkv.codecs.turbo's row packer; the torch path of TurboQuant._encode is its
-// reference (the same bits: tests/attention/test_tq_pack.py).
+// walshkv's CPU kernel (a header of cpu_kernel.cpp): tq's encoder after its rotation (tq_pack), the accelerated
+// implementation of walshkv.codecs.turbo.PACK_ROWS that walshkv/attention/cpu.py registers; the torch path of
+// TurboQuant._encode is its reference (the same bits: tests/attention/test_tq_pack.py).
 #pragma once
 
 #include <pybind11/pybind11.h>
