@@ -1,16 +1,22 @@
-"""The C++ kernel (cpu_kernel.cpp) and its Python side agree on format names and limits; edits rebuild it."""
+"""The C++ kernel (cpu_kernel.cpp and its headers) and its Python side agree on format names and limits; edits of any
+of its files rebuild it, and they all ship."""
 
 from __future__ import annotations
 
+import fnmatch
 import shutil
+import subprocess
+import tomllib
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 
 from walshkv.attention import cpu, cpu_formats
 
 HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
@@ -43,18 +49,102 @@ def test_the_source_is_package_data_and_its_text_names_the_build(monkeypatch: py
         builds.append((name, cpp_sources))
         raise RuntimeError("not built in this test")
 
-    monkeypatch.setattr(cpp_extension, "load_inline", record)
-    edited = source + "\n// edited\n"
-    for text in (source, edited):
-        monkeypatch.setattr(cpu, "kernel_source", lambda text=text: text)
-        monkeypatch.setattr(cpu, "_kernel", None)
-        monkeypatch.setattr(cpu, "_kernel_failed", False)
+    def load(patch: pytest.MonkeyPatch) -> None:
+        patch.setattr(cpu, "_kernel", None)
+        patch.setattr(cpu, "_kernel_failed", False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             assert cpu.load_kernel() is None
-    # each load tries the native flags, then the portable ones: four builds, four names
-    assert [srcs for _, srcs in builds] == [[source], [source], [edited], [edited]]
-    assert len({name for name, _ in builds}) == 4
+
+    monkeypatch.setattr(cpp_extension, "load_inline", record)
+    edited = source + "\n// edited\n"
+    for text in (source, edited):
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu, "kernel_source", lambda text=text: text)
+            load(patch)
+    read = cpu._read_package_file
+
+    def header_edited(name: str) -> str:  # one header's text changed, the .cpp the same
+        return read(name) + ("\n// edited\n" if name == "cpu_kernel_score.h" else "")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu, "_read_package_file", header_edited)
+        load(patch)
+    header = cpu.assemble_source(header_edited)[0]
+    assert header != source
+    # each load tries the native flags, then the portable ones: six builds, six names
+    assert [srcs for _, srcs in builds] == [[source], [source], [edited], [edited], [header], [header]]
+    assert len({name for name, _ in builds}) == 6
+
+
+def _kernel_files() -> list[str]:
+    folder = Path(cpu.__file__).parent
+    return sorted(p.name for p in (*folder.glob("*.cpp"), *folder.glob("*.h")))
+
+
+def test_every_header_is_in_the_translation_unit_once() -> None:
+    text, files = cpu.assemble_source(cpu._read_package_file)
+    assert files[0] == cpu.KERNEL_SOURCE and len(set(files)) == len(files)
+    assert sorted(files) == _kernel_files()  # no header the .cpp leaves out
+    assert text == cpu.kernel_source()
+    assert "#pragma once" not in text and '#include "' not in text
+    for name in files:
+        assert f'#line 1 "{name}"' in text
+        body = [ln for ln in cpu._read_package_file(name).splitlines() if ln.strip() and "#pragma once" not in ln]
+        assert all(ln in text for ln in body if not ln.startswith('#include "')), name
+
+
+def test_the_kernel_files_are_package_data() -> None:
+    """What setuptools puts in the wheel: every .cpp and .h of the kernel matches a package-data pattern."""
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["walshkv"]
+    for name in _kernel_files():
+        assert any(fnmatch.fnmatch(f"attention/{name}", pat) for pat in patterns), name
+
+
+FILES = {
+    "main.cpp": '#include <vector>\n#include "a.h"\n#include "b.h"\nint main() { return A + B; }\n',
+    "a.h": "#pragma once\nstatic constexpr int A = 1;\n",
+    "b.h": '#pragma once\n#include "a.h"\nstatic constexpr int B = A + 1;\n',
+}
+
+
+def test_the_assembler_inlines_each_header_once_in_include_order() -> None:
+    text, files = cpu.assemble_source(FILES.__getitem__, "main.cpp")
+    assert files == ("main.cpp", "a.h", "b.h")
+    assert text.splitlines() == [
+        '#line 1 "main.cpp"',
+        "#include <vector>",
+        '#line 1 "a.h"',
+        "",
+        "static constexpr int A = 1;",
+        '#line 3 "main.cpp"',
+        '#line 1 "b.h"',
+        "",
+        "",  # a.h again: already in
+        "static constexpr int B = A + 1;",
+        '#line 4 "main.cpp"',
+        "int main() { return A + B; }",
+    ]
+
+
+def test_the_assembler_refuses_an_include_by_path() -> None:
+    files = {"main.cpp": '#include "../other/x.h"\n'}
+    with pytest.raises(ValueError, match=r"main\.cpp:1 includes .*\.\./other/x\.h.*bare names"):
+        cpu.assemble_source(files.__getitem__, "main.cpp")
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+def test_a_compiler_error_names_the_header_and_its_line() -> None:
+    files = {**FILES, "b.h": '#pragma once\n#include "a.h"\nstatic constexpr int B = A + undeclared;\n'}
+    compiler = next(c for c in ("c++", "g++", "clang++") if shutil.which(c))
+    done = subprocess.run(
+        [compiler, "-std=c++20", "-fsyntax-only", "-x", "c++", "-"],
+        input=cpu.assemble_source(files.__getitem__, "main.cpp")[0],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode != 0 and "b.h:3" in done.stderr, done.stderr
 
 
 def test_token_ranges_keep_every_thread_busy():

@@ -1,7 +1,7 @@
 """The CPU kernel's integer scores for 4-bit K codes (int4 under any rotation, q4_0) against the reference.
 
 With ``int_dot`` the kernel never unpacks K to floats: the query is split into three int8 parts and the codes' byte
-dot products are summed exactly in int32 (``IQuery`` in attention/cpu_kernel.cpp). These tests hold it to the
+dot products are summed exactly in int32 (``IQuery`` in attention/cpu_kernel_idot.h). These tests hold it to the
 float path's tolerance over head sizes that fill no whole code vector, GQA groups, batches, lengths that end
 mid-tile, bf16 queries, and the queries it hands back to the float path (too small to split).
 """

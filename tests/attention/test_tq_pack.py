@@ -1,7 +1,8 @@
-"""tq's encoder in the CPU kernel (``tq_pack`` in attention/cpu_kernel.cpp) against its torch path, bit for bit.
+"""tq's encoder in the CPU kernel (``tq_pack`` in attention/cpu_kernel_tq_encode.h) against its torch path, bit for bit.
 
-Once the kernel is loaded, :meth:`walshkv.codecs.turbo.TurboQuant._encode` hands the rotated rows to the kernel
-(:func:`walshkv.attention.cpu.tq_pack_rows`); its torch path, the reference, runs when no packer is installed.
+:func:`walshkv.attention.cpu.tq_pack_rows` is registered as the implementation of :data:`walshkv.codecs.turbo.PACK_ROWS`
+(:mod:`walshkv.codecs.accelerated`): once the kernel is loaded, :meth:`walshkv.codecs.turbo.TurboQuant._encode` hands it
+the rotated rows; its torch path, the reference, runs under :func:`walshkv.codecs.accelerated.reference_only`.
 Every width, both codebooks, head sizes from 2 to 256, zero and tiny rows, every input dtype, blocks that take
 the kernel's threads, and the inputs the codec refuses must come out the same either way.
 """
@@ -20,7 +21,7 @@ from matrix import CalibrationStub
 
 from walshkv.attention import cpu
 from walshkv.cache.layers import CompressedLayer
-from walshkv.codecs import turbo
+from walshkv.codecs import accelerated, turbo
 from walshkv.codecs.registry import parse_codec
 
 pytestmark = pytest.mark.skipif(not cpu.kernel_available(), reason="the CPU kernel cannot be built here")
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.skipif(not cpu.kernel_available(), reason="the CPU kern
 
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The kernel's packer installed and counting the blocks it packs."""
+    """The kernel's packer registered and counting the blocks it packs."""
     calls: list[int] = []
 
     def packer(rotated, norm16, tables):
@@ -36,16 +37,13 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(0 if out is None else rotated.numel())
         return out
 
-    monkeypatch.setattr(turbo, "_ROW_PACKER", packer)
+    monkeypatch.setitem(accelerated._REGISTRY, turbo.PACK_ROWS, packer)
     return calls
 
 
 def _torch_path(codec, x: torch.Tensor, start: int = 0):
-    old = turbo.set_row_packer(None)
-    try:
+    with accelerated.reference_only():
         return codec.encode(x, start)
-    finally:
-        turbo.set_row_packer(old)
 
 
 def _same(a, b) -> None:
@@ -55,9 +53,18 @@ def _same(a, b) -> None:
         assert torch.equal(a.tensors[name], b.tensors[name]), name
 
 
-def test_the_kernel_installs_the_packer() -> None:
-    cpu.load_kernel()
-    assert turbo._ROW_PACKER is cpu.tq_pack_rows
+def test_the_kernel_is_tqs_registered_packer() -> None:
+    assert accelerated.implementation(turbo.PACK_ROWS) is cpu.tq_pack_rows
+    with accelerated.reference_only():
+        assert accelerated.implementation(turbo.PACK_ROWS) is None
+
+
+def test_the_packer_declines_until_the_kernel_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = parse_codec("tq:3.5")
+    x = torch.randn(1, 2, 5, 64, generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(cpu, "_kernel", None)
+    assert cpu.tq_pack_rows(codec.rotate(x), torch.ones(1, 2, 5, 1, dtype=torch.float16), []) is None
+    _same(codec.encode(x), _torch_path(codec, x))
 
 
 @pytest.mark.parametrize("bits", turbo.TQ_BITS)
@@ -135,12 +142,9 @@ def test_a_decode_step_packs_in_the_kernel(counted: list[int]) -> None:
     blocks = [(torch.randn(1, 3, n, 64, generator=gen), torch.randn(1, 3, n, 64, generator=gen)) for n in (9, 1, 1)]
     for k, v in blocks:
         layer.update(k, v)
-    old = turbo.set_row_packer(None)
-    try:
+    with accelerated.reference_only():
         for k, v in blocks:
             twin.update(k, v)
-    finally:
-        turbo.set_row_packer(old)
     assert len(counted) == 6 and counted[-1] == 3 * 64
     _same(layer.packed_k, twin.packed_k)
     _same(layer.packed_v, twin.packed_v)

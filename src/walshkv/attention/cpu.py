@@ -66,7 +66,7 @@ position in the kernel. With ``eq+`` the matrix is dense; on CPUs with AMX-BF16 
 products of hi/lo parts summed in fp32 (:func:`amx_key_map`; ``WALSHKV_CPU_AMX=0`` keeps the fp32 multiply-adds).
 
 Prefill tiles (:func:`decode_chunk_cpu`, used by :mod:`walshkv.attention.chunked`): the same decode paths write a
-range of packed rows to floats (``decode_rows`` in the .cpp): ``prerope+`` keys mapped and rotated, other rows in
+range of packed rows to floats (``decode_rows`` in cpu_kernel.cpp): ``prerope+`` keys mapped and rotated, other rows in
 the kernel's buffer order, which one matrix puts back in the model's basis.
 
 Rotations (``rot+``/``rrot+``): the query is multiplied once by the K codec's forward rotation (random
@@ -84,17 +84,23 @@ heads, d = 64), medians of warm calls on a shared 2-core machine: at 16k tokens 
 4.7 ms (int8), 61.5 vs 4.8 ms (q4_0). SDPA over an fp16 cache took 4.8 ms (16k) and 20.0 ms (64k):
 the torch path was slower than it, the kernel 3-4x faster.
 
-The kernel's source is ``cpu_kernel.cpp`` beside this module (package data). It is compiled with
-``torch.utils.cpp_extension.load_inline`` over that file's text (``-O3 -march=native -fopenmp``; cached
-in torch's extension directory under a name that hashes the source, the flags and the CPU's vector
-capability, so only the first use pays the build, about 10-20 s, and an edited source builds anew). It
-includes only pybind11 (no ATen headers, which keeps the build short) and receives raw data pointers and
-strides that the Python side checks first. It uses AVX-512 or AVX2 intrinsics where the CPU has them and
-GCC/Clang vector extensions otherwise (GCC >= 12 or Clang). Without a working compiler
-:func:`load_kernel` returns ``None`` after one warning and callers fall back to the reference. The module
-exports its format ids (``FORMATS``, by name) and limits (``MAX_BANDS``, ``MAX_SEGS``): the Python side
-looks the ids up by name at each call and checks the names and ``MAX_BANDS`` when the module loads
-(:func:`check_kernel_constants`; the formats themselves are in :mod:`walshkv.attention.cpu_formats`).
+The kernel's source is ``cpu_kernel.cpp`` beside this module (package data: the entry points and bindings) and the
+``cpu_kernel_*.h`` headers it includes, one per concern (vector helpers, formats, code unpacking, each format's row
+decoder, the prerope+ key map, the integer-dot scores, score tile and softmax, tq's encoder). :func:`kernel_source`
+inlines the headers into one text (:func:`assemble_source`), compiled with ``torch.utils.cpp_extension.load_inline``
+(``-O3 -march=native -fopenmp``; cached in torch's extension directory under a name that hashes that text, so every
+file's, the flags and the CPU's vector capability: only the first use pays the build, about 10-20 s, and an edit of
+the .cpp or of any header builds anew). It includes only pybind11 (no ATen headers, which keeps the build short) and
+receives raw data pointers and strides that the Python side checks first. It uses AVX-512 or AVX2 intrinsics where
+the CPU has them and GCC/Clang vector extensions otherwise (GCC >= 12 or Clang). Without a working compiler
+:func:`load_kernel` returns ``None`` after one warning and callers fall back to the reference. The module exports
+its format ids (``FORMATS``, by name) and limits (``MAX_BANDS``, ``MAX_SEGS``): the Python side looks the ids up by
+name at each call and checks the names and ``MAX_BANDS`` when the module loads (:func:`check_kernel_constants`; the
+formats themselves are in :mod:`walshkv.attention.cpu_formats`).
+
+tq's encoder after its rotation is the kernel's too (``tq_pack``): :func:`tq_pack_rows` is registered, when this
+module is imported, as the implementation of :data:`walshkv.codecs.turbo.PACK_ROWS`
+(:mod:`walshkv.codecs.accelerated`), and declines until the kernel is loaded.
 """
 
 from __future__ import annotations
@@ -104,8 +110,10 @@ import inspect
 import math
 import os
 import platform
+import re
 import threading
 import warnings
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -121,14 +129,16 @@ from walshkv.attention.cpu_formats import (
     cpu_supports,
 )
 from walshkv.attention.keys import hadamard_factors, key_transform, rope_half_tables
-from walshkv.codecs import turbo
+from walshkv.codecs import accelerated
 from walshkv.codecs.base import Codec, Packed
+from walshkv.codecs.turbo import PACK_ROWS
 from walshkv.ops.packing import packed_nbytes
 
 __all__ = [
     "CPU_SUPPORTED",
     "CpuPlan",
     "amx_key_map",
+    "assemble_source",
     "check_kernel_constants",
     "cpu_supports",
     "decode_chunk_cpu",
@@ -137,11 +147,13 @@ __all__ = [
     "kernel_source",
     "load_kernel",
     "prerope_key_map",
+    "tq_pack_rows",
 ]
 
 _MIN_SPLIT_TOKENS = 256  # no parallel range shorter than this many tokens
 
-#: The kernel's C++ source, package data beside this module.
+#: The kernel's C++ translation unit, package data beside this module; the ``cpu_kernel_*.h`` headers it includes
+#: lie beside it too (:func:`assemble_source`).
 KERNEL_SOURCE = "cpu_kernel.cpp"
 
 _CFLAGS_NATIVE = ["-O3", "-march=native", "-fopenmp", "-std=c++20"]
@@ -152,9 +164,69 @@ _kernel: Any = None
 _kernel_failed = False
 
 
+_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]*)"')
+_PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\b")
+
+
+def assemble_source(read: Callable[[str], str], main: str = KERNEL_SOURCE) -> tuple[str, tuple[str, ...]]:
+    """The kernel's one translation unit: ``main`` with each ``#include "NAME"`` replaced by the text of NAME.
+
+    A header is inlined where it is first included (its own includes first, depth first) and its later includes and
+    its ``#pragma once`` become blank lines; ``#line`` marks make the compiler name the file and line each line comes
+    from. ``#include <...>`` lines stay for the compiler. The build hashes the result, so it covers every file.
+
+    Args:
+        read: a file's text by its name (the package data beside this module, or a test's files).
+        main: the file to start from.
+
+    Returns:
+        The text, and the files in it in the order they were inlined (``main`` first).
+
+    Raises:
+        ValueError: a quoted include names a path, not a file beside the kernel (keep every header of the kernel in
+            ``walshkv/attention`` and include it by its bare name).
+        OSError: whatever ``read`` raises for a missing file.
+    """
+    done: list[str] = []
+
+    def inline(name: str) -> list[str]:
+        done.append(name)
+        out = [f'#line 1 "{name}"']
+        for number, line in enumerate(read(name).splitlines(), start=1):
+            match = _QUOTED_INCLUDE.match(line)
+            if _PRAGMA_ONCE.match(line):
+                out.append("")
+            elif match is None:
+                out.append(line)
+            elif not re.fullmatch(r"[\w.-]+", header := match.group(1)):
+                raise ValueError(
+                    f"{name}:{number} includes {header!r}: the kernel's headers lie beside {KERNEL_SOURCE} and are "
+                    'included by their bare names (#include "cpu_kernel_NAME.h")'
+                )
+            elif header in done:
+                out.append("")
+            else:
+                out += inline(header)
+                out.append(f'#line {number + 1} "{name}"')
+        return out
+
+    text = "\n".join(inline(main)) + "\n"
+    return text, tuple(done)
+
+
+def _read_package_file(name: str) -> str:
+    return resources.files(__name__.rpartition(".")[0]).joinpath(name).read_text(encoding="utf-8")
+
+
 def kernel_source() -> str:
-    """The text of ``cpu_kernel.cpp`` (read through :mod:`importlib.resources`: editable and wheel installs)."""
-    return resources.files(__name__.rpartition(".")[0]).joinpath(KERNEL_SOURCE).read_text(encoding="utf-8")
+    """The kernel's translation unit: ``cpu_kernel.cpp`` with its headers inlined (:func:`assemble_source`).
+
+    Read through :mod:`importlib.resources` (editable and wheel installs).
+
+    Raises:
+        OSError: a file of the kernel is missing (a broken install: reinstall walshkv).
+    """
+    return assemble_source(_read_package_file)[0]
 
 
 def check_kernel_constants(module: Any) -> None:
@@ -229,7 +301,6 @@ def load_kernel() -> Any:
                 continue
             check_kernel_constants(module)
             _kernel = module
-            turbo.set_row_packer(tq_pack_rows)
             return _kernel
         _kernel_failed = True
         warnings.warn(
@@ -247,8 +318,8 @@ def tq_pack_rows(
 ) -> tuple[dict[str, torch.Tensor], float] | None:
     """tq's encoder after its rotation, in C++: the packed code fields of ``rotated`` and the largest norm.
 
-    Installed as :data:`walshkv.codecs.turbo`'s row packer when the kernel loads; the torch path of
-    :meth:`walshkv.codecs.turbo.TurboQuant._encode` is its reference (the same bits:
+    The implementation of :data:`walshkv.codecs.turbo.PACK_ROWS`, registered below when this module is imported; the
+    torch path of :meth:`walshkv.codecs.turbo.TurboQuant._encode` is its reference (the same bits:
     ``tests/attention/test_tq_pack.py``).
 
     Args:
@@ -274,6 +345,9 @@ def tq_pack_rows(
         fields[name] = out
         desc += [start, stop, bits, thresholds.data_ptr(), thresholds.numel(), out.data_ptr()]
     return fields, kernel.tq_pack(desc, torch.get_num_threads())
+
+
+accelerated.register(PACK_ROWS, tq_pack_rows)
 
 
 def kernel_available() -> bool:
@@ -340,7 +414,7 @@ def _codes_field(
 
 
 def _kpost(plan: CpuPlan, kv: int, start: int, t: int) -> tuple[list[int], list[torch.Tensor]]:
-    """The kernel's ``prerope+`` descriptor (see ``make_kpost`` in the .cpp) and the tensors it points into."""
+    """The kernel's ``prerope+`` descriptor (see ``make_kpost`` in cpu_kernel_keys.h) and the tensors it points into."""
     parts = plan.prerope
     assert parts is not None
     key = (id(plan), kv)
@@ -380,7 +454,7 @@ def _kpost(plan: CpuPlan, kv: int, start: int, t: int) -> tuple[list[int], list[
 
 def _amx_pairs(mt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``mt`` ``[kv, L, ld]`` as bf16 hi and lo parts in the tile unit's pair layout ``[kv, Lp / 2, ld, 2]``
-    (``Lp``: ``L`` rounded up to 32, zero rows after ``L``), and ``Lp`` (see ``KPost`` in the .cpp)."""
+    (``Lp``: ``L`` rounded up to 32, zero rows after ``L``), and ``Lp`` (see ``KPost`` in cpu_kernel_keys.h)."""
     kv, length, ld = mt.shape
     lp = -(-length // 32) * 32
     full = torch.zeros(kv, lp, ld)
@@ -396,7 +470,7 @@ def _amx_pairs(mt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 def amx_key_map() -> bool:
     """Whether ``eq+``'s dense per-key map runs on AMX tiles (bf16 hi + lo parts, fp32 sums; see ``amx_tiles`` in
-    the .cpp): the kernel was built for a CPU with AMX-BF16, Linux granted the tile state, and the environment
+    cpu_kernel_keys.h): the kernel was built for a CPU with AMX-BF16, Linux granted the tile state, and the environment
     variable ``WALSHKV_CPU_AMX`` is not ``0`` (set it to ``0`` to time or test the AVX path on such a CPU)."""
     if os.environ.get("WALSHKV_CPU_AMX", "1").strip() == "0":
         return False
@@ -406,10 +480,10 @@ def amx_key_map() -> bool:
 
 def int_dot_scores() -> bool:
     """Whether 4-bit K codes (``int4`` under any rotation, ``q4_0``; not keys stored before RoPE) are scored by byte
-    dot products against an integer split of the query (see ``IQuery`` in the .cpp: three int8 parts, exact int32
-    sums, float32-sized rounding) instead of being unpacked to floats: the kernel was built for AVX2 or AVX-512BW
-    (VNNI's ``vpdpbusd`` where the CPU has it) and the environment variable ``WALSHKV_CPU_INT_DOT`` is not ``0``
-    (set it to ``0`` to time or test the float path)."""
+    dot products against an integer split of the query (see ``IQuery`` in cpu_kernel_idot.h: three int8 parts, exact
+    int32 sums, float32-sized rounding) instead of being unpacked to floats: the kernel was built for AVX2 or
+    AVX-512BW (VNNI's ``vpdpbusd`` where the CPU has it) and the environment variable ``WALSHKV_CPU_INT_DOT`` is not
+    ``0`` (set it to ``0`` to time or test the float path)."""
     if os.environ.get("WALSHKV_CPU_INT_DOT", "1").strip() == "0":
         return False
     kernel = load_kernel()

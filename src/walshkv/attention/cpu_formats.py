@@ -1,8 +1,8 @@
 """How the fused CPU kernel reads each codec: its row formats and the per-(codecs, head_dim) plans.
 
 A :class:`KernelFormat` says which of the kernel's decode paths reads a core codec's packed rows (by the
-name the compiled module exports in ``FORMATS``; the numeric ids live only in ``cpu_kernel.cpp``), with
-the code width, bytes per row, the decoded length and the basis that maps the kernel's buffer order back
+name the compiled module exports in ``FORMATS``; the numeric ids live only in ``cpu_kernel_formats.h``),
+with the code width, bytes per row, the decoded length and the basis that maps the kernel's buffer order back
 to the codec's own. A :class:`CpuPlan` adds the wrappers: the K rotations, the softmax scale and the
 buffer order folded into one query matrix, the V order and unrotation into one output matrix. Both are
 built once and cached; nothing here needs the compiled kernel (see :mod:`walshkv.attention.cpu`).

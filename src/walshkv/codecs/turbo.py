@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from walshkv.codecs import accelerated
+from walshkv.codecs.accelerated import Step
 from walshkv.codecs.base import Codec, Field, Packed
 from walshkv.ops.hadamard import _check_size, hadamard_transform, signed_hadamard, signs_for
 from walshkv.ops.lloyd_max import LloydMax, lloyd_max, threshold_codes
@@ -43,6 +45,7 @@ from walshkv.ops.quant import FP16_MAX, check_finite, cpu_scalar, min_max
 
 __all__ = [
     "CODEBOOKS",
+    "PACK_ROWS",
     "TQPROD_BITS",
     "TQ_BITS",
     "TurboQuant",
@@ -59,23 +62,18 @@ TQPROD_BITS: tuple[float, ...] = (1.0, *(b + 1 for b in TQ_BITS if b + 1 <= 8))
 CODEBOOKS = ("gauss", "beta")
 _MAX_SEED = 2**62
 
-#: ``(rotated, norm16, tables) -> (fields, largest norm) | None``: packs tq's rotated rows in C++ with the same bits
-#: as :meth:`TurboQuant._encode`'s torch path (which stays the reference). Set by :mod:`walshkv.attention.cpu` once
-#: its kernel is loaded (:func:`set_row_packer`); ``None`` (no kernel, or it declines) keeps the torch path.
+#: ``(rotated, norm16, tables) -> (fields, largest norm) | None``: the signature of :data:`PACK_ROWS`' implementations.
 RowPacker = Callable[[torch.Tensor, torch.Tensor, list], "tuple[dict[str, torch.Tensor], float] | None"]
-_ROW_PACKER: RowPacker | None = None
 
-
-def set_row_packer(packer: RowPacker | None) -> RowPacker | None:
-    """Install (or with ``None`` remove) tq's row packer; returns the one it replaces (tests swap it).
-
-    A packer takes the rotated rows ``[..., d]`` (float32, contiguous), their fp16 norms ``[..., 1]`` and
-    ``_segment_tables``' ``(name, start, stop, bits, thresholds)`` list, and returns the packed fields (without
-    ``norm``) and the largest norm (NaN if any is NaN), or ``None`` to leave the block to the torch path.
-    """
-    global _ROW_PACKER
-    old, _ROW_PACKER = _ROW_PACKER, packer
-    return old
+#: tq's packing of its rotated rows, a step an accelerated implementation may take over
+#: (:mod:`walshkv.codecs.accelerated`; :mod:`walshkv.attention.cpu` registers the C++ kernel's). The torch path of
+#: :meth:`TurboQuant._encode` is its reference; an implementation must give the same bits.
+PACK_ROWS: Step[RowPacker] = Step(
+    "tq.pack_rows",
+    "takes the rotated rows [..., d] (float32, contiguous), their fp16 norms [..., 1] and _segment_tables' "
+    "(name, start, stop, bits, thresholds) list; returns the packed fields (without norm) and the largest norm (NaN "
+    "if any is NaN), or None to leave the block to the torch path",
+)
 
 
 def _fmt_bits(bits: float) -> str:
@@ -199,10 +197,11 @@ class TurboQuant(Codec):
         d = x.shape[-1]
         norm = torch.linalg.vector_norm(x if x.dtype == torch.float64 else x.to(torch.float64), dim=-1, keepdim=True)
         norm16 = norm.to(torch.float16)
-        packer = _ROW_PACKER
+        packer = accelerated.implementation(PACK_ROWS)
         if packer is not None and x.device.type == "cpu" and norm16.numel():
-            # the C++ packer (a decode step's one token in a few microseconds instead of ~25 torch ops); anything
-            # it declines or refuses (an Inf or NaN norm) takes the torch path below, which raises what it must
+            # the accelerated packer (the C++ kernel's: a decode step's one token in a few microseconds instead of
+            # ~25 torch ops); anything it declines or refuses (an Inf or NaN norm) takes the torch path below, which
+            # raises what it must
             done = packer(self.rotate(x), norm16, self._segment_tables(d, x.device))
             if done is not None and done[1] <= FP16_MAX:
                 tensors = done[0]

@@ -1,0 +1,206 @@
+// walshkv's CPU kernel (a header of cpu_kernel.cpp): a tile of packed rows to floats, per format. decode_row (intB,
+// q4_0, q8_0, iq4_nl, vht2's bands) and decode_tile_tq (tq's segments through their level tables) write rows in the
+// kernel's buffer order with a row factor each; tile_fn picks the decoder of a format. With AMX, tq rows of at most 4
+// bits also go straight to the bf16 hi and lo parts the AMX key map reads (decode_tile_tq_pairs).
+#pragma once
+
+#include "cpu_kernel_formats.h"
+#include "cpu_kernel_simd.h"
+#include "cpu_kernel_unpack.h"
+
+// kvalues_iq4nl of ggml-common.h, zero padded to 32 (whole-vector permutes).
+alignas(64) static constexpr float IQ4NL_LEVELS[32] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                       1,    13,   25,  38,  53,  69,  89,  113};
+
+// Unpack one row into buf[0..L) (c - qmax for intB, dequantized values for ggml; entries from L on
+// are never written and stay 0); returns the factor of the whole row (intB scale, 1 for ggml).
+template <int FMT>
+static inline float decode_row(const Src& s, const uint8_t* __restrict row, const uint8_t* __restrict sc,
+                               float* __restrict buf) {
+  if constexpr (FMT == FMT_INT4) {
+    unpack_planes<4>(row, s.row_bytes, s.offset, buf);
+    return h2f(sc);
+  } else if constexpr (FMT == FMT_INT2) {
+    unpack_planes<2>(row, s.row_bytes, s.offset, buf);
+    return h2f(sc);
+  } else if constexpr (FMT == FMT_INT8) {
+    widen_bytes<false>(row, s.row_bytes, s.offset, 1.0f, buf);
+    return h2f(sc);
+  } else if constexpr (FMT == FMT_INT_GENERIC) {
+    switch (s.bits) {
+      case 3: unpack_generic<3>(row, s.d, s.offset, s.end, buf); break;
+      case 5: unpack_generic<5>(row, s.d, s.offset, s.end, buf); break;
+      case 6: unpack_generic<6>(row, s.d, s.offset, s.end, buf); break;
+      default: unpack_generic<7>(row, s.d, s.offset, s.end, buf); break;
+    }
+    return h2f(sc);
+  } else if constexpr (FMT == FMT_Q4_0) {
+    const int nblk = s.d / 32;
+    for (int k = 0; k < nblk; ++k) {
+      const uint8_t* __restrict blk = row + k * 18;
+      const float dd = h2f(blk);
+      float* __restrict dst = buf + k * 32;
+      unpack_planes<4>(blk + 2, 16, 8.0f, dst);  // value j low nibble, value j + 16 high nibble
+#if WK_VW == 16
+      ((vf*)dst)[0] *= dd;  // dst is 64-byte aligned (k * 32 floats)
+      ((vf*)dst)[1] *= dd;
+#else
+      for (int j = 0; j < 4; ++j) ((vf*)dst)[j] *= dd;
+#endif
+    }
+    return 1.0f;
+  } else if constexpr (FMT == FMT_IQ4_NL) {  // as q4_0, each nibble through the non-linear grid
+    const int nblk = s.d / 32;
+    for (int k = 0; k < nblk; ++k) {
+      const uint8_t* __restrict blk = row + k * 18;
+      const float dd = h2f(blk);
+      float* __restrict dst = buf + k * 32;
+      unpack_planes<4>(blk + 2, 16, 0.0f, dst);
+      lookup_levels(dst, 32, IQ4NL_LEVELS, 4);
+      for (int j = 0; j < 32; ++j) dst[j] *= dd;
+    }
+    return 1.0f;
+  } else if constexpr (FMT == FMT_BANDED) {  // vht2: per band c - qmax (1 bit: 2c - 1) times its fp16 scale
+    for (int i = 0; i < s.nbands; ++i) {
+      const uint8_t* r = row + s.band_byte[i];
+      float* __restrict dst = buf + s.band_start[i];
+      const int n = s.band_size[i], bits = s.band_bits[i];
+      const float off = bits == 1 ? 0.5f : (float)((1 << (bits - 1)) - 1);
+      switch (bits) {
+        case 1: unpack_generic<1>(r, n, off, s.end, dst); break;
+        case 2: unpack_generic<2>(r, n, off, s.end, dst); break;
+        case 3: unpack_generic<3>(r, n, off, s.end, dst); break;
+        case 4: unpack_generic<4>(r, n, off, s.end, dst); break;
+        case 5: unpack_generic<5>(r, n, off, s.end, dst); break;
+        case 6: unpack_generic<6>(r, n, off, s.end, dst); break;
+        case 7: unpack_generic<7>(r, n, off, s.end, dst); break;
+        default: unpack_generic<8>(r, n, off, s.end, dst); break;
+      }
+      const float f = h2f(sc + 2 * i) * (bits == 1 ? 2.0f : 1.0f);
+      for (int j = 0; j < n; ++j) dst[j] *= f;
+    }
+    return 1.0f;
+  } else {  // FMT_Q8_0
+    const int nblk = s.d / 32;
+    for (int k = 0; k < nblk; ++k) widen_bytes<true>(row + k * 34 + 2, 32, 0.0f, h2f(row + k * 34), buf + k * 32);
+    return 1.0f;
+  }
+}
+
+// Decode rows t..t+nt of one (batch, head) into tile rows of ld floats; rs[i] = row factor.
+typedef void (*TileFn)(const Src&, int64_t, int64_t, int64_t, int, float*, int64_t, float*);
+
+template <int FMT>
+static void decode_tile(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld, float* rs) {
+  const uint8_t* c = s.codes + b * s.cs0 + h * s.cs1 + t * s.cs2;
+  const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
+  for (int i = 0; i < nt; ++i) rs[i] = decode_row<FMT>(s, c + i * s.cs2, sc + i * s.ss2, tile + i * ld);
+}
+
+// nt rows (stride st bytes) of one tq segment's B-bit codes to their levels, into rows of ld floats from dst.
+template <int BITS>
+static void tq_segment_rows(const uint8_t* __restrict r, int64_t st, int nt, int n, const uint8_t* end,
+                            const float* __restrict lv, float* __restrict dst, int64_t ld) {
+  for (int i = 0; i < nt; ++i) {
+    if (unpack_levels<BITS>(r + i * st, n, end, lv, dst + i * ld)) continue;  // codes to levels in one pass
+    unpack_generic<BITS>(r + i * st, n, 0.0f, end, dst + i * ld);
+    lookup_levels(dst + i * ld, n, lv, BITS);
+  }
+}
+
+// tq: each segment's codes (own tensor and strides) unpacked to its buffer positions, then replaced by
+// their Lloyd-Max levels; the row factor is norm / sqrt(d).
+static void decode_tile_tq(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
+                           float* rs) {
+  const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
+  for (int g = 0; g < s.nseg; ++g) {  // segment by segment: its bit width and pointers set once per tile
+    const uint8_t* r = s.seg_codes[g] + b * s.seg_s0[g] + h * s.seg_s1[g] + t * s.seg_s2[g];
+    const int64_t st = s.seg_s2[g];
+    const int n = s.seg_size[g];
+    const uint8_t* end = s.seg_end[g];
+    const float* lv = s.seg_levels[g];
+    float* dst = tile + s.seg_start[g];
+    switch (s.seg_bits[g]) {
+      case 1: tq_segment_rows<1>(r, st, nt, n, end, lv, dst, ld); break;
+      case 2: tq_segment_rows<2>(r, st, nt, n, end, lv, dst, ld); break;
+      case 3: tq_segment_rows<3>(r, st, nt, n, end, lv, dst, ld); break;
+      case 4: tq_segment_rows<4>(r, st, nt, n, end, lv, dst, ld); break;
+      case 5: tq_segment_rows<5>(r, st, nt, n, end, lv, dst, ld); break;
+      case 6: tq_segment_rows<6>(r, st, nt, n, end, lv, dst, ld); break;
+      case 7: tq_segment_rows<7>(r, st, nt, n, end, lv, dst, ld); break;
+      default: tq_segment_rows<8>(r, st, nt, n, end, lv, dst, ld); break;
+    }
+  }
+  for (int i = 0; i < nt; ++i) rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
+}
+
+#if WK_AMX
+// B-bit codes (B <= 4) of one tq segment straight to the bf16 hi and lo parts of their levels (the AMX key map's
+// split of each decoded row, the same bits as converting the float levels): a lane permute of the integer codes
+// over a table of (hi | lo << 16), two narrowing stores; no float row written and read back.
+template <int BITS>
+static inline void unpack_pairs(const uint8_t* __restrict row, int n, const uint8_t* end,
+                                const int32_t* __restrict pairs, uint16_t* __restrict hi, uint16_t* __restrict lo) {
+  const __m512i tab = _mm512_load_si512(pairs);  // codes of <= 4 bits index the first 16 entries
+  int i = code_groups16<BITS>(row, n, end, [&](int j, __m512i w) {
+    const __m512i pr = _mm512_permutexvar_epi32(w, tab);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + j), _mm512_cvtepi32_epi16(pr));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(pr, 16)));
+  });
+  for (; i < n; ++i) {  // the codes after the last whole group, one at a time
+    const uint32_t pr = (uint32_t)pairs[code_at<BITS>(row, i)];
+    hi[i] = (uint16_t)(pr & 0xFFFFu);
+    lo[i] = (uint16_t)(pr >> 16);
+  }
+}
+
+// Whether tq rows can go straight to bf16 parts (every segment of at most 4 bits).
+static bool tq_pairs_ok(const Src& s) {
+  if (s.fmt != FMT_TQ) return false;
+  for (int g = 0; g < s.nseg; ++g)
+    if (s.seg_bits[g] > 4) return false;
+  return true;
+}
+
+// tq rows t..t+nt-1 straight to the AMX map's scratch (ahi, alo: [TILE][Lp], positions L..Lp-1 stay zero), their
+// row factors (norm / sqrt(d)) in rs, as decode_tile_tq gives them.
+template <int BITS>
+static void tq_segment_pairs(const uint8_t* __restrict r, int64_t st, int nt, int n, const uint8_t* end,
+                             const int32_t* __restrict pairs, uint16_t* __restrict hi, uint16_t* __restrict lo, int Lp) {
+  for (int i = 0; i < nt; ++i) unpack_pairs<BITS>(r + i * st, n, end, pairs, hi + i * Lp, lo + i * Lp);
+}
+
+static void decode_tile_tq_pairs(const Src& s, int64_t b, int64_t h, int64_t t, int nt, uint16_t* ahi, uint16_t* alo,
+                                 int Lp, float* rs) {
+  const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
+  for (int g = 0; g < s.nseg; ++g) {  // segment by segment, as decode_tile_tq
+    const uint8_t* r = s.seg_codes[g] + b * s.seg_s0[g] + h * s.seg_s1[g] + t * s.seg_s2[g];
+    const int64_t st = s.seg_s2[g];
+    const int n = s.seg_size[g];
+    uint16_t* hi = ahi + s.seg_start[g];
+    uint16_t* lo = alo + s.seg_start[g];
+    switch (s.seg_bits[g]) {
+      case 1: tq_segment_pairs<1>(r, st, nt, n, s.seg_end[g], s.seg_pairs[g], hi, lo, Lp); break;
+      case 2: tq_segment_pairs<2>(r, st, nt, n, s.seg_end[g], s.seg_pairs[g], hi, lo, Lp); break;
+      case 3: tq_segment_pairs<3>(r, st, nt, n, s.seg_end[g], s.seg_pairs[g], hi, lo, Lp); break;
+      default: tq_segment_pairs<4>(r, st, nt, n, s.seg_end[g], s.seg_pairs[g], hi, lo, Lp); break;
+    }
+  }
+  for (int i = 0; i < nt; ++i) rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
+}
+#endif
+
+static TileFn tile_fn(int fmt) {
+  switch (fmt) {
+    case FMT_INT4: return decode_tile<FMT_INT4>;
+    case FMT_INT2: return decode_tile<FMT_INT2>;
+    case FMT_INT8: return decode_tile<FMT_INT8>;
+    case FMT_INT_GENERIC: return decode_tile<FMT_INT_GENERIC>;
+    case FMT_Q4_0: return decode_tile<FMT_Q4_0>;
+    case FMT_Q8_0: return decode_tile<FMT_Q8_0>;
+    case FMT_BANDED: return decode_tile<FMT_BANDED>;
+    case FMT_TQ: return decode_tile_tq;
+    case FMT_IQ4_NL: return decode_tile<FMT_IQ4_NL>;
+  }
+  throw std::invalid_argument("walshkv decode attention: unknown packed format");
+}
