@@ -4,7 +4,7 @@
 #  1. the Triton decode kernels compiled for the GPU (not the interpreter) against the pure-torch reference,
 #     for every codec of the shipped presets (prerope+center+eq+tq K, tq V, iq4_nl, rot+int4, q4_0), GQA 1/3/6/7,
 #     batch 2, lengths that are not a multiple of any block, start positions after sink tokens;
-#  2. `walshkv bench --part attention --device cuda` for the presets' codecs against torch SDPA (flash /
+#  2. `walshkv bench attention --device cuda` for the presets' codecs against torch SDPA (flash /
 #     efficient attention) over fp16/bf16/fp32 caches at 16k and 64k cached tokens, the copy bandwidth
 #     of the GPU measured in the same run.
 #
@@ -80,7 +80,7 @@ print("worst |triton - reference|:", worst, "errors:", sum("error" in r for r in
 EOF
 
 presets=docs/results/presets/smollm2-135m
-walshkv bench --part attention --device cuda --kv-len "${KV_LEN:-16384,65536}" \
+walshkv bench attention --device cuda --kv-len "${KV_LEN:-16384,65536}" \
   --codec walshkv:3.5 --kv-mean-center "$presets/walshkv-3.5.gguf" \
   --codec rot+int4 --codec q4_0 --codec tq:4/tq:2.5 --repeats 20 --quiet --no-plot --out "$out" \
   || echo "bench failed (see above): a finding too"

@@ -45,20 +45,20 @@ python scripts/update_readme.py "$out/bench.md" docs/performance.md
 # where the target's fixed overhead is measured (walshkv.bench.report._memory_target). Peak memory under glibc's
 # defaults moves by about 100 MiB between identical runs, so every row runs GLIBC_RUNS times (default 3, about
 # 15 minutes) and the table reports medians and the spread
-walshkv bench --part generation --ctx "${CTX_GLIBC:-1024,3072,$smol_longest}" --malloc-mmap-threshold 0 \
+walshkv bench generation --ctx "${CTX_GLIBC:-1024,3072,$smol_longest}" --malloc-mmap-threshold 0 \
   --gen-codec rot+int4 "${smol_preset[@]}" --dynamic-dtype float32 --new-tokens "$new" \
   --gen-runs "${GLIBC_RUNS:-3}" --quiet --no-plot --out docs/results/bench-glibc-default
 python scripts/update_readme.py docs/results/bench-glibc-default/bench.md docs/performance.md glibc
 # smollm2-135m's other shipped preset (walshkv:4.5, whatever spec its file names: the table in docs/performance.md
 # was measured when it was the 512-token winner sink:1:center+rot+iq4_nl/tq:4) and tq variants in the fused
 # kernel, against rot+int4 and SDPA in the same run (a few minutes)
-walshkv bench --part attention --kv-len "${KV_LEN_TQ:-4096,16384,65536}" --codec rot+int4 --codec walshkv:4.5 \
+walshkv bench attention --kv-len "${KV_LEN_TQ:-4096,16384,65536}" --codec rot+int4 --codec walshkv:4.5 \
   --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" --codec tq:4/tq:2.5 --codec tq:3.5 \
   --codec tq:5/tq:3.5 --quiet --no-plot --out docs/results/bench-tq
 python scripts/update_readme.py docs/results/bench-tq/bench.md docs/performance.md tq
 # the shipped walshkv:4.5 since it is chosen at 4k tokens (sink:1:prerope+center+eq+rot+iq4_nl/tq:4, file rewritten
 # by `walshkv calibrate --preset walshkv:4.5 --model smollm2-135m`) at 16k, against rot+int4, tq:4 and SDPA
-walshkv bench --part attention --kv-len 16384 --codec walshkv:4.5 --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" \
+walshkv bench attention --kv-len 16384 --codec walshkv:4.5 --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" \
   --codec rot+int4 --codec tq:4 --quiet --out docs/results/bench-presets-16k
 python scripts/update_readme.py docs/results/bench-presets-16k/bench.md docs/performance.md presets45
 # how the kernel maps prerope+ keys: the shipped walshkv:4.5 (eq+: one d x d matrix per key, its torch-matmul bound
@@ -73,7 +73,7 @@ else
 fi
 keymap=keymap$isa
 keymap_out=docs/results/bench-keymap$isa
-walshkv bench --part attention --kv-len "${KV_LEN_KEYMAP:-16384,65536}" --codec walshkv:4.5 \
+walshkv bench attention --kv-len "${KV_LEN_KEYMAP:-16384,65536}" --codec walshkv:4.5 \
   --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" --codec "sink:1:prerope+rot+iq4_nl/tq:4" \
   --codec "sink:1:prerope+tq:4.5/tq:4" --codec rot+iq4_nl/tq:4 --codec tq:4.5/tq:4 --codec rot+int4 --quiet --no-plot \
   --out "$keymap_out"
@@ -83,29 +83,29 @@ paste_block "$keymap_out" "$keymap"
 # shipped file (no --kv-mean-center), at 16k and 64k (a few minutes); then generation at the longest context,
 # walshkv:3.5 and walshkv:3.5-fast against DynamicCache fp32 and bf16 (about 15 minutes). One pair of blocks per
 # instruction set (fast and fast-gen; fast-avx2 and fast-gen-avx2)
-walshkv bench --part attention --kv-len "${KV_LEN_FAST:-16384,65536}" --codec walshkv:3 --codec walshkv:3-fast \
+walshkv bench attention --kv-len "${KV_LEN_FAST:-16384,65536}" --codec walshkv:3 --codec walshkv:3-fast \
   --codec walshkv:3.5 --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+int4 \
   --codec q4_0 --quiet --no-plot --out "docs/results/bench-fast$isa"
 paste_block "docs/results/bench-fast$isa" "fast$isa"
 # on a CPU with AMX-BF16 the kernel maps eq+'s keys on tiles (walshkv.attention.cpu.amx_key_map): the same
 # eq+ presets with that off (WALSHKV_CPU_AMX=0, the fp32 multiply-adds every other CPU runs), in a run of their own
 if python -c "import sys; from walshkv.attention.cpu import amx_key_map; sys.exit(not amx_key_map())"; then
-  WALSHKV_CPU_AMX=0 walshkv bench --part attention --kv-len "${KV_LEN_FAST:-16384,65536}" --codec walshkv:3 \
+  WALSHKV_CPU_AMX=0 walshkv bench attention --kv-len "${KV_LEN_FAST:-16384,65536}" --codec walshkv:3 \
     --codec walshkv:3.5 --codec walshkv:4.5 --codec rot+int4 --quiet --no-plot --out docs/results/bench-fast-fp32map
   paste_block docs/results/bench-fast-fp32map fast-fp32map
 fi
-walshkv bench --part generation --ctx "${CTX_FAST:-$smol_longest}" --gen-codec walshkv:3.5 --gen-codec walshkv:3.5-fast \
+walshkv bench generation --ctx "${CTX_FAST:-$smol_longest}" --gen-codec walshkv:3.5 --gen-codec walshkv:3.5-fast \
   --new-tokens "$new" --quiet --no-plot --out "docs/results/bench-fast-gen$isa"
 paste_block "docs/results/bench-fast-gen$isa" "fast-gen$isa"
 # opt-in: smollm2-135m past its trained positions (SMOL_CTX_LONG=32768: the issue's 32k context, timing only, the
 # text it generates there means nothing), its presets against DynamicCache and rot+int4; about 45 minutes on 2
 # cores with AMX, longer on AVX2
 if [[ -n "${SMOL_CTX_LONG:-}" ]]; then
-  walshkv bench --part generation --ctx "$SMOL_CTX_LONG" --gen-codec rot+int4 --gen-codec walshkv:3.5 \
+  walshkv bench generation --ctx "$SMOL_CTX_LONG" --gen-codec rot+int4 --gen-codec walshkv:3.5 \
     --gen-codec walshkv:3.5-fast --new-tokens "$new" --quiet --no-plot --out "docs/results/bench-gen-long$isa"
   paste_block "docs/results/bench-gen-long$isa" "gen-long$isa"
   # and under glibc's default allocator (DynamicCache fp32's per-step torch.cat is not inflated there)
-  walshkv bench --part generation --ctx "$SMOL_CTX_LONG" --malloc-mmap-threshold 0 --gen-codec rot+int4 \
+  walshkv bench generation --ctx "$SMOL_CTX_LONG" --malloc-mmap-threshold 0 --gen-codec rot+int4 \
     --gen-codec walshkv:3.5 --dynamic-dtype float32 --new-tokens "$new" --quiet --no-plot \
     --out "docs/results/bench-gen-long-glibc$isa"
   paste_block "docs/results/bench-gen-long-glibc$isa" "gen-long-glibc$isa"
@@ -115,7 +115,7 @@ fi
 # opt-in: qwen2.5-1.5b (max_position_embeddings 32768) with its walshkv:3.5 preset; pasted where the page has
 # a <!-- results:qwen:start --> ... <!-- results:qwen:end --> block
 if [[ -n "${QWEN_CTX:-}" ]]; then
-  walshkv bench --part generation --model qwen2.5-1.5b --ctx "$QWEN_CTX" --gen-codec rot+int4 \
+  walshkv bench generation --model qwen2.5-1.5b --ctx "$QWEN_CTX" --gen-codec rot+int4 \
     --gen-codec walshkv:3.5 --kv-mean-center "$presets/qwen2.5-1.5b/walshkv-3.5.gguf" --new-tokens "$new" \
     --quiet --no-plot --out docs/results/bench-qwen
   paste_block docs/results/bench-qwen qwen

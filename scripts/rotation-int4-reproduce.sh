@@ -3,7 +3,7 @@
 # and kernels, then judged by scripts/rotation_int4_claims.py.
 #   quality: the `rotation-int4` sweep grid (int8..int2 with and without rot+, kivi2) on Austen's Emma (the
 #            development text), 16 windows of 512 tokens on smollm2-135m and 8 on qwen2.5-1.5b; quantize on write
-#   speed:   walshkv bench --part attention for int8/int4 with and without rot+ at 256..16k cached tokens, into
+#   speed:   walshkv bench attention for int8/int4 with and without rot+ at 256..16k cached tokens, into
 #            bench-<isa> (one folder per instruction set: run it on an AVX2 and an AVX-512 machine for both)
 # Resumable: the sweeps skip finished rows; BENCH=0 skips the bench. On 2 CPU cores: about 10 minutes for
 # smollm2-135m (more on a shared machine), over an hour for qwen2.5-1.5b and 5 for the bench.
@@ -20,7 +20,7 @@ for model in $MODELS; do
 done
 if [ "${BENCH:-1}" != 0 ]; then
   isa=$(python -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())")
-  walshkv bench --part attention --kv-len 256,512,1024,2048,4096,16384 --codec int8 --codec rot+int8 \
+  walshkv bench attention --kv-len 256,512,1024,2048,4096,16384 --codec int8 --codec rot+int8 \
     --codec int4 --codec rot+int4 --quiet --out "$OUT/bench-$isa"
 fi
 python scripts/rotation_int4_claims.py "$OUT" > "$OUT/claims.md"

@@ -63,7 +63,6 @@ def test_cli_attention(tmp_path, capsys):
         main(
             [
                 "bench",
-                "--part",
                 "attention",
                 "--kv-len",
                 "64",
@@ -195,7 +194,7 @@ def test_cli_attention_runs_presets_side_by_side_with_their_shipped_files(tmp_pa
     from walshkv.presets import resolve_preset
 
     out = tmp_path / "b"
-    argv = ["bench", "--part", "attention", "--kv-len", "64", "--codec", "walshkv:3.5", "--codec", "walshkv:4.5"]
+    argv = ["bench", "attention", "--kv-len", "64", "--codec", "walshkv:3.5", "--codec", "walshkv:4.5"]
     assert main([*argv, "--repeats", "1", "--out", str(out), "--quiet", "--no-plot"]) == 0
     rows = {r["method"]: r for r in json.loads((out / "bench.json").read_text())["attention"]}
     for name in ("walshkv:3.5", "walshkv:4.5"):

@@ -1,4 +1,4 @@
-"""``walshkv bench --part generation`` with presets: calibration inputs, refusals, the DynamicCache fp32/bf16
+"""``walshkv bench generation`` with presets: calibration inputs, refusals, the DynamicCache fp32/bf16
 rows, the per-step split and the ISA (tiny model; timings are not asserted)."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_preset_rows_end_to_end(tiny_model_dir, tiny_preset_file, tiny_preset_sp
     """A preset with its file, next to DynamicCache bf16 (the fp32 row: tests/bench/test_bench.py): every row in
     JSON, CSV and markdown. Two subprocesses (most of their time is importing transformers)."""
     out = tmp_path / "b"
-    argv = ["bench", "--part", "generation", "--model", str(tiny_model_dir), "--ctx", "40", "--new-tokens", "2"]
+    argv = ["bench", "generation", "--model", str(tiny_model_dir), "--ctx", "40", "--new-tokens", "2"]
     argv += ["--prefill-chunk", "32", "--gen-codec", "walshkv:3.5", "--kv-mean-center", str(tiny_preset_file)]
     assert main([*argv, "--dynamic-dtype", "bfloat16", "--out", str(out), "--quiet", "--no-plot"]) == 0
     printed = capsys.readouterr().out
@@ -162,9 +162,13 @@ def test_argument_errors_before_loading(kwargs, words):
 
 
 def test_cli_generation_flags_need_the_generation_part(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "attention", "--gen-codec", "rot+int4", "--quiet"])
+    assert "unrecognized arguments: --gen-codec rot+int4" in capsys.readouterr().err
+    # the deprecated --part takes every option and refuses these in one line, as before it was deprecated
     assert main(["bench", "--part", "attention", "--gen-codec", "rot+int4", "--quiet"]) == 2
-    assert "--gen-codec is for the generation part: add --part generation" in capsys.readouterr().err
-    assert main(["bench", "--part", "generation", "--gen-codec", "center+tq:4/tq:2.5", "--quiet"]) == 2
+    assert "--gen-codec is for the generation part: run `walshkv bench generation`" in capsys.readouterr().err
+    assert main(["bench", "generation", "--gen-codec", "center+tq:4/tq:2.5", "--quiet"]) == 2
     assert "add --kv-mean-center FILE" in capsys.readouterr().err
 
 
@@ -180,7 +184,7 @@ def test_cli_generation_presets_take_the_checkouts_files(monkeypatch):
         raise ValueError("stop here")
 
     monkeypatch.setattr(bench, "resolve_generation_codecs", capture)
-    assert main(["bench", "--part", "generation", "--gen-codec", "walshkv:3.5", "--gen-codec", "rot+int4"]) == 2
+    assert main(["bench", "generation", "--gen-codec", "walshkv:3.5", "--gen-codec", "rot+int4"]) == 2
     shipped = shipped_preset_file("smollm2-135m", "walshkv:3.5")
     assert shipped is not None and seen["codecs"] == [("walshkv:3.5", str(shipped)), "rot+int4"]
     assert seen["kw"]["kv_mean_center"] is None
@@ -347,5 +351,5 @@ def test_rows_of_several_runs_report_their_medians_and_spread():
 def test_runs_must_be_a_whole_number(capsys):
     with pytest.raises(ValueError, match="runs must be a whole number >= 1, got 0"):
         bench_generation("smollm2-135m", [8], ["int4"], runs=0, progress=False)
-    assert main(["bench", "--part", "generation", "--gen-runs", "0", "--quiet"]) == 2
+    assert main(["bench", "generation", "--gen-runs", "0", "--quiet"]) == 2
     assert "--gen-runs must be at least 1, got 0" in capsys.readouterr().err

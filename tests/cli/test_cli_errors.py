@@ -34,7 +34,7 @@ OUTPUT_CASES = [
     ["recommend", "--bits", "4.5", "--json", "{}"],
     ["sweep", "--grid", "baseline", "--out", "{}"],
     ["rd", "--codec", "int8", "--out", "{}"],
-    ["bench", "--part", "attention", "--out", "{}"],
+    ["bench", "attention", "--out", "{}"],
 ]
 if RESEARCH:
     OUTPUT_CASES += [
@@ -107,11 +107,11 @@ def test_fixable_inputs_fail_in_one_line_before_any_work(capsys, no_load) -> Non
         ("codecs", "--head-dim", "0"): "--head-dim must be a positive number",
         ("codecs", "--head-dim", "-4"): "--head-dim must be a positive number",
         ("recommend", "--bits", "4.5", "--calib-tokens", "0"): "--calib-tokens must be at least 1",
-        ("bench", "--part", "attention", "--repeats", "0"): "--repeats must be at least 1",
+        ("bench", "attention", "--repeats", "0"): "--repeats must be at least 1",
         # sizes and counts from a small argument: refused before anything is allocated (issue 39)
         ("eval", "--codec", "layers:int4@0-99999999999;int3"): "past any model",
         ("eval", "--codec", "rot+" * 2500 + "int4"): "chains 2500 wrappers",
-        ("bench", "--part", "attention", "--kv-len", "1000000000000", "--codec", "int4"): "use at most",
+        ("bench", "attention", "--kv-len", "1000000000000", "--codec", "int4"): "use at most",
     }
     if RESEARCH:
         cases[("reconstruct", "--vectors", "0")] = "--vectors must be at least 1"
@@ -120,7 +120,7 @@ def test_fixable_inputs_fail_in_one_line_before_any_work(capsys, no_load) -> Non
 
 
 def test_a_missing_cuda_device_is_one_line(capsys, no_load) -> None:
-    line = _run(["bench", "--part", "attention", "--device", "cuda:99"], capsys)
+    line = _run(["bench", "attention", "--device", "cuda:99"], capsys)
     assert "here; use --device cpu or an existing GPU" in line
 
 

@@ -1,7 +1,7 @@
 """``walshkv bench``: decode attention and end-to-end generation speed, as ratios against baselines
 measured in the same run (these machines are shared and noisy, so absolute times mean little).
 
-1. **Attention** (``--part attention``): one decode step (one query token per sequence, GQA) against
+1. **Attention** (``walshkv bench attention``): one decode step (one query token per sequence, GQA) against
    ``kv_len`` cached tokens of random K/V. Baselines: torch SDPA over fp16, bf16 and fp32 caches (query
    in the cache's dtype). Each codec: :func:`walshkv.attention.decode_attention` straight from the
    packed codes (fp32 query). The methods of one ``kv_len`` are timed in interleaved rounds (each
@@ -10,7 +10,8 @@ measured in the same run (these machines are shared and noisy, so absolute times
    over rounds of the per-round ratio; above 1: faster), the cache bytes the step reads and the
    effective GB/s they imply,
    against this machine's copy bandwidth measured in the same run (``dst.copy_(src)`` of 256 MB).
-2. **Generation** (``--part generation``): the model reads ``ctx`` tokens of text (prefill in chunks of
+
+2. **Generation** (``walshkv bench generation``): the model reads ``ctx`` tokens of text (prefill in chunks of
    ``--prefill-chunk``, so no ctx x ctx mask is ever built) and then greedily generates ``--new-tokens``
    tokens one at a time, with a ``DynamicCache`` (torch SDPA) in fp32 and in bf16 (``DynamicCache bf16``:
    the model is loaded in bf16, so its cache holds bf16 K/V; ``--dynamic-dtype`` picks them) and with
@@ -37,6 +38,8 @@ measured in the same run (these machines are shared and noisy, so absolute times
    when freed. With glibc's default, the heap keeps freed blocks of the growing per-chunk tensors (for
    either cache), and the peak grows with context by more than the cache does; both settings are in
    docs/performance.md.
+
+``walshkv bench`` alone runs both parts (attention first) and takes the options of both.
 
 Outputs in ``--out``: ``bench.json``, ``bench.csv``, ``bench.md`` and ``bench.png``.
 """

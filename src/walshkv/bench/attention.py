@@ -1,4 +1,4 @@
-"""``walshkv bench --part attention``: one decode step from packed codes against torch SDPA over float caches."""
+"""``walshkv bench attention``: one decode step from packed codes against torch SDPA over float caches."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``walshkv bench --part generation``: decode speed, per-step time split and peak memory of compressed caches
+"""``walshkv bench generation``: decode speed, per-step time split and peak memory of compressed caches
 against DynamicCache (fp32 and bf16).
 
 Each run is a fresh subprocess (:func:`_generation_child`), so its peak resident memory is its own; see

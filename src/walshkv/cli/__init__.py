@@ -63,7 +63,7 @@ examples:
   walshkv eval --codec hf-quanto:4 --codec rot+q4_0 --text ../shared/data/austen_emma.txt
   walshkv models list
   walshkv codecs --head-dim 128
-  walshkv bench --part attention --kv-len 1024,16384          # packed-code attention vs torch SDPA
+  walshkv bench attention --kv-len 1024,16384                 # packed-code attention vs torch SDPA
 
 research commands (with the walshkv-research package: pip install -e research):
   walshkv rope sweep --text ../shared/data/austen_emma.txt      # PrimePE: alpha vs PPL/KLD

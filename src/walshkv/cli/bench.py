@@ -1,8 +1,17 @@
-"""``walshkv bench``: packed-code attention vs torch SDPA, generation vs DynamicCache (:mod:`walshkv.bench`)."""
+"""``walshkv bench``: packed-code attention vs torch SDPA, generation vs DynamicCache (:mod:`walshkv.bench`).
+
+``walshkv bench attention`` and ``walshkv bench generation`` run one part with its options (and the shared
+calibration and output options); ``walshkv bench`` alone runs both and takes every option. ``--part
+attention|generation|all`` still works for one release, with a one-line warning on stderr, and means the same as
+the subcommand (or ``walshkv bench`` for ``all``), including its old checks.
+"""
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
+import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, get_args
@@ -11,14 +20,14 @@ import torch
 
 from walshkv import bench
 from walshkv.bench.generation import shipped_preset_file
-from walshkv.cli.common import SHOW_DEFAULT, calibration_parent
+from walshkv.cli.common import calibration_parent
 from walshkv.constants import Prefill
-from walshkv.defaults import DEFAULT_MODEL
+from walshkv.defaults import CALIB_TOKENS, DEFAULT_MODEL
 from walshkv.eval.report import command_line, write_result_files
 from walshkv.export import read_kv_mean_center
 from walshkv.presets import is_preset
 
-__all__ = ["add_parsers"]
+__all__ = ["PARTS", "add_parsers"]
 
 
 def _ints(text: str) -> list[int]:
@@ -64,10 +73,12 @@ def _check(args: argparse.Namespace) -> tuple[list[bench.GenerationCodec], list[
         )
         for flag, value in given:
             if value:
-                raise ValueError(f"{flag} is for the generation part: add --part generation (or --part all)")
+                raise ValueError(
+                    f"{flag} is for the generation part: run `walshkv bench generation` (or `walshkv bench` for both)"
+                )
         if args.kv_mean_center and not args.codec:
             raise ValueError(
-                "--kv-mean-center with --part attention calibrates the codecs you name: add --codec SPEC "
+                "--kv-mean-center with the attention part calibrates the codecs you name: add --codec SPEC "
                 "(e.g. --codec walshkv:3.5)"
             )
         return None
@@ -99,6 +110,7 @@ def _shipped_calibrations(model: str, codecs: Sequence[str]) -> dict[str, Any]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    _resolve_part(args)
     generation = _check(args)
     meta: dict[str, Any] = {
         "machine": bench.machine_description(),
@@ -167,96 +179,254 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The parts of the bench, each a subcommand: ``walshkv bench attention``, ``walshkv bench generation``.
+PARTS = ("attention", "generation")
+
+_DESCRIPTION = bench.__doc__.split("\n\n", 1)[1] if bench.__doc__ else ""
+
+_ATTENTION_EXAMPLES = """\
+  walshkv bench attention --kv-len 1024,16384
+  walshkv bench attention --kv-len 16384 --codec walshkv:3.5 --codec walshkv:3.5-fast   # each with its shipped file
+  walshkv bench attention --kv-len 16384 --codec walshkv:4.5 --codec rot+int4 \\
+      --kv-mean-center docs/results/presets/smollm2-135m/walshkv-4.5.gguf
+  walshkv bench attention --device cuda --kv-len 16384,65536   # the Triton kernel (pip install 'walshkv[gpu]')
+"""
+
+_GENERATION_EXAMPLES = """\
+  walshkv bench generation --ctx 1024,8192 --new-tokens 16
+  walshkv bench generation --ctx 8176 --gen-codec walshkv:3.5 --gen-codec rot+int4 \\
+      --kv-mean-center docs/results/presets/smollm2-135m/walshkv-3.5.gguf
+  walshkv bench generation --ctx 8176 --gen-codec walshkv:3.5 --gen-runs 3   # a preset, medians of 3 runs
+"""
+
+_BENCH_EPILOG = f"""\
+parts:
+  `walshkv bench attention` and `walshkv bench generation` run one part and take its options (PART --help lists
+  them); `walshkv bench` alone runs both and takes the options of both. Options may come before or after PART;
+  one of the other part is refused.
+  --part attention|generation|all is deprecated (removed in the next release): it still works, with a warning,
+  and means `walshkv bench attention` / `walshkv bench generation` / `walshkv bench`.
+
+examples:
+  walshkv bench --kv-len 1024,16384 --ctx 1024,8176 --codec walshkv:3.5 --gen-codec walshkv:3.5   # both parts
+{_ATTENTION_EXAMPLES}{_GENERATION_EXAMPLES}"""
+
+
+def _part_description(part: str) -> str:
+    """``walshkv bench PART --help``'s description: the item of :mod:`walshkv.bench`'s docstring on ``part`` and
+    the outputs."""
+    paragraphs = _DESCRIPTION.split("\n\n")
+    own = [p for p in paragraphs if p.lstrip("0123456789. ").startswith(f"**{part.capitalize()}**")]
+    return "\n\n".join([*own, *(p for p in paragraphs if p.startswith("Outputs"))])
+
+
+def _add_options(parser: argparse.ArgumentParser, part: str | None) -> argparse.ArgumentParser:
+    """Add the options of ``walshkv bench PART`` (``part`` None: both parts', for ``walshkv bench``) to
+    ``parser``, which has the calibration options already unless ``part`` is attention. A subcommand lists its
+    part's options as its own; ``walshkv bench`` lists each part's in a group of its own."""
+    if part in (None, "attention"):
+        group = parser.add_argument_group("attention (walshkv bench attention)") if part is None else parser
+        group.add_argument("--kv-len", type=_ints, default=list(bench.DEFAULT_KV_LENS), help="cached tokens")
+        group.add_argument(
+            "--codec",
+            action="append",
+            metavar="SPEC",
+            help="codec (repeatable): a spec, or a preset or calibrated spec with --kv-mean-center FILE (bound to "
+            "--layer's calibration; the file's kv heads and head_dim must be the bench's 3 and 64); without "
+            f"--kv-mean-center each preset takes the file this checkout ships for {DEFAULT_MODEL}, whose attention "
+            f"shapes these are (docs/results/presets/{DEFAULT_MODEL}/walshkv-B.gguf)",
+        )
+        group.add_argument("--layer", type=int, default=3, help="the layer whose calibration a calibrated codec uses")
+        group.add_argument("--repeats", type=int, default=7, help="timed repeats per case (median)")
+        group.add_argument(
+            "--device",
+            default="cpu",
+            help="cpu (fused C++ kernel) or cuda[:N] (Triton kernel; pip install 'walshkv[gpu]')",
+        )
+    if part == "attention":
+        parser.add_argument_group("calibration").add_argument(
+            "--kv-mean-center",
+            metavar="FILE",
+            help="calibration file from `walshkv calibrate` (or recommend) for the --codec presets and center+/eq+ "
+            "specs",
+        )
+    if part in (None, "generation"):
+        group = parser.add_argument_group("generation (walshkv bench generation)") if part is None else parser
+        group.add_argument("--model", default=DEFAULT_MODEL, help="model")
+        group.add_argument("--ctx", type=_ints, default=list(bench.DEFAULT_CONTEXTS), help="context lengths")
+        group.add_argument(
+            "--gen-codec",
+            action="append",
+            metavar="SPEC",
+            help="a compressed cache, repeatable: a spec (rot+int4, center+tq:4/tq:2.5) or a preset "
+            "(walshkv:3.5; its calibration from --kv-mean-center FILE or --calib-text TEXT, else the file this "
+            "checkout ships for --model); default: "
+            f"{', '.join(bench.DEFAULT_GENERATION_CODECS)} and the model's shipped presets "
+            "(docs/results/presets/MODEL/walshkv-*.gguf)",
+        )
+        group.add_argument(
+            "--dynamic-dtype",
+            action="append",
+            choices=list(bench.DYNAMIC_DTYPES),
+            help="the DynamicCache rows, repeatable (default both; bfloat16 loads the model in bf16)",
+        )
+        group.add_argument("--new-tokens", type=int, default=16, help="tokens generated per run")
+        group.add_argument(
+            "--prefill",
+            choices=get_args(Prefill),
+            default="quantized",
+            help="quantized (quantize on write, the default) or exact (the prompt attends to its exact K/V, "
+            "stored compressed, as serving engines do)",
+        )
+        group.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill forward")
+        group.add_argument(
+            "--gen-runs",
+            type=int,
+            default=1,
+            metavar="N",
+            help="runs of every row, each in a fresh process, taking turns; the table reports medians and a second "
+            "table the spread (peak memory moves by ~100 MiB between identical runs under glibc's default "
+            "allocator: use 3 or 5 to judge a memory target)",
+        )
+        group.add_argument(
+            "--decoded",
+            action="store_true",
+            help="also run the compressed cache decoding the whole cache every step",
+        )
+        group.add_argument(
+            "--no-reserve",
+            action="store_true",
+            help="let the compressed cache grow (by 1/8 when full) instead of max_cache_len=ctx+new",
+        )
+        group.add_argument(
+            "--malloc-mmap-threshold",
+            type=int,
+            default=65536,
+            metavar="BYTES",
+            help="glibc MALLOC_MMAP_THRESHOLD_ for the runs (default 65536: freed blocks above it go back to the "
+            "system instead of fragmenting the heap; 0: glibc's default)",
+        )
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", default="bench", metavar="DIR", help="output folder")
+    output.add_argument("--no-plot", action="store_true", help="skip bench.png")
+    output.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def _calibration(part: str | None) -> list[argparse.ArgumentParser]:
+    """The parents of ``walshkv bench PART``: a fresh :func:`calibration_parent` each (its actions become the
+    parser's own, so one parser's defaults never change another's), none for attention (``--kv-mean-center``
+    alone, added by :func:`_add_options`)."""
+    if part == "attention":
+        return []
+    return [calibration_parent(tokens_help=f"tokens of --calib-text (default {CALIB_TOKENS})")]
+
+
+@functools.cache
+def _defaults(part: str | None) -> dict[str, Any]:
+    """Every option of ``walshkv bench PART`` (None: both parts) with its default, parsed as argparse would."""
+    parser = argparse.ArgumentParser(add_help=False, parents=_calibration(part))
+    return vars(_add_options(parser, part).parse_args([]))
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+class _PartAction(argparse._SubParsersAction):
+    """``walshkv bench PART``: the part's options parsed into ``walshkv bench``'s own namespace.
+
+    argparse parses a subcommand into a fresh namespace and copies every value over, so the part's defaults would
+    overwrite an option given before it (``walshkv bench --repeats 3 attention`` would time 7 repeats). Here an
+    option before PART counts as if written after it (after wins; repeatable options collect both), one of the
+    other part before PART is refused (after PART argparse refuses it itself), and so is ``--part`` with a PART.
+    """
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        name, *rest = values
+        subparser = self.choices[name]
+        if namespace.part is not None:
+            subparser.error(f"--part {namespace.part} and the subcommand {name}: drop --part (deprecated)")
+        own = _defaults(name)
+        stray = [d for d in _defaults(None) if d not in own and hasattr(namespace, d)]
+        if stray:
+            other = next(p for p in PARTS if p != name)
+            subparser.error(
+                f"{_flag(stray[0])} is an option of `walshkv bench {other}`, not of `walshkv bench {name}`; "
+                "drop it, or run `walshkv bench` for both parts"
+            )
+        namespace.part = name
+        subparser.parse_args(rest, namespace)
+
+
+class _DeprecatedPart(argparse.Action):
+    """``--part``, deprecated: the value, and one line on stderr saying what to write instead."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        instead = "walshkv bench" if values == "all" else f"walshkv bench {values}"
+        print(
+            f"walshkv bench: warning: --part is deprecated and goes away in the next release; write `{instead} "
+            "...` instead (this run behaves as before)",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
+def _resolve_part(args: argparse.Namespace) -> None:
+    """Set ``args.part`` (``all`` without a subcommand or ``--part``) and every option left out to its default
+    (``walshkv bench`` leaves the options of the parts out of its namespace unless given)."""
+    args.part = args.part or "all"
+    for dest, value in _defaults(None).items():
+        if not hasattr(args, dest):
+            setattr(args, dest, copy.deepcopy(value))
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """Register ``walshkv bench``."""
+    """Register ``walshkv bench`` and its parts ``walshkv bench attention`` / ``walshkv bench generation``.
+
+    ``walshkv bench`` alone runs both parts and takes every option; each part's subcommand takes its own and the
+    shared ones (calibration, output). The options of the parts are left out of ``walshkv bench``'s namespace
+    unless given (argparse.SUPPRESS; :func:`_resolve_part` fills them in), so that :class:`_PartAction` sees which
+    were given before the subcommand.
+    """
     bp = sub.add_parser(
         "bench",
         help="decode attention from packed codes vs torch SDPA, and generation speed/memory vs DynamicCache",
-        description=bench.__doc__.split("\n\n", 1)[1] if bench.__doc__ else None,
+        description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  walshkv bench --part attention --kv-len 1024,16384\n"
-        "  walshkv bench --part generation --ctx 1024,8192 --new-tokens 16\n"
-        "  walshkv bench --part generation --ctx 8176 --gen-codec walshkv:3.5 --gen-codec rot+int4 \\\n"
-        "      --kv-mean-center docs/results/presets/smollm2-135m/walshkv-3.5.gguf\n"
-        "  walshkv bench --part attention --kv-len 16384 --codec walshkv:3.5 --codec walshkv:3.5-fast   "
-        "# each preset with this checkout's file",
-        parents=[calibration_parent(tokens_help="generation: tokens of --calib-text" + SHOW_DEFAULT)],
-    )
-    bp.add_argument("--part", choices=["all", "attention", "generation"], default="all", help="what to measure")
-    bp.add_argument("--kv-len", type=_ints, default=list(bench.DEFAULT_KV_LENS), help="attention: cached tokens")
-    bp.add_argument(
-        "--codec",
-        action="append",
-        metavar="SPEC",
-        help="attention: codec (repeatable): a spec, or a preset or calibrated spec with --kv-mean-center FILE "
-        "(bound to --layer's calibration; the file's kv heads and head_dim must be the bench's 3 and 64); without "
-        f"--kv-mean-center each preset takes the file this checkout ships for {DEFAULT_MODEL}, whose attention "
-        f"shapes these are (docs/results/presets/{DEFAULT_MODEL}/walshkv-B.gguf)",
+        usage="%(prog)s [PART] [options]",
+        epilog=_BENCH_EPILOG,
+        parents=_calibration(None),
     )
     bp.add_argument(
-        "--layer", type=int, default=3, help="attention: the layer whose calibration a calibrated codec uses"
+        "--part",
+        action=_DeprecatedPart,
+        choices=["all", *PARTS],
+        default=None,
+        help="deprecated (removed in the next release): `walshkv bench attention` / `walshkv bench generation`; "
+        "all: `walshkv bench`",
     )
-    bp.add_argument("--repeats", type=int, default=7, help="attention: timed repeats per case (median)")
-    bp.add_argument(
-        "--device",
-        default="cpu",
-        help="attention: cpu (fused C++ kernel) or cuda[:N] (Triton kernel; pip install 'walshkv[gpu]')",
+    _add_options(bp, None)
+    shared = set(_defaults("attention")) & set(_defaults("generation"))
+    for action in bp._actions:  # argparse lists a parser's actions nowhere public
+        if action.dest in _defaults(None) and action.dest not in shared:
+            action.default = argparse.SUPPRESS
+    parts = bp.add_subparsers(
+        dest="part", metavar="PART", action=_PartAction, prog=bp.prog, help="one part (default: both)"
     )
-    bp.add_argument("--model", default=DEFAULT_MODEL, help="generation: model")
-    bp.add_argument("--ctx", type=_ints, default=list(bench.DEFAULT_CONTEXTS), help="generation: context lengths")
-    bp.add_argument(
-        "--gen-codec",
-        action="append",
-        metavar="SPEC",
-        help="generation: a compressed cache, repeatable: a spec (rot+int4, center+tq:4/tq:2.5) or a preset "
-        "(walshkv:3.5; its calibration from --kv-mean-center FILE or --calib-text TEXT, else the file this "
-        "checkout ships for --model); default: "
-        f"{', '.join(bench.DEFAULT_GENERATION_CODECS)} and the model's shipped presets "
-        "(docs/results/presets/MODEL/walshkv-*.gguf)",
-    )
-    bp.add_argument(
-        "--dynamic-dtype",
-        action="append",
-        choices=list(bench.DYNAMIC_DTYPES),
-        help="generation: the DynamicCache rows, repeatable (default both; bfloat16 loads the model in bf16)",
-    )
-    bp.add_argument("--new-tokens", type=int, default=16, help="generation: tokens generated per run")
-    bp.add_argument(
-        "--prefill",
-        choices=get_args(Prefill),
-        default="quantized",
-        help="generation: quantized (quantize on write, the default) or exact (the prompt attends to its exact "
-        "K/V, stored compressed, as serving engines do)",
-    )
-    bp.add_argument("--prefill-chunk", type=int, default=1024, help="generation: tokens per prefill forward")
-    bp.add_argument(
-        "--gen-runs",
-        type=int,
-        default=1,
-        metavar="N",
-        help="generation: runs of every row, each in a fresh process, taking turns; the table reports medians "
-        "and a second table the spread (peak memory moves by ~100 MiB between identical runs under glibc's "
-        "default allocator: use 3 or 5 to judge a memory target)",
-    )
-    bp.add_argument(
-        "--decoded",
-        action="store_true",
-        help="generation: also run the compressed cache decoding the whole cache every step",
-    )
-    bp.add_argument(
-        "--no-reserve",
-        action="store_true",
-        help="generation: let the compressed cache grow (by 1/8 when full) instead of max_cache_len=ctx+new",
-    )
-    bp.add_argument(
-        "--malloc-mmap-threshold",
-        type=int,
-        default=65536,
-        metavar="BYTES",
-        help="generation: glibc MALLOC_MMAP_THRESHOLD_ for the runs (default 65536: freed blocks above it go "
-        "back to the system instead of fragmenting the heap; 0: glibc's default)",
-    )
-    bp.add_argument("--out", default="bench", metavar="DIR", help="output folder")
-    bp.add_argument("--no-plot", action="store_true", help="skip bench.png")
-    bp.add_argument("--quiet", action="store_true", help="no progress bars")
+    for part, help, examples in (
+        ("attention", "one decode step from packed codes vs torch SDPA", _ATTENTION_EXAMPLES),
+        ("generation", "generation speed and peak memory vs DynamicCache", _GENERATION_EXAMPLES),
+    ):
+        _add_options(
+            parts.add_parser(
+                part,
+                help=help,
+                description=_part_description(part),
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="examples:\n" + examples,
+                parents=_calibration(part),
+            ),
+            part,
+        )
     bp.set_defaults(func=_cmd_bench)
