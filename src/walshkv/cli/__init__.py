@@ -40,6 +40,7 @@ from importlib.metadata import entry_points
 
 from walshkv.cli import bench, calibrate, codecs, eval, models, needle, rd, recommend, sweep
 from walshkv.cli.common import check_outputs
+from walshkv.eval.provenance import code_commit
 
 __all__ = ["COMMANDS", "PLUGIN_GROUP", "build_parser", "error_line", "main"]
 
@@ -157,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     args.argv = argv
+    code_commit()  # read now: a result records the code this run loaded, even if the checkout changes meanwhile
     if getattr(args, "windows", None) == 0:
         args.windows = None
     try:

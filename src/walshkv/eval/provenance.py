@@ -83,7 +83,8 @@ def code_commit() -> str:
     Only a source checkout counts (the package at ``<top>/src/walshkv`` of its work tree): an installed
     copy inside some other repository reports the package version. ``-dirty`` means tracked files differ
     from the commit (untracked files do not count, as for ``git describe --dirty``); the state is read
-    once per process.
+    once per process, at the first call: every ``walshkv`` command reads it as it starts, so a long run records
+    the code it loaded, not a commit made in the checkout while it ran.
     """
     top = _git("rev-parse", "--show-toplevel")
     if top is None or Path(top).resolve() / "src" / "walshkv" != _PACKAGE:
