@@ -109,10 +109,7 @@ def _cmd_needle(args: argparse.Namespace) -> int:
                 "calibration": calibration_meta(calibration),
             },
         )
-    result = needle.run_needle(
-        lm,
-        text,
-        trials,
+    config = needle.NeedleConfig(
         codecs,
         calibration=calibration,
         prefill=args.prefill,
@@ -123,9 +120,8 @@ def _cmd_needle(args: argparse.Namespace) -> int:
         min_baseline=args.min_baseline,
         presets=preset_of,
         progress=not args.quiet,
-        command=command_line(args),
-        seed=args.seed,
     )
+    result = needle.run_needle(lm, text, trials, config, command=command_line(args), seed=args.seed)
     if earlier is not None:
         result = needle.merge_needle_results(earlier, result)
     print(needle.describe_needle(result.meta))

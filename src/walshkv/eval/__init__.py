@@ -4,8 +4,9 @@ Modules: :mod:`~walshkv.eval.harness` (:func:`evaluate`, the protocol), :mod:`~w
 :mod:`~walshkv.eval.rows` (the typed result row), :mod:`~walshkv.eval.report` (run descriptions and result
 files for every command), :mod:`~walshkv.eval.grids`, :mod:`~walshkv.eval.pareto` and
 :mod:`~walshkv.eval.sweep` (``walshkv sweep``), :mod:`~walshkv.eval.rd` with :mod:`~walshkv.eval.rd_report`
-(``walshkv rd``), :mod:`~walshkv.eval.capture` (K/V of real text for the research studies). Token windows
-live one layer down, in :mod:`walshkv.data`; they are re-exported here.
+(``walshkv rd``), :mod:`~walshkv.eval.needle` (``walshkv needle``, a subpackage), :mod:`~walshkv.eval.capture`
+(K/V of real text for the research studies). Token windows live one layer down, in :mod:`walshkv.data`; they
+are re-exported here.
 """
 
 from walshkv.data import SCORE_MODES, Windows, describe_scored, make_windows, scored_positions

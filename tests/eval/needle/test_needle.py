@@ -15,7 +15,15 @@ import walshkv.models
 from walshkv.cli import main
 from walshkv.data import Text
 from walshkv.eval import needle
-from walshkv.eval.needle import BASELINE, make_trials, parse_depths, parse_lengths, run_needle, score_answer
+from walshkv.eval.needle import (
+    BASELINE,
+    NeedleConfig,
+    make_trials,
+    parse_depths,
+    parse_lengths,
+    run_needle,
+    score_answer,
+)
 from walshkv.models import LoadedModel, _describe
 
 #: A haystack text: short sentences with letters (the tokenizer maps each character to a token).
@@ -167,10 +175,10 @@ def test_score_answer_is_exact_match():
 
 
 def test_the_decoding_stops_once_the_numbers_are_written():
-    assert needle._complete_numbers(" 1234567") == 0
-    assert needle._complete_numbers(" 1234567.") == 1
-    assert needle._complete_numbers(" 1,234,567 and 7") == 1
-    assert needle._complete_numbers(" 1234567, 7654321.") == 2
+    assert needle.scoring.complete_numbers(" 1234567") == 0
+    assert needle.scoring.complete_numbers(" 1234567.") == 1
+    assert needle.scoring.complete_numbers(" 1,234,567 and 7") == 1
+    assert needle.scoring.complete_numbers(" 1234567, 7654321.") == 2
 
 
 def test_bad_arguments_are_refused_with_the_fix(char_tokenizer):
@@ -203,9 +211,41 @@ def test_bad_arguments_are_refused_with_the_fix(char_tokenizer):
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"prefill": "lazy"}, "prefill must be one of quantized, exact, got 'lazy'"),
+        ({"prefill_chunk": 0}, "--prefill-chunk must be at least 1 token, got 0"),
+        ({"min_baseline": 80}, r"--min-baseline must be a share in \[0, 1\]"),
+        ({"residual": -1}, "--residual must be at least 0 tokens"),
+        ({"codecs": "int4"}, r"codecs is a list of cache specs: give \['int4'\], not 'int4'"),
+        ({"codecs": ["int4", "int4"]}, "each --codec once"),
+        ({"codecs": ["uncompressed"]}, "unknown codec 'uncompressed'"),
+        ({"codecs": ["int9"]}, "unknown codec"),
+    ],
+)
+def test_a_needle_config_refuses_bad_settings_naming_the_allowed_values(settings, message):
+    with pytest.raises(ValueError, match=message):
+        NeedleConfig(**settings)
+
+
+def test_a_needle_config_holds_its_specs_parsed():
+    config = NeedleConfig(["int4", "q4_0"], prefill_chunk=64)
+    assert config.codecs == ("int4", "q4_0") and [s.spec for s in config.specs] == ["int4", "q4_0"]
+    assert [name for name, _ in config.caches] == [BASELINE, "int4", "q4_0"] and config.caches[0][1] is None
+    assert NeedleConfig().codecs == needle.DEFAULT_NEEDLE_CODECS and NeedleConfig(()).specs == ()
+
+
+def test_run_needle_refuses_no_trials(tiny_lm):
+    with pytest.raises(ValueError, match="no trials"):
+        run_needle(tiny_lm, TEXT, [], NeedleConfig(["int4"]))
+
+
 def test_run_on_a_tiny_model(tiny_lm):
     trials = make_trials(tiny_lm.tokenizer, TEXT.content, lengths=(500, 700), depths=(0.5,), samples=1, new_tokens=4)
-    res = run_needle(tiny_lm, TEXT, trials, ["int4", "q4_0"], prefill_chunk=128, progress=False, command="test")
+    res = run_needle(
+        tiny_lm, TEXT, trials, NeedleConfig(["int4", "q4_0"], prefill_chunk=128, progress=False), command="test"
+    )
     assert [r["codec"] for r in res.trials[:3]] == [BASELINE, "int4", "q4_0"]  # the reference first, per trial
     assert len(res.trials) == 3 * 2 and len(res.cells) == 3 * 2 and len(res.summary) == 3 * 2
     for r in res.trials:
@@ -222,14 +262,16 @@ def test_run_on_a_tiny_model(tiny_lm):
     table = needle.format_needle_table(res, "single")
     assert "n/a ⚑1" in table and "n/a" in table
     assert "L=500 at depth 0.5 (0%)" in needle.flag_note(res, "single")
-    exact = run_needle(tiny_lm, TEXT, trials[:1], ["int4"], prefill="exact", prefill_chunk=128, progress=False)
+    exact = run_needle(
+        tiny_lm, TEXT, trials[:1], NeedleConfig(["int4"], prefill="exact", prefill_chunk=128, progress=False)
+    )
     assert exact.meta["codecs"]["int4"]["quantize_on_write"] is False and "exact" in exact.meta["prefill_note"]
 
 
 def test_the_same_answers_in_one_chunk_or_many(tiny_lm):
     trials = make_trials(tiny_lm.tokenizer, TEXT.content, lengths=(600,), depths=(0.5,), samples=1, new_tokens=6)
-    one = run_needle(tiny_lm, TEXT, trials, ["int8"], prefill_chunk=1024, progress=False)
-    many = run_needle(tiny_lm, TEXT, trials, ["int8"], prefill_chunk=100, progress=False)
+    one = run_needle(tiny_lm, TEXT, trials, NeedleConfig(["int8"], prefill_chunk=1024, progress=False))
+    many = run_needle(tiny_lm, TEXT, trials, NeedleConfig(["int8"], prefill_chunk=100, progress=False))
     assert [r["output"] for r in one.trials] == [r["output"] for r in many.trials]
 
 
@@ -237,8 +279,10 @@ def test_depths_reuse_the_haystack_they_share(tiny_lm):
     trials = make_trials(
         tiny_lm.tokenizer, TEXT.content, lengths=(600,), depths=(0.0, 0.5, 1.0), samples=1, new_tokens=5
     )
-    shared = run_needle(tiny_lm, TEXT, trials, ["int4"], prefill_chunk=64, progress=False)
-    fresh = run_needle(tiny_lm, TEXT, trials, ["int4"], prefill_chunk=64, share_prefix=False, progress=False)
+    shared = run_needle(tiny_lm, TEXT, trials, NeedleConfig(["int4"], prefill_chunk=64, progress=False))
+    fresh = run_needle(
+        tiny_lm, TEXT, trials, NeedleConfig(["int4"], prefill_chunk=64, share_prefix=False, progress=False)
+    )
     assert [r["output"] for r in shared.trials] == [r["output"] for r in fresh.trials]
     reused = {(r["codec"], r["depth"]): r["reused_tokens"] for r in shared.trials}
     assert reused[(BASELINE, 1.0)] == reused[("int4", 1.0)] == 0  # the deepest needle first, from an empty cache
@@ -247,14 +291,14 @@ def test_depths_reuse_the_haystack_they_share(tiny_lm):
         0 < reused[("int4", 0.5)] <= trials[1].needle_token + 1 and reused[("int4", 0.0)] <= trials[0].needle_token + 1
     )
     assert all(r["reused_tokens"] == 0 for r in fresh.trials)
-    kivi = run_needle(tiny_lm, TEXT, trials[:2], ["kivi4:g=8:r=8"], prefill_chunk=64, progress=False)
+    kivi = run_needle(tiny_lm, TEXT, trials[:2], NeedleConfig(["kivi4:g=8:r=8"], prefill_chunk=64, progress=False))
     assert all(r["reused_tokens"] == 0 for r in kivi.trials if r["codec"] != BASELINE)  # KIVI cannot be cropped
 
 
 def test_fused_attention_gives_the_same_answers_and_is_undone(tiny_lm):
     trials = make_trials(tiny_lm.tokenizer, TEXT.content, lengths=(600,), depths=(0.0, 1.0), samples=1, new_tokens=5)
-    plain = run_needle(tiny_lm, TEXT, trials, ["int4"], prefill_chunk=128, progress=False)
-    fused = run_needle(tiny_lm, TEXT, trials, ["int4"], prefill_chunk=128, fused=True, progress=False)
+    plain = run_needle(tiny_lm, TEXT, trials, NeedleConfig(["int4"], prefill_chunk=128, progress=False))
+    fused = run_needle(tiny_lm, TEXT, trials, NeedleConfig(["int4"], prefill_chunk=128, fused=True, progress=False))
     assert [r["output"] for r in fused.trials] == [r["output"] for r in plain.trials]
     assert fused.meta["fused"] is True and tiny_lm.model.config._attn_implementation == "sdpa"
 
@@ -378,11 +422,11 @@ def test_an_unknown_task_is_a_usage_error(capsys):
 
 def test_two_runs_added_together_equal_one_run_of_both(tiny_lm):
     trials = make_trials(tiny_lm.tokenizer, TEXT.content, lengths=(500, 700), depths=(0.0, 1.0), samples=1)
-    whole = run_needle(tiny_lm, TEXT, trials, ["int4"], prefill_chunk=128, progress=False)
+    whole = run_needle(tiny_lm, TEXT, trials, NeedleConfig(["int4"], prefill_chunk=128, progress=False))
     short = [t for t in trials if t.length == 500]
     long = [t for t in trials if t.length == 700 and t.depth == 1.0]  # one depth at the longer length
-    first = run_needle(tiny_lm, TEXT, short, ["int4"], prefill_chunk=128, progress=False, command="run 1")
-    second = run_needle(tiny_lm, TEXT, long, ["int4"], prefill_chunk=128, progress=False, command="run 2")
+    first = run_needle(tiny_lm, TEXT, short, NeedleConfig(["int4"], prefill_chunk=128, progress=False), command="run 1")
+    second = run_needle(tiny_lm, TEXT, long, NeedleConfig(["int4"], prefill_chunk=128, progress=False), command="run 2")
     merged = needle.merge_needle_results(first, second)
     same = {(r["codec"], r["length"], r["depth"]): r["output"] for r in whole.trials}
     assert {(r["codec"], r["length"], r["depth"]): r["output"] for r in merged.trials} == {
@@ -399,20 +443,20 @@ def test_two_runs_added_together_equal_one_run_of_both(tiny_lm):
     md = needle.needle_markdown(merged)
     assert "Run 1 (code " in md and "`run 2`" in md
     rest = [t for t in trials if t.length == 700 and t.depth == 0.0]
-    third = run_needle(tiny_lm, TEXT, rest, ["int4"], prefill_chunk=128, progress=False)
+    third = run_needle(tiny_lm, TEXT, rest, NeedleConfig(["int4"], prefill_chunk=128, progress=False))
     again = needle.merge_needle_results(merged, third)
     assert len(again.meta["runs"]) == 3  # runs accumulate
 
 
 def test_runs_that_do_not_fit_together_are_refused(tiny_lm):
     trials = make_trials(tiny_lm.tokenizer, TEXT.content, lengths=(500,), depths=(0.0, 1.0), samples=1)
-    first = run_needle(tiny_lm, TEXT, trials[:1], ["int4"], prefill_chunk=128, progress=False)
+    first = run_needle(tiny_lm, TEXT, trials[:1], NeedleConfig(["int4"], prefill_chunk=128, progress=False))
     with pytest.raises(ValueError, match=r"the runs share 1 trial\(s\), e.g. single L=500 d=0 sample 0"):
         needle.merge_needle_results(first, first)
-    other = run_needle(tiny_lm, TEXT, trials[1:], ["int8"], prefill_chunk=128, progress=False)
+    other = run_needle(tiny_lm, TEXT, trials[1:], NeedleConfig(["int8"], prefill_chunk=128, progress=False))
     with pytest.raises(ValueError, match="same --codec list"):
         needle.merge_needle_results(first, other)
-    chunked = run_needle(tiny_lm, TEXT, trials[1:], ["int4"], prefill_chunk=64, progress=False)
+    chunked = run_needle(tiny_lm, TEXT, trials[1:], NeedleConfig(["int4"], prefill_chunk=64, progress=False))
     with pytest.raises(ValueError, match="prefill_chunk = 128"):
         needle.merge_needle_results(first, chunked)
     with pytest.raises(ValueError, match="this run is other-model on"):
