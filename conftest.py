@@ -19,9 +19,55 @@ SHARED = Path(__file__).resolve().parent.parent / "shared"
 torch.set_num_threads(1)
 
 
-#: CI (``CI`` set, as .ci/run runs) is strict: a skipped test is a failure (a missing optional package or
-#: compiler must not turn into a quiet skip), and the fused CPU kernel must build (no reference fallback).
+pytest_plugins = ("pytester",)  # tests/test_conftest.py runs pytest on small test files to check StrictCI
+
+#: CI (``CI`` set, as .ci/run runs) is strict (:class:`StrictCI`): a skip is a failure (a missing optional
+#: package or compiler must not turn into a quiet skip), and the fused CPU kernel must build (no reference
+#: fallback).
 STRICT = bool(os.environ.get("CI"))
+
+
+class StrictCI:
+    """CI's strictness, as a pytest plugin: every skip fails, whenever it happens.
+
+    At run time (``pytest.skip``, ``importorskip`` in a test or fixture, a ``skipif`` mark) the test's report
+    fails; at collection (a module-level ``pytest.importorskip`` or ``pytest.skip(allow_module_level=True)``,
+    which skip a whole module before any of its tests exists) the module's collection report fails, so pytest
+    reports a collection error instead of a green run. Expected failures (``xfail``) stay as they are.
+
+    No skip is expected in CI, the Triton modules included: CI has no GPU and needs none, since the Triton
+    kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set at the top of this file), so ``triton``
+    must be installed there (the ``test`` extra pulls ``walshkv[gpu]``). A check that needs a CUDA device
+    branches on ``torch.cuda.is_available()`` inside its test (tests/bench/test_bench.py) rather than skipping.
+    """
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        outcome = yield
+        report = outcome.get_result()
+        if report.skipped and not hasattr(report, "wasxfail"):
+            report.outcome = "failed"
+            report.longrepr = f"skipped in CI, which runs everything: {_skip_reason(report)}"
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_make_collect_report(self, collector: pytest.Collector):
+        outcome = yield
+        report = outcome.get_result()
+        if report.skipped:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{collector.nodeid} skipped at collection in CI, which runs everything: {_skip_reason(report)}"
+            )
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    """The reason of a skip report (its ``longrepr`` is ``(path, line, reason)``)."""
+    return report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if STRICT:
+        config.pluginmanager.register(StrictCI(), "walshkv-strict-ci")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -30,16 +76,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
         if not kernel_available():
             pytest.exit("CI: the fused CPU kernel does not build (C++ compiler, Python headers, ninja?)", returncode=3)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    outcome = yield
-    report = outcome.get_result()
-    if STRICT and report.skipped and not hasattr(report, "wasxfail"):
-        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        report.outcome = "failed"
-        report.longrepr = f"skipped in CI, which runs everything: {reason}"
 
 
 @pytest.fixture(autouse=True)

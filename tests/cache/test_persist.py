@@ -140,6 +140,15 @@ def test_sliding_window_model_round_trips(tiny_gemma3, tmp_path, spec):
     assert loaded.layers[0].cumulative_length > loaded.layers[0].sliding_window
 
 
+def test_kivi_sliding_layers_round_trip(tiny_gemma3, tmp_path):
+    """KIVI's sliding layers dropped whole K groups: what they hold, and the mask offset, come back."""
+    cache = CompressedCache("kivi2:g=2:r=1", config=tiny_gemma3.config)
+    loaded = _round_trip(tiny_gemma3, cache, tmp_path, splits=(9, 12, 13, 15))
+    layer = loaded.layers[0]
+    assert layer.is_sliding and layer.get_mask_sizes(1)[1] > 0  # it dropped tokens
+    assert layer.get_mask_sizes(1) == cache.layers[0].get_mask_sizes(1)
+
+
 @pytest.mark.parametrize(
     ("spec", "residual"), [("sink:1:center+tq:4/tq:2.5", 2), ("kivi2:g=4:r=4", 0), ("rot+int4", 0)]
 )

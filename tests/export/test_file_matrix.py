@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from walshkv.cache import CompressedCache
-from walshkv.codecs.equalize import checked_inverse
+from walshkv.codecs.equalize import MAX_TRANSFORM_COND, TRANSFORM_SCALE_RANGE
 from walshkv.constants import Keys
 from walshkv.export import KMeanBias, read_kv_mean_center, write_kv_mean_center
 
@@ -35,6 +35,7 @@ LAYERS, HEADS, HEAD_DIM = 3, 2, 32
 SPEC = "prerope+center+eq+tq:3.5/eq+tq:3"
 CASES: Counter[str] = Counter()  # cases tried per kind of damage
 OUTCOMES: Counter[str] = Counter()  # refused, read back intact, or read back with the flipped value (undetectable)
+MARGIN = 10.0  # how far from each limit of an eq+ transform a flipped head must be for _checks to decide it
 _DAMAGED = r"truncated or damaged|not a GGUF file|holds no|is missing|holds \d+|NaN/Inf|declares|has shape|expected"
 
 
@@ -167,13 +168,20 @@ def test_a_flipped_byte_in_every_tensor_changes_one_value_or_is_refused(full: Pa
 
 
 def _checks(data: bytes, name: str) -> bool:
-    """Whether an eq+ tensor's bytes still make valid transforms (the oracle: the check the reader runs)."""
-    matrix = torch.from_numpy(np.frombuffer(data, dtype="<f4").reshape(HEADS, HEAD_DIM, HEAD_DIM).astype(np.float64))
-    try:
-        checked_inverse(matrix, name)
-    except ValueError:
-        return False
-    return True
+    """Whether an eq+ tensor's bytes still make valid transforms, decided independently of the reader: numpy's
+    SVD and log-determinant (the reader runs torch's) against the documented limits, a condition number of at
+    most MAX_TRANSFORM_COND and a scale |det|^(1/head_dim) within 1/TRANSFORM_SCALE_RANGE..TRANSFORM_SCALE_RANGE.
+    Every head must sit at least a factor MARGIN from each limit, so that no case rests on rounding."""
+    matrix = np.frombuffer(data, dtype="<f4").reshape(HEADS, HEAD_DIM, HEAD_DIM).astype(np.float64)
+    cond = np.linalg.cond(matrix)  # per head; inf for a singular one
+    scale = np.exp(np.linalg.slogdet(matrix)[1] / HEAD_DIM)
+    low, high = 1 / TRANSFORM_SCALE_RANGE, TRANSFORM_SCALE_RANGE
+    cond_ok, scale_ok = cond * MARGIN <= MAX_TRANSFORM_COND, (scale >= low * MARGIN) & (scale * MARGIN <= high)
+    cond_bad = cond >= MAX_TRANSFORM_COND * MARGIN
+    scale_bad = (scale * MARGIN <= low) | (scale >= high * MARGIN)
+    clear = (cond_ok & scale_ok) | cond_bad | scale_bad
+    assert clear.all(), f"{name}: a flipped head sits near a limit (cond {cond}, scale {scale}): choose another value"
+    return bool((cond_ok & scale_ok).all())
 
 
 def _changed(a: KMeanBias, b: KMeanBias) -> int:

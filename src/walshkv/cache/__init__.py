@@ -17,12 +17,13 @@ Modules, bottom up:
 * :mod:`~walshkv.cache.store`: a layer's packed store (in-place appends, growth);
 * :mod:`~walshkv.cache.fused`: attention straight from the packed codes (:func:`enable_fused_attention`);
 * :mod:`~walshkv.cache.layers`: :class:`CompressedLayer`, :class:`CompressedSlidingWindowLayer`;
-* :mod:`~walshkv.cache.kivi`: :class:`KiviLayer` (KIVI's token groups);
+* :mod:`~walshkv.cache.kivi`: :class:`KiviLayer`, :class:`KiviSlidingWindowLayer` (KIVI's token groups);
 * :mod:`~walshkv.cache.persist`: saved caches (:meth:`CompressedCache.save`, :meth:`CompressedCache.load`);
 * :mod:`~walshkv.cache.compressed`: :class:`CompressedCache` (``from_preset``, ``from_model``, ``save``, ``load``);
 * :mod:`~walshkv.cache.hf`: Hugging Face's ``QuantizedCache`` as a peer (:func:`make_hf_cache`,
   :func:`hf_cache_nbytes`);
-* :mod:`~walshkv.cache.factory`: :func:`make_cache` (either kind) and :func:`context_state`;
+* :mod:`~walshkv.cache.factory`: :func:`make_cache` (either kind), :func:`check_spec_fits` (a spec against a
+  model's config, before anything runs) and :func:`context_state`;
 * :mod:`~walshkv.cache.recording`: :class:`RecordingCache`, how calibration and capture record K/V;
 * :mod:`~walshkv.cache.introspect`: what any cache holds (:func:`footprint`, :func:`fp_bytes`,
   :func:`croppable_to_prefix`, :func:`prefill_is_exact`), the one way code above this package asks.
@@ -31,11 +32,11 @@ Modules, bottom up:
 from __future__ import annotations
 
 from walshkv.cache.compressed import CompressedCache
-from walshkv.cache.factory import context_state, make_cache
+from walshkv.cache.factory import check_spec_fits, context_state, make_cache
 from walshkv.cache.fused import FUSED_ATTENTION, enable_fused_attention, fused_attention
 from walshkv.cache.hf import hf_cache_nbytes, make_hf_cache
 from walshkv.cache.introspect import Footprint, croppable_to_prefix, footprint, fp_bytes, prefill_is_exact
-from walshkv.cache.kivi import KiviLayer
+from walshkv.cache.kivi import KiviLayer, KiviSlidingWindowLayer
 from walshkv.cache.layers import CompressedLayer, CompressedSlidingWindowLayer
 from walshkv.cache.persist import CacheFileError, load_cache, save_cache
 from walshkv.cache.recording import RecordingCache
@@ -48,7 +49,9 @@ __all__ = [
     "CompressedSlidingWindowLayer",
     "Footprint",
     "KiviLayer",
+    "KiviSlidingWindowLayer",
     "RecordingCache",
+    "check_spec_fits",
     "context_state",
     "croppable_to_prefix",
     "enable_fused_attention",

@@ -2,7 +2,8 @@
 
 The cache builds one layer per model layer from the model's config: :class:`CompressedLayer` for full
 attention, :class:`CompressedSlidingWindowLayer` for sliding-window attention (gemma3's local layers),
-:class:`KiviLayer` for KIVI codecs; each is bound to its layer's calibrated codecs. Its byte and bit
+:class:`KiviLayer` / :class:`KiviSlidingWindowLayer` for KIVI codecs; each is bound to its layer's calibrated
+codecs. :func:`check_fits` refuses, from the config alone, a spec the model's layers cannot hold. Its byte and bit
 accounting sums the layers' (full-precision windows and sink tokens included).
 """
 
@@ -15,7 +16,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from walshkv.cache.fused import FUSED_ATTENTION, Marker
-from walshkv.cache.kivi import KiviLayer
+from walshkv.cache.kivi import KiviLayer, KiviSlidingWindowLayer
 from walshkv.cache.layers import Checkpoint, CompressedLayer, CompressedSlidingWindowLayer
 from walshkv.cache.persist import load_cache, save_cache
 from walshkv.codecs.kivi import KiviCodec
@@ -32,10 +33,66 @@ if TYPE_CHECKING:
 #: Accepted values of ``prefill``.
 PREFILLS: tuple[Prefill, ...] = get_args(Prefill)
 
-__all__ = ["CompressedCache"]
+__all__ = ["CompressedCache", "check_fits"]
 
 
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+#: The layer types a KIVI spec can hold (:class:`KiviLayer`, :class:`KiviSlidingWindowLayer`).
+_KIVI_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(spec: CacheSpec, config: PretrainedConfig) -> tuple[list[str], list[dict[str, Any]]]:
+    """The model's layer types and their cache kwargs, once ``spec`` is checked against the model.
+
+    Raises:
+        ValueError: the head size, a ``layers:`` index or a layer type the spec cannot hold, naming the
+            spec, what the model has and the fix.
+    """
+    text_config = config.get_text_config(decoder=True)
+    head_dim = getattr(text_config, "head_dim", None) or (text_config.hidden_size // text_config.num_attention_heads)
+    spec.check_head_dim(head_dim)
+    if isinstance(spec, LayeredCacheSpec):
+        spec.check_layers(text_config.num_hidden_layers)
+    layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
+    kivi = isinstance(spec.k, KiviCodec)
+    allowed = _KIVI_TYPES if kivi else ("full_attention", *_SLIDING_TYPES)
+    for layer_type in dict.fromkeys(layer_types):
+        if layer_type in allowed:
+            continue
+        where = [i for i, t in enumerate(layer_types) if t == layer_type]
+        held = "KIVI caches hold" if kivi else "CompressedCache holds"
+        fix = (
+            "use a spec of another family for this model (rot+q4_0, tq:4, a walshkv: preset)"
+            if kivi and layer_type in _SLIDING_TYPES
+            else "this model's cache cannot be compressed by walshkv"
+        )
+        raise ValueError(
+            f"{spec.spec} cannot hold this model's {layer_type!r} layers ({len(where)} of "
+            f"{len(layer_types)}: {', '.join(map(str, where[:6]))}{', ...' if len(where) > 6 else ''}): {held} "
+            f"{' and '.join(allowed)} layers only; {fix}"
+        )
+    return layer_types, per_layer_kwargs
+
+
+def check_fits(spec: str | CacheSpec, config: PretrainedConfig) -> None:
+    """Refuse, from the model's config alone, a walshkv spec its cache layers cannot hold.
+
+    What :class:`CompressedCache` checks when it is built, without calibration or tensors: the head size
+    each codec needs, the layer indices of a ``layers:`` spec, and each layer's attention type against the
+    layer kinds the codec has (every walshkv codec: full, sliding-window and chunked attention; KIVI: full and
+    sliding-window). Run it on every spec of a run before any calibration or forward starts.
+
+    Args:
+        spec: a walshkv cache spec (``hf-*`` specs: :func:`walshkv.cache.check_spec_fits`).
+        config: the model's config (its text config is read).
+
+    Raises:
+        ValueError: the first thing the model has that the spec cannot hold, with the fix.
+    """
+    parsed = parse_cache_spec(spec)
+    if isinstance(parsed, HFCacheSpec):
+        raise ValueError(f"{parsed.spec} is Hugging Face's QuantizedCache: check it with walshkv.cache.check_spec_fits")
+    _layer_types(parsed, config)
 
 
 class CompressedCache(Cache):
@@ -125,14 +182,12 @@ class CompressedCache(Cache):
         if config is None:
             super().__init__(layer_class_to_replicate=self._next_layer)
             return
+        layer_types, per_layer_kwargs = _layer_types(self.cache_spec, config)  # refuses what cannot be held
         text_config = config.get_text_config(decoder=True)
         head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
         self._kv_shape = (text_config.num_hidden_layers, text_config.num_key_value_heads, head_dim)
-        self.cache_spec.check_head_dim(head_dim)
-        if isinstance(self.cache_spec, LayeredCacheSpec):
-            self.cache_spec.check_layers(text_config.num_hidden_layers)
         if calibration is not None:
             calibration.check_matches(
                 text_config.num_hidden_layers,
@@ -140,28 +195,23 @@ class CompressedCache(Cache):
                 head_dim,
                 model_config=identity_config(config),
             )
-        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers: list[CacheLayerMixin] = []
         kivi = isinstance(self.cache_spec.k, KiviCodec)
         for idx, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True)):
             spec_i = self.cache_spec.bind(idx, calibration)
             if kivi:
-                if layer_type != "full_attention":
-                    raise ValueError(f"{self.cache_spec.spec} supports full-attention layers only, not {layer_type!r}")
-                layers.append(KiviLayer(spec_i))
+                if layer_type == "sliding_attention":
+                    layers.append(KiviSlidingWindowLayer(spec_i, kwargs["sliding_window"]))
+                else:
+                    layers.append(KiviLayer(spec_i))
             elif layer_type == "full_attention":
                 layers.append(CompressedLayer(spec_i, residual, self.cache_spec.sink))
                 layers[-1].fused = fused
                 layers[-1].reserve = max_cache_len or 0
                 layers[-1].exact_prefill = prefill == "exact"
-            elif layer_type in _SLIDING_TYPES:
+            else:  # one of _SLIDING_TYPES (_layer_types refused the rest)
                 layers.append(CompressedSlidingWindowLayer(spec_i, kwargs["sliding_window"], residual))
                 layers[-1].exact_prefill = prefill == "exact"
-            else:
-                raise ValueError(
-                    f"CompressedCache supports full_attention and {'/'.join(_SLIDING_TYPES)} layers; "
-                    f"this model has a {layer_type!r} layer"
-                )
         super().__init__(layers=layers)
 
     def _next_layer(self) -> CompressedLayer:

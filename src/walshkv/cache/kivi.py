@@ -3,6 +3,12 @@
 Tokens enter an fp16 window; once it holds ``R + G`` tokens its oldest ``G`` leave as one K group (and
 their V, per token) through the codec contract, ``codec.encode(x, start)`` with ``x`` whole groups. See
 :mod:`walshkv.codecs.kivi`.
+
+On a sliding-window layer (gemma3's local layers), :class:`KiviSlidingWindowLayer` holds the window the
+model attends to and drops a quantized K group (and its V tokens) once every one of its tokens has left the
+window: K's scale and zero point are shared by the group, so it leaves whole. It therefore holds up to
+``G - 1`` tokens more than transformers' sliding layer (``sliding_window - 1`` tokens); the attention mask
+hides them, and the cache's bytes count them.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from walshkv.cache.store import cat_packed, seq_len
 from walshkv.codecs.floats import FloatCodec
 from walshkv.codecs.spec import CacheSpec
 
-__all__ = ["KiviLayer"]
+__all__ = ["KiviLayer", "KiviSlidingWindowLayer"]
 
 _FP16 = FloatCodec("fp16")  # the window: its encode refuses NaN/Inf and values fp16 cannot hold
 
@@ -58,13 +64,14 @@ class KiviLayer(CompressedLayer):
         window_v = torch.cat([self.values, new_v16], dim=-2)
         n_groups = max(0, window_k.shape[-2] - self.window) // self.group
         n = n_groups * self.group
-        start = self._packed_tokens()  # position of the first token that leaves the window now
+        first = self._dropped()  # position of the first stored token (tokens a sliding window dropped before it)
+        start = first + self._packed_tokens()  # position of the first token that leaves the window now
         # an fp16 model reads fp16: encoding the fp16 window as is makes the codec refuse what decodes past 65504
         enc = torch.float16 if out_dtype == torch.float16 else torch.float32
         new_k = self.kivi_k.encode(window_k[:, :, :n].to(enc), start) if n else None
         new_v = self.kivi_v.encode(window_v[:, :, :n].to(enc), start) if n else None
-        stored_k = ((self.packed_k, 0), (new_k, start))
-        stored_v = ((self.packed_v, 0), (new_v, start))
+        stored_k = ((self.packed_k, first), (new_k, start))
+        stored_v = ((self.packed_v, first), (new_v, start))
         parts_k = [self.kivi_k.decode(p, at) for p, at in stored_k if p is not None]
         parts_v = [self.kivi_v.decode(p, at) for p, at in stored_v if p is not None]
         out_k = torch.cat([p.to(out_dtype) for p in parts_k] + [window_k[:, :, n:].to(out_dtype)], dim=-2)
@@ -74,7 +81,12 @@ class KiviLayer(CompressedLayer):
         self.keys = window_k[:, :, n:].contiguous()
         self.values = window_v[:, :, n:].contiguous()
         self.cumulative_length += key_states.shape[-2]
+        self._after_update()
         return out_k, out_v
+
+    def _dropped(self) -> int:
+        """Tokens that left the layer (a sliding window's oldest groups; none on a full-attention layer)."""
+        return 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise RuntimeError("KIVI caches cannot be cropped (K is quantized in groups of tokens); use a fresh cache")
@@ -100,3 +112,51 @@ class KiviLayer(CompressedLayer):
         k_bits = 8.0 * rows * (groups * k_group + win * d * 2)
         v_bits = 8.0 * rows * (self._packed_tokens() * v_token + win * d * 2)
         return k_bits, elements, v_bits, elements
+
+
+class KiviSlidingWindowLayer(KiviLayer):
+    """A sliding-window layer for KIVI codecs: holds the last ``sliding_window - 1`` tokens, in whole K groups.
+
+    A quantized group leaves once all its ``G`` tokens are older than the window (its K scale and zero point
+    are per group), so the layer holds between ``sliding_window - 1`` and ``sliding_window + G - 2`` tokens
+    once the context has passed the window (plus the fp16 window's schedule, as on a full layer). The attention
+    mask (:meth:`get_mask_sizes` gives it the first held token's position) hides the older ones, so attention
+    sees exactly the window; the extra tokens count in the cache's bytes.
+
+    Args:
+        spec: a KIVI cache spec (``kivi2``, ``kivi4:g=32:r=32``).
+        sliding_window: the model's window (``config.sliding_window``): a query attends to itself and the
+            ``sliding_window - 1`` tokens before it.
+    """
+
+    is_sliding = True
+
+    def __init__(self, spec: CacheSpec | str, sliding_window: int) -> None:
+        super().__init__(spec)
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
+        self.sliding_window = sliding_window
+
+    def _dropped(self) -> int:
+        return self.cumulative_length - self._stored_length()
+
+    def _after_update(self) -> None:
+        """Drop the quantized groups whose every token is older than the last ``sliding_window - 1``."""
+        if self.packed_k is None or self.packed_v is None:
+            return
+        oldest_kept = self.cumulative_length - (self.sliding_window - 1)  # position of the first token to keep
+        stale = min(max(0, oldest_kept - self._dropped()) // self.group, self.packed_k.seq_len)
+        if stale == 0:
+            return
+        groups, tokens = self.packed_k.seq_len, self._packed_tokens()
+        self.packed_k = self.packed_k.slice_seq(stale, groups) if stale < groups else None
+        self.packed_v = self.packed_v.slice_seq(stale * self.group, tokens) if stale < groups else None
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._stored_length() + query_length, self._dropped()
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.sliding_window

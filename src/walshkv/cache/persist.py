@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from walshkv._version import __version__
 from walshkv.cache.identity import calibration_digest, checksum, layer_codecs, model_identity
-from walshkv.cache.kivi import KiviLayer
+from walshkv.cache.kivi import KiviLayer, KiviSlidingWindowLayer
 from walshkv.cache.layers import CompressedLayer, CompressedSlidingWindowLayer
 from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.spec import parse_cache_spec
@@ -322,8 +322,13 @@ def _restore_layer(path: Path, i: int, layer: CompressedLayer, meta: dict, tenso
     consistent &= n_k * (layer.group if isinstance(layer, KiviLayer) else 1) == n_v
     consistent &= keys.shape[2] <= layer.residual or isinstance(layer, KiviLayer)
     length = meta["cumulative_length"]
-    sliding = isinstance(layer, CompressedSlidingWindowLayer)
-    consistent &= stored <= min(length, layer.sliding_window - 1) if sliding else stored == length
+    if isinstance(layer, CompressedSlidingWindowLayer):
+        consistent &= stored <= min(length, layer.sliding_window - 1)
+    elif isinstance(layer, KiviSlidingWindowLayer):  # drops whole K groups: up to G - 1 tokens past the window
+        consistent &= stored <= length and (length - stored) % layer.group == 0
+        consistent &= length - stored <= max(0, length - layer.sliding_window + 1)
+    else:
+        consistent &= stored == length
     if not consistent:
         raise CacheFileError(
             path, "layout", f"layer {i}'s tokens do not add up ({stored} held of {length}); save again"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import get_args
+from typing import Any, get_args
 
 from walshkv import data, models
 from walshkv.calibration import collect_kv_stats
@@ -20,6 +20,7 @@ from walshkv.codecs import parse_cache_spec
 from walshkv.constants import Feed, Prefill, Score
 from walshkv.data import Text
 from walshkv.eval import evaluate
+from walshkv.eval.fit import fit_specs
 from walshkv.eval.report import (
     command_line,
     decode_note,
@@ -32,13 +33,15 @@ from walshkv.eval.report import (
 from walshkv.presets import resolve_specs
 from walshkv.recommend import split_text
 
-__all__ = ["MAIN_CODECS", "add_parsers", "default_calibration"]
+__all__ = ["MAIN_CODECS", "add_parsers", "default_calibration", "fit_codecs"]
 
 
 #: What ``walshkv eval`` runs with no ``--codec``: the uncompressed reference row, walshkv's presets (the model's
 #: shipped specs) and the peers users compare them with at similar bits: llama.cpp's types with the rotation, as
 #: upstream now applies it (q8_0 K / q4_0 V at 6.5 bits, q4_0 and iq4_nl at 4.5), KIVI (5 and 3 bits with its
-#: fp16 window) and TurboQuant-class tq (4.06 and 3.06 bits at head_dim 64). All run on the core install.
+#: fp16 window) and TurboQuant-class tq (4.06 and 3.06 bits at head_dim 64). All run on the core install and on
+#: every model of ``walshkv models list`` (KIVI holds gemma3's sliding-window layers too); on another model, one
+#: that does not fit (its head size, its layer types) is left out with a note before anything runs.
 MAIN_CODECS = (
     "fp16",
     "walshkv:4.5",
@@ -68,12 +71,30 @@ def default_calibration(text: Text) -> tuple[Text, Text]:
     return calib, Text(f"{text.name}[eval]", rest.source, rest.content)
 
 
+def fit_codecs(codecs: list[str], config: Any, model: Any, *, required: bool) -> list[str]:
+    """The run's codecs checked against the model's config before any calibration or forward
+    (:func:`walshkv.eval.fit.fit_specs`): asked-for codecs that do not fit are refused; default ones are left
+    out, each with a note on stderr saying why."""
+    kept, left_out = fit_specs(codecs, config, model=model, required=required)
+    label = getattr(model, "name", model)
+    for codec, why in left_out.items():
+        print(f"note: {codec} is left out of the default set on {label}: {why}", file=sys.stderr, flush=True)
+    if not kept:
+        raise ValueError(f"none of the default codecs fits {label}; choose some with --codec")
+    return kept
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     codecs = args.codec or list(MAIN_CODECS)
     for c in codecs:  # fail before loading anything
         parse_cache_spec(c)
+    config = models.layout_config(args.model)  # a registry model's or a folder's: checked before loading
+    if config is not None:
+        codecs = fit_codecs(codecs, config, args.model, required=bool(args.codec))
     text = data.load_text(args.text)
     lm = models.load_model(args.model, progress=not args.quiet)
+    if config is None:  # only loading told (a .gguf file, a hub id): checked now, still before calibration
+        codecs = fit_codecs(codecs, lm.model.config, lm, required=bool(args.codec))
     if not args.codec and not args.calib_text and not args.kv_mean_center:
         calib, text = default_calibration(text)
         print(

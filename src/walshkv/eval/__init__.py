@@ -5,8 +5,8 @@ Modules: :mod:`~walshkv.eval.harness` (:func:`evaluate`, the protocol), :mod:`~w
 files for every command), :mod:`~walshkv.eval.grids`, :mod:`~walshkv.eval.pareto` and
 :mod:`~walshkv.eval.sweep` (``walshkv sweep``), :mod:`~walshkv.eval.rd` with :mod:`~walshkv.eval.rd_report`
 (``walshkv rd``), :mod:`~walshkv.eval.needle` (``walshkv needle``, a subpackage), :mod:`~walshkv.eval.capture`
-(K/V of real text for the research studies). Token windows live one layer down, in :mod:`walshkv.data`; they
-are re-exported here.
+(K/V of real text for the research studies), :mod:`~walshkv.eval.fit` (a run's specs checked against the model
+before anything runs). Token windows live one layer down, in :mod:`walshkv.data`; they are re-exported here.
 """
 
 from walshkv.data import SCORE_MODES, Windows, describe_scored, make_windows, scored_positions

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from walshkv.cache import make_cache
+from walshkv.cache import check_spec_fits
 from walshkv.codecs import parse_cache_spec
-from walshkv.codecs.kivi import KiviCodec
 from walshkv.eval.harness import DEFAULT_CODECS
 
 if TYPE_CHECKING:
@@ -317,17 +316,15 @@ def unrunnable_specs(specs: Sequence[str], lm: LoadedModel) -> dict[str, str]:
     """Peer specs this model or environment cannot run, with the reason.
 
     A sweep leaves them out (and says so in its table) instead of failing: Hugging Face ``hf-*``
-    caches without their optional backend, and caches that support full-attention layers only
-    (``hf-*``, KIVI) on a model with sliding-window layers (gemma3).
+    caches without their optional backend, and any spec the model's layers cannot hold
+    (:func:`walshkv.cache.check_spec_fits`: ``hf-*`` on a model with sliding-window layers, such as gemma3).
     """
     out = {}
     for spec in specs:
-        parsed = parse_cache_spec(spec)
-        if spec.startswith("hf-") or isinstance(getattr(parsed, "k", None), KiviCodec):
-            try:
-                make_cache(parsed, lm.model.config)
-            except (ImportError, ValueError) as err:
-                out[spec] = str(err)
+        try:
+            check_spec_fits(spec, lm.model.config)
+        except (ImportError, ValueError) as err:
+            out[spec] = str(err)
     return out
 
 

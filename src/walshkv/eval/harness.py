@@ -135,7 +135,7 @@ def _decode(
     Returns:
         ``(logits [last - first, vocab], per scored token (positions it attended to, of which held in full
         precision with the token itself, of which earlier than the token))``, from
-        :func:`~walshkv.cache.context_state` of layer 0.
+        :func:`~walshkv.cache.context_state` (its first full-attention layer).
     """
     if first > 0:
         forward_scored(model, ids[:, :first], cache, 1)
@@ -154,8 +154,9 @@ def _decode(
 def _window_states(cache: Any, first: int, last: int) -> list[tuple[int, int, int]]:
     """:func:`_decode`'s per-token states for positions ``first..last-1`` of a window written in one forward.
 
-    Attention read the tokens as the cache held them after the write (:func:`~walshkv.cache.context_state`
-    of layer 0): the last ``window`` of them in full precision (KIVI's fp16 window), the rest quantized.
+    Attention read the tokens as the cache held them after the write (:func:`~walshkv.cache.context_state`,
+    its first full-attention layer): the last ``window`` of them in full precision (KIVI's fp16 window), the rest
+    quantized.
     """
     cached, window, _ = context_state(cache)
     quantized = cached - window  # positions 0..quantized-1 were read quantized
