@@ -12,7 +12,7 @@ import walshkv.models
 from walshkv.cache import CompressedCache
 from walshkv.calibration import collect_kv_stats
 from walshkv.cli import main
-from walshkv.codecs import parse_cache_spec
+from walshkv.codecs import parse_cache_spec, parse_codec, wrappers
 from walshkv.data import Text
 from walshkv.eval import evaluate
 from walshkv.export import read_kv_mean_center
@@ -34,6 +34,7 @@ from walshkv.recommend import (
     candidates_for,
     fast_candidate,
     recommend,
+    shift_codec,
     shift_width,
     split_text,
 )
@@ -173,6 +174,16 @@ def test_shift_width():
     assert shift_width("tq:2.5", -0.5) == "tq:2"
     assert shift_width("tq:8", 0.5) is None and shift_width("tq:1", -0.5) is None
     assert shift_width("rot+int4", 0.5) is None
+
+
+def test_shift_codec_rebuilds_the_chain_from_its_objects():
+    """The wrappers keep their own fields (a seed) and the storing tq its seed and codebook; nothing re-parsed."""
+    codec = parse_codec("prerope+center+eqd+rrot:7+tq:3:codebook=beta:seed=5")
+    moved = shift_codec(codec, 1.5)
+    assert moved is not None and moved.spec == "prerope+center+eqd+rrot:7+tq:4.5:codebook=beta:seed=5"
+    assert moved == parse_codec(moved.spec)
+    assert [type(w) for w in wrappers(moved)] == [type(w) for w in wrappers(codec)]
+    assert shift_codec(codec, 0) == codec
 
 
 def test_layered_spec_runs_in_a_cache_and_counts_bits(hd64_lm):

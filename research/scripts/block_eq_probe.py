@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -84,17 +85,15 @@ def block_equalizer(
     return 0.5 * (a + a.transpose(-1, -2))
 
 
+@dataclass(frozen=True, repr=False)
 class BlockEqualized(Equalized):
     """``eqb:B+X`` / ``eqpb:B+X``: ``eq+`` with a block-diagonal K transform (K only)."""
 
     kinds = ("k",)
     other_kind = "refuse"
 
-    def __init__(
-        self, inner: Codec, size: int, pairs: bool, matrix: torch.Tensor | None = None, spec: str | None = None
-    ) -> None:
-        self.size, self.pairs = size, pairs
-        super().__init__(inner, matrix, spec or f"{self.prefix}+{inner.spec}")
+    size: int = 0
+    pairs: bool = False
 
     @property
     def prefix(self) -> str:
@@ -109,7 +108,7 @@ class BlockEqualized(Equalized):
         cov, qmom = calibration.k_covariance(layer_idx), calibration.query_moment(layer_idx)
         groups = block_groups(cov.shape[-1], self.size, self.pairs)
         matrix = block_equalizer(cov, qmom, groups).to(torch.float32)
-        return BlockEqualized(inner, self.size, self.pairs, matrix, self.spec)
+        return replace(self, inner=inner, matrix=matrix)
 
 
 def _factory(pairs: bool):  # type: ignore[no-untyped-def]
@@ -120,7 +119,7 @@ def _factory(pairs: bool):  # type: ignore[no-untyped-def]
             size = 0
         if size < 1:
             raise ValueError(f"{'eqpb' if pairs else 'eqb'} takes a block size >= 1 (eqb:8+tq:3.5), got {args!r}")
-        return BlockEqualized(inner, size, pairs)
+        return BlockEqualized(inner, size=size, pairs=pairs)
 
     return make
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,24 +44,15 @@ from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.registry import register_wrapper
 from walshkv.fileio import write_json_atomic
 from walshkv.ops.equalize import k_equalizer
-from walshkv.ops.rope import RopeTable, apply_rope
+from walshkv.ops.rope import apply_rope
 
 
+@dataclass(frozen=True, repr=False)
 class RopeCentered(PreRope):
     """``ropecenter[:M]+X``: X stores ``k - R(p) mu`` (K after RoPE), decoded as ``X⁻¹(codes) + R(p) mu``."""
 
-    def __init__(
-        self,
-        inner: Codec,
-        rope: RopeTable | None = None,
-        spec: str | None = None,
-        mu: torch.Tensor | None = None,
-        pairs: int | None = None,
-    ) -> None:
-        self.pairs = pairs
-        tag = "ropecenter" if pairs is None else f"ropecenter:{pairs}"
-        super().__init__(inner, rope, spec or f"{tag}+{inner.spec}")
-        self.mu = mu
+    mu: torch.Tensor | None = field(default=None, compare=False)
+    pairs: int | None = None
 
     @property
     def prefix(self) -> str:
@@ -86,7 +78,7 @@ class RopeCentered(PreRope):
             keep[norm.topk(min(self.pairs, half)).indices] = True
             mu = mu * torch.cat([keep, keep]).to(mu.dtype)
         inner = self.inner.bind(layer_idx, kind, calibration)  # the inner codec sees K after RoPE
-        return RopeCentered(inner, stats.rope_table(layer_idx), self.spec, mu, self.pairs)
+        return replace(self, inner=inner, rope=stats.rope_table(layer_idx), mu=mu)
 
     def _offset(self, x: torch.Tensor, start: int) -> torch.Tensor:
         if self.mu is None:
@@ -134,17 +126,14 @@ def rope_averaged(m: torch.Tensor, inv_freq: torch.Tensor, length: int | None) -
     return torch.cat([top, bottom], dim=-2)
 
 
+@dataclass(frozen=True, repr=False)
 class RopeAveragedEqualized(Equalized):
     """``eqr[:L]+X``: ``eq+``'s K transform fitted after RoPE to moments averaged over positions ``0 .. L-1``."""
 
     kinds = ("k",)
     other_kind = "refuse"
 
-    def __init__(
-        self, inner: Codec, matrix: torch.Tensor | None = None, spec: str | None = None, length: int | None = None
-    ) -> None:
-        self.length = length
-        super().__init__(inner, matrix, spec or f"{self.prefix}+{inner.spec}")
+    length: int | None = None
 
     @property
     def prefix(self) -> str:
@@ -161,7 +150,7 @@ class RopeAveragedEqualized(Equalized):
         cov = rope_averaged(pre.k_covariance(layer_idx), inv_freq, self.length)
         qmom = rope_averaged(pre.query_moment(layer_idx), inv_freq, self.length)
         matrix = k_equalizer(cov, qmom).to(torch.float32)
-        return RopeAveragedEqualized(inner, matrix, self.spec, self.length)
+        return replace(self, inner=inner, matrix=matrix)
 
 
 def _count(args: str, what: str) -> int:

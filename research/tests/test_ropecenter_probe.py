@@ -31,7 +31,7 @@ def _table(d: int) -> RopeTable:
 
 
 def _bound(probe, inner, mu, d, pairs=None):
-    return probe.RopeCentered(inner, _table(d), "ropecenter+" + inner.spec, mu, pairs)
+    return probe.RopeCentered(inner, _table(d), mu=mu, pairs=pairs)
 
 
 def test_round_trip_is_exact_with_a_lossless_inner_codec(probe):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from walshkv.calibration import KVStats, collect_kv_stats
 from walshkv.codecs import parse_cache_spec, parse_codec
-from walshkv.codecs.base import Codec, Wrapper, unwrap, wrappers
+from walshkv.codecs.base import Codec, rewrap, unwrap
 from walshkv.codecs.spec import CacheSpec, LayeredCacheSpec
 from walshkv.codecs.turbo import TQ_BITS, TurboQuant
 from walshkv.data import Text
@@ -282,18 +282,14 @@ def recommend(
     return Recommendation(preset, rows, result.meta, stats, plan)
 
 
-def _own_prefix(wrapper: Wrapper) -> str:
-    """``wrapper``'s own part of its spec: ``center+``, ``rot+``, ``rrot:3+``, ..."""
-    return wrapper.spec[: len(wrapper.spec) - len(wrapper.inner.spec)]
-
-
 def shift_codec(codec: Codec, delta: float) -> Codec | None:
     """``codec`` with its ``tq`` width moved by ``delta`` bits: the same wrapper chain around a wider or
-    narrower :class:`~walshkv.codecs.turbo.TurboQuant` (same seed and codebook).
+    narrower :class:`~walshkv.codecs.turbo.TurboQuant` (same seed and codebook), rebuilt from the objects
+    (:func:`dataclasses.replace` on the storing codec, :func:`~walshkv.codecs.base.rewrap` around it).
 
     Returns:
-        The rebuilt (unbound) codec, or ``None`` if ``codec`` does not store with ``tq`` or the new width
-        is not a ``tq`` width (``TQ_BITS``: 1 to 8 in half bits).
+        The rebuilt codec (unbound for an unbound ``codec``), or ``None`` if ``codec`` does not store with ``tq``
+        or the new width is not a ``tq`` width (``TQ_BITS``: 1 to 8 in half bits).
     """
     store = unwrap(codec)
     if not isinstance(store, TurboQuant):
@@ -301,8 +297,7 @@ def shift_codec(codec: Codec, delta: float) -> Codec | None:
     bits = store.bits + delta
     if bits not in TQ_BITS:
         return None
-    moved = TurboQuant(bits, store.seed, store.codebook)
-    return parse_codec("".join(_own_prefix(w) for w in wrappers(codec)) + moved.spec)
+    return rewrap(codec, replace(store, bits=bits))
 
 
 def shift_width(codec_spec: str, delta: float) -> str | None:

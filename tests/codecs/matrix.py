@@ -2,7 +2,7 @@
 
 ``tests/codecs/test_contract.py`` runs every entry through the codec contract (round trip, bytes, dtypes,
 refusals, positions), and fails if a registered codec or wrapper has no entry here: adding a codec means
-adding its line below (docs/codecs.md, "Adding a codec"). Other tests may import :data:`MATRIX` too.
+adding its line below (docs/architecture.md, "Adding a codec"). Other tests may import :data:`MATRIX` too.
 
 The tolerance is the largest relative RMS error ``||decode(encode(x)) - x|| / ||x||`` accepted on
 ``CalibrationStub``-bound codecs for Gaussian input ``[2, 2, tokens, head_dim]`` (measured, with margin).

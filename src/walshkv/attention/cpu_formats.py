@@ -143,7 +143,7 @@ def cpu_format(core: Codec, head_dim: int) -> KernelFormat | None:
         fmt = KernelFormat(kind, 8 if kind == "q8_0" else 4, nbytes, head_dim, 0, "blocks", None, None)
     elif type(core) is VHT2Codec:
         fmt = _vht2_format(core, head_dim)
-        if core._perm is not None:  # a calibrated (bound) codec: its spec names the layer, but do not cache
+        if core.calibrated_perm is not None:  # a calibrated (bound) codec: its spec names the layer, but do not cache
             return fmt
     elif type(core) is TurboQuant:
         fmt = _tq_format(core, head_dim)
@@ -235,4 +235,4 @@ def _calibrated(codec: Codec) -> bool:
     if _bound_prerope(codec):  # its RoPE table, mean and eq+ transform are the layer's
         return True
     core = peel(codec)[1]
-    return isinstance(core, VHT2Codec) and core._perm is not None
+    return isinstance(core, VHT2Codec) and core.calibrated_perm is not None

@@ -1,12 +1,23 @@
 """K/V codecs: one file per method, registered in :mod:`.registry`, composed by spec strings (:mod:`.spec`).
 
-The contract (docs/codecs.md): :class:`Codec` (``layout``, ``encode(x, start)``, ``decode(packed, start)``,
-``bind(layer, kind, calibration)``), :class:`Wrapper` (``inner``, ``unwrap()``, its slot in
-:data:`WRAPPER_ORDER`), :class:`Packed` and :class:`Field`; what ``bind`` reads is typed by the protocols of
-:mod:`.calibration`.
+The contract (docs/architecture.md, "The codec contract"): :class:`Codec` (a frozen dataclass whose ``spec``
+derives from its fields; ``layout``, ``encode(x, start)``, ``decode(packed, start)``, ``bind(layer, kind,
+calibration)``), :class:`Wrapper` (``inner``, ``unwrap()``, its slot in :data:`WRAPPER_ORDER`), :class:`Packed` and
+:class:`Field`; what ``bind`` reads is typed by the protocols of :mod:`.calibration`.
 """
 
-from walshkv.codecs.base import WRAPPER_ORDER, Codec, Field, Packed, Wrapper, check_kv, find_wrapper, unwrap, wrappers
+from walshkv.codecs.base import (
+    WRAPPER_ORDER,
+    Codec,
+    Field,
+    Packed,
+    Wrapper,
+    check_kv,
+    find_wrapper,
+    rewrap,
+    unwrap,
+    wrappers,
+)
 from walshkv.codecs.calibration import Calibration, CalibrationLike, Statistics
 from walshkv.codecs.floats import FloatCodec
 from walshkv.codecs.ggml import GGMLCodec
@@ -44,6 +55,7 @@ __all__ = [
     "parse_codec",
     "register_codec",
     "register_wrapper",
+    "rewrap",
     "unwrap",
     "wrappers",
 ]

@@ -7,6 +7,12 @@ vector, and :meth:`Codec.bits_per_element` is computed from that layout, never t
 ``encode``/``decode`` take the block's first position (``start``); only positional codecs
 (``prerope+``) read it. The order wrappers nest in is :data:`WRAPPER_ORDER`, checked by
 :func:`check_wrapper_order` when a wrapper is built (docs/codecs.md has the whole contract).
+
+The built-in codecs are frozen dataclasses: a codec's fields are its identity (``bits``, ``seed``, a
+wrapper's ``inner``, ...), two codecs with equal fields are equal, and :attr:`Codec.spec` is derived from
+the fields (:meth:`Codec._spec`) when the codec is built. What a bound codec took from calibration (a K
+mean, an ``eq+`` transform, a RoPE table) is a field too, left out of equality and hashing
+(``field(compare=False)``), as are caches filled on use (a ``dict`` field, ``init=False``).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import functools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
@@ -38,6 +44,7 @@ __all__ = [
     "check_start",
     "check_wrapper_order",
     "find_wrapper",
+    "rewrap",
     "unwrap",
     "wrappers",
 ]
@@ -159,10 +166,35 @@ class Codec(ABC):
 
     A wrapper hands its transformed block to its inner codec's :meth:`_encode_inner`, which skips the checks
     that the wrapper's own ``encode`` already made on the same block (see :class:`Wrapper`).
+
+    A subclass is a ``@dataclass(frozen=True, repr=False)`` whose fields are the codec's parameters; it
+    implements :meth:`_spec` (the canonical spec, from those fields) and, if it checks or normalises its
+    fields, ``__post_init__`` ending in ``super().__post_init__()`` (which stores :attr:`spec`). A plain
+    (non-dataclass) subclass sets :attr:`spec` itself.
     """
 
-    #: Canonical spec string, e.g. ``"rot+int4"``.
+    #: Canonical spec string, e.g. ``"rot+int4"``: derived from the fields when a dataclass codec is built
+    #: (:meth:`_spec`), so that ``parse_codec(codec.spec)`` rebuilds an equal codec; a bound codec's spec may
+    #: name its layer (``vht2:4,3:order=variance[k0]``). Read it freely: it is a stored string, not recomputed.
     spec: str = ""
+
+    def __post_init__(self) -> None:
+        """Store :attr:`spec`, derived from the fields (a dataclass codec's ``__init__`` calls this; an override
+        checks the fields first, then calls ``super().__post_init__()``)."""
+        self._set(spec=self._spec())
+
+    def _spec(self) -> str:
+        """The canonical spec of this codec, from its fields (``f"int{self.bits}"``); ``parse_codec`` reads it back."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _spec (or set spec itself)")
+
+    def _set(self, **values: object) -> None:
+        """Assign attributes of a frozen dataclass codec: the one place a codec writes to itself.
+
+        Only ``__post_init__`` calls it: to store :attr:`spec`, to normalise a field (``bits=float(bits)``), or
+        to fill a field derived from the others (``init=False``: ``eq+``'s inverse, ``tqprod``'s MSE stage).
+        """
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         """Every ``layout`` (and so ``bytes_per_vector``, ``bits_per_element``) refuses, with the same error as
@@ -301,12 +333,15 @@ WRAPPER_ORDER: tuple[str, ...] = ("prerope", "center", "eq", "rot")
 REPEATABLE_WRAPPERS: frozenset[str] = frozenset({"rot"})
 
 
+@dataclass(frozen=True, repr=False)
 class Wrapper(Codec):
     """A codec that transforms each vector and stores the result with ``inner`` (``rot+``, ``center+``, ...).
 
     A wrapper adds no stored bytes: :meth:`layout` and the head-size check are the inner codec's, and it
     needs calibration if its inner codec does. Walk a chain with :func:`wrappers` and :func:`unwrap`, never
-    by reading attributes by name. Building one checks its place in :data:`WRAPPER_ORDER`.
+    by reading attributes by name. Building one checks its place in :data:`WRAPPER_ORDER`. A subclass is a
+    frozen dataclass too: its own parameters are fields after ``inner`` (its spec is ``PREFIX+INNER``, from
+    :attr:`prefix` and ``inner.spec``); what :meth:`bind` takes from calibration is a ``compare=False`` field.
 
     A subclass implements :meth:`_transform` (the codec that stores its output, and that output) and
     ``_decode``. Encoding then checks the input once, at the outermost ``encode``: each transform's output goes
@@ -332,9 +367,14 @@ class Wrapper(Codec):
     other_kind: ClassVar[Literal["skip", "refuse"]] = "skip"
     misplaced: ClassVar[str] = "write {fixed}, not {given}"
 
-    def __init__(self, inner: Codec) -> None:
-        check_wrapper_order([self, *wrappers(inner)], unwrap(inner).spec)
-        self.inner = inner
+    inner: Codec
+
+    def __post_init__(self) -> None:
+        check_wrapper_order([self, *wrappers(self.inner)], unwrap(self.inner).spec)
+        super().__post_init__()
+
+    def _spec(self) -> str:
+        return f"{self.prefix}+{self.inner.spec}"
 
     @property
     def prefix(self) -> str:
@@ -469,6 +509,19 @@ def unwrap(codec: Codec) -> Codec:
     while isinstance(codec, Wrapper):
         codec = codec.inner
     return codec
+
+
+def rewrap(codec: Codec, store: Codec) -> Codec:
+    """``codec``'s wrapper chain around another storing codec ``store`` (``store`` itself if ``codec`` has none).
+
+    Each wrapper is rebuilt with :func:`dataclasses.replace`: it keeps its own fields (a seed, what it took from
+    calibration) and checks its place in :data:`WRAPPER_ORDER` again. ``rewrap(center+tq:4, TurboQuant(4.5))``
+    is ``center+tq:4.5``.
+    """
+    out = store
+    for w in reversed(wrappers(codec)):
+        out = replace(w, inner=out)
+    return out
 
 
 def find_wrapper(codec: Codec, kind: type[W]) -> W | None:

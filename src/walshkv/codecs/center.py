@@ -12,7 +12,7 @@ without a rotation needs a ``plain`` file. Statistics collected in the same run
 
 from __future__ import annotations
 
-import weakref
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,19 +27,15 @@ if TYPE_CHECKING:
 
 __all__ = ["Centered"]
 
-#: Each codec's bias as ``[1, kv_heads, 1, head_dim]`` on the device last used (kept off the codec's attributes,
-#: which the calibration digest reads).
-_BIAS_VIEWS: weakref.WeakKeyDictionary[Centered, tuple[torch.Tensor, torch.device, torch.Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
 
-
+@dataclass(frozen=True, repr=False)
 class Centered(Wrapper):
     """Wrap a K codec with calibrated mean subtraction.
 
-    Args:
+    Attributes:
         inner: the codec that stores the centered K (``Rotated`` codecs center after rotating).
-        bias: ``[kv_heads, head_dim]`` for a bound (per-layer) codec; ``None`` until :meth:`bind`.
+        bias: ``[kv_heads, head_dim]`` for a bound (per-layer) codec; ``None`` until :meth:`bind` (left out of
+            equality: a bound codec equals its unbound one).
     """
 
     name = "center"
@@ -47,10 +43,9 @@ class Centered(Wrapper):
     other_kind = "skip"
     misplaced = "write center+ first: {fixed}, not {given}"
 
-    def __init__(self, inner: Codec, bias: torch.Tensor | None = None, spec: str | None = None) -> None:
-        super().__init__(inner)
-        self.bias = bias
-        self.spec = spec or f"center+{inner.spec}"
+    bias: torch.Tensor | None = field(default=None, compare=False)
+    #: the bias as ``[1, kv_heads, 1, head_dim]`` per device, filled on use
+    _views: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, compare=False)
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
@@ -76,7 +71,7 @@ class Centered(Wrapper):
             bias = self.inner.rotate(calibration.mean("k", layer_idx, "plain"))
         else:
             bias = calibration.k_bias(layer_idx, self.basis)
-        return Centered(inner, bias.to(torch.float32), self.spec)
+        return Centered(inner, bias.to(torch.float32))
 
     def check_head_dim(self, head_dim: int) -> None:
         self.inner.check_head_dim(head_dim)
@@ -89,12 +84,10 @@ class Centered(Wrapper):
             raise ValueError(f"{self.spec} is not bound to a layer's K mean; build it through CompressedCache")
         if bias.shape[0] != x.shape[1]:
             raise ValueError(f"{self.spec}: bias has {bias.shape[0]} kv heads, K has {x.shape[1]}")
-        device = x.device
-        cached = _BIAS_VIEWS.get(self)
-        if cached is None or cached[0] is not bias or cached[1] != device:
-            cached = (bias, device, bias.to(device)[None, :, None, :])
-            _BIAS_VIEWS[self] = cached
-        return cached[2]
+        view = self._views.get(x.device)
+        if view is None:
+            view = self._views[x.device] = bias.to(x.device)[None, :, None, :]
+        return view
 
     def plain_offset(self) -> torch.Tensor:
         """What decoding leaves subtracted from K, in the plain basis: ``[kv_heads, head_dim]``.

@@ -14,6 +14,7 @@ Write it after ``center+`` and before any rotation: ``center+eq+tq:3.5/eq+tq:3``
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -117,28 +118,32 @@ def _apply_per_head(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out.view(h, b, n, 1, e).permute(1, 0, 2, 4, 3).view(b, h, n, e)
 
 
+@dataclass(frozen=True, repr=False)
 class Equalized(Wrapper):
     """Wrap a codec with a per-(layer, kv-head) transform ``y = A x`` (decode: ``x = A⁻¹ y``).
 
-    Args:
+    Attributes:
         inner: the codec that stores ``A x``.
-        matrix: ``[kv_heads, head_dim, head_dim]`` for a bound (per-layer) codec; ``None`` until
-            :meth:`bind`.
+        matrix: ``[kv_heads, head_dim, head_dim]`` for a bound (per-layer) codec, ``None`` until :meth:`bind`
+            (checked, and stored as contiguous float32; left out of equality).
+        inverse: ``A⁻¹``, derived from ``matrix``.
     """
 
     name = "eq"
     kinds = ("k", "v")
     misplaced = "eq+ works in the plain basis: write {fixed}, not {given}"
 
-    def __init__(self, inner: Codec, matrix: torch.Tensor | None = None, spec: str | None = None) -> None:
-        super().__init__(inner)
-        self.spec = spec or f"eq+{inner.spec}"
-        self.matrix: torch.Tensor | None = None
-        self.inverse: torch.Tensor | None = None
-        if matrix is not None:
+    matrix: torch.Tensor | None = field(default=None, compare=False)
+    inverse: torch.Tensor | None = field(default=None, init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.matrix is not None:
             # contiguous: a calibration file's transposed view would send every product to einsum's planning
-            self.inverse = checked_inverse(matrix, self.spec).to(torch.float32).contiguous()
-            self.matrix = matrix.to(torch.float32).contiguous()
+            self._set(
+                inverse=checked_inverse(self.matrix, self.spec).to(torch.float32).contiguous(),
+                matrix=self.matrix.to(torch.float32).contiguous(),
+            )
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
@@ -146,7 +151,7 @@ class Equalized(Wrapper):
 
     def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
         inner = self.inner.bind(layer_idx, kind, calibration)
-        return type(self)(inner, self._calibrated(layer_idx, kind, calibration), self.spec)
+        return replace(self, inner=inner, matrix=self._calibrated(layer_idx, kind, calibration))
 
     def _calibrated(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None) -> torch.Tensor:
         """The layer's transform from ``calibration`` (statistics or a file)."""
@@ -183,6 +188,7 @@ class Equalized(Wrapper):
         return self._apply(self.inverse, self.inner._decode(packed))
 
 
+@dataclass(frozen=True, repr=False)
 class DiagonalEqualized(Equalized):
     """``eqd+SPEC``: ``eq+`` restricted to a diagonal ``A`` (one factor per channel), in ``eq+``'s slot.
 
@@ -196,8 +202,8 @@ class DiagonalEqualized(Equalized):
     --preset`` / ``recommend``), whose transforms must be diagonal.
     """
 
-    def __init__(self, inner: Codec, matrix: torch.Tensor | None = None, spec: str | None = None) -> None:
-        super().__init__(inner, matrix, spec or f"eqd+{inner.spec}")
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.matrix is not None:
             off = self.matrix - torch.diag_embed(torch.diagonal(self.matrix, dim1=-2, dim2=-1))
             if bool((off != 0).any()):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from walshkv.codecs.base import Codec, Field, Packed
@@ -15,14 +17,26 @@ FLOAT_CODECS: dict[str, torch.dtype] = {
 }
 
 
+@dataclass(frozen=True, repr=False)
 class FloatCodec(Codec):
-    """Store each vector at a float precision (``fp16``: 16 bits per element)."""
+    """Store each vector at a float precision (``fp16``: 16 bits per element).
 
-    def __init__(self, name: str) -> None:
-        if name not in FLOAT_CODECS:
-            raise ValueError(f"unknown float codec {name!r}; choose one of {sorted(FLOAT_CODECS)}")
-        self.spec = name
-        self.storage_dtype = FLOAT_CODECS[name]
+    Attributes:
+        name: ``fp16``, ``bf16`` or ``fp32`` (also its spec).
+        storage_dtype: the dtype the values are stored in, derived from ``name``.
+    """
+
+    name: str
+    storage_dtype: torch.dtype = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.name not in FLOAT_CODECS:
+            raise ValueError(f"unknown float codec {self.name!r}; choose one of {sorted(FLOAT_CODECS)}")
+        self._set(storage_dtype=FLOAT_CODECS[self.name])
+        super().__post_init__()
+
+    def _spec(self) -> str:
+        return self.name
 
     def layout(self, head_dim: int) -> dict[str, Field]:
         return {"values": Field((head_dim,), self.storage_dtype)}

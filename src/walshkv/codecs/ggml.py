@@ -374,6 +374,7 @@ def ggml_dequantize(blocks: torch.Tensor, name: str) -> torch.Tensor:
     return out.reshape(*lead, nbytes // bt.block_bytes * QK)
 
 
+@dataclass(frozen=True, repr=False)
 class GGMLCodec(Codec):
     """One of llama.cpp's KV-cache block types, storing ggml's block bytes verbatim.
 
@@ -382,19 +383,23 @@ class GGMLCodec(Codec):
     (``q8_0`` 8.5, ``q5_1`` 6.0, ``q5_0`` 5.5, ``q4_1`` 5.0, ``q4_0`` and ``iq4_nl`` 4.5) at any
     allowed head_dim.
 
-    Args:
-        name: one of :data:`GGML_TYPES`.
+    Attributes:
+        name: one of :data:`GGML_TYPES` (also its spec).
     """
 
-    def __init__(self, name: str) -> None:
-        self._type = _block_type(name)
-        self.name = name
-        self.spec = name
+    name: str
+
+    def __post_init__(self) -> None:
+        _block_type(self.name)
+        super().__post_init__()
+
+    def _spec(self) -> str:
+        return self.name
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one ggml block (32 values)."""
-        return self._type.block_bytes
+        return _TYPES[self.name].block_bytes
 
     def check_head_dim(self, head_dim: int) -> None:
         super().check_head_dim(head_dim)

@@ -13,6 +13,7 @@ Note that ``int2`` has levels {-1, 0, +1} (qmax = 1), as the symmetric rule impl
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -23,14 +24,23 @@ from walshkv.ops.quant import check_finite, dequantize_symmetric, quantize_symme
 __all__ = ["IntCodec"]
 
 
+@dataclass(frozen=True, repr=False)
 class IntCodec(Codec):
-    """Symmetric round-to-nearest ``bits``-bit quantization, one fp16 scale per vector."""
+    """Symmetric round-to-nearest ``bits``-bit quantization, one fp16 scale per vector.
 
-    def __init__(self, bits: int) -> None:
-        if not isinstance(bits, int) or not 2 <= bits <= 8:
-            raise ValueError(f"intB codecs take B in 2..8 (int2 ... int8), got {bits!r}")
-        self.bits = bits
-        self.spec = f"int{bits}"
+    Attributes:
+        bits: code width, 2..8 (spec ``int{bits}``).
+    """
+
+    bits: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
+            raise ValueError(f"intB codecs take B in 2..8 (int2 ... int8), got {self.bits!r}")
+        super().__post_init__()
+
+    def _spec(self) -> str:
+        return f"int{self.bits}"
 
     def layout(self, head_dim: int) -> dict[str, Field]:
         return {

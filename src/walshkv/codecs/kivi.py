@@ -25,6 +25,7 @@ dimension counts groups), ``bind(layer, "v").encode(x)`` any number of tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,27 +71,38 @@ def dequantize_asymmetric(codes: torch.Tensor, scale: torch.Tensor, zero: torch.
     return codes.to(torch.float32) * scale.to(torch.float32) + zero.to(torch.float32)
 
 
+@dataclass(frozen=True, repr=False)
 class KiviCodec(Codec):
     """One side (K or V) of KIVI; built as a pair by the ``kivi2``/``kivi4`` spec.
 
-    Args:
+    Attributes:
         bits: code width (2 or 4 in the paper; 1..8 accepted).
         group: G, tokens per K group and channels per V group.
         residual: R, the full-precision window (tokens).
-        kind: ``"k"`` (per-channel over token groups) or ``"v"`` (per-token); ``None`` until bound.
+        kind: ``"k"`` (per-channel over token groups) or ``"v"`` (per-token); ``None`` until bound (the spec,
+            ``kivi{bits}[:g=G][:r=R]``, names both sides and does not show it).
     """
 
-    def __init__(self, bits: int, group: int = 32, residual: int = 32, kind: Kind | None = None) -> None:
-        if not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise ValueError(f"kivi takes 1..8 bits (kivi2, kivi4), got {bits!r}")
-        if group < 1 or residual < 0:
-            raise ValueError(f"kivi needs g >= 1 and r >= 0, got g={group}, r={residual}")
-        self.bits, self.group, self.residual, self.kind = bits, group, residual, kind
-        opts = (f":g={group}" if group != 32 else "") + (f":r={residual}" if residual != 32 else "")
-        self.spec = f"kivi{bits}{opts}"
+    bits: int
+    group: int = 32
+    residual: int = 32
+    kind: Kind | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+            raise ValueError(f"kivi takes 1..8 bits (kivi2, kivi4), got {self.bits!r}")
+        if self.group < 1 or self.residual < 0:
+            raise ValueError(f"kivi needs g >= 1 and r >= 0, got g={self.group}, r={self.residual}")
+        if self.kind not in (None, "k", "v"):
+            raise ValueError(f"kivi binds to a side, 'k' or 'v', got {self.kind!r}")
+        super().__post_init__()
+
+    def _spec(self) -> str:
+        opts = (f":g={self.group}" if self.group != 32 else "") + (f":r={self.residual}" if self.residual != 32 else "")
+        return f"kivi{self.bits}{opts}"
 
     def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
-        return self if self.kind == kind else KiviCodec(self.bits, self.group, self.residual, kind)
+        return self if self.kind == kind else replace(self, kind=kind)
 
     def v_group(self, head_dim: int) -> int:
         """Channels per V group (G, or head_dim if head_dim is not a multiple of G)."""

@@ -22,7 +22,7 @@ the key after RoPE themselves (:mod:`walshkv.attention.keys`).
 
 from __future__ import annotations
 
-import weakref
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,16 +38,14 @@ if TYPE_CHECKING:
 
 __all__ = ["PreRope"]
 
-#: Each codec's cached cos/sin rows (kept off the codec's attributes, which the calibration digest reads).
-_ROWS: weakref.WeakKeyDictionary[PreRope, RopeRows] = weakref.WeakKeyDictionary()
 
-
+@dataclass(frozen=True, repr=False)
 class PreRope(Wrapper):
     """Wrap a K codec so that it stores K before RoPE.
 
-    Args:
+    Attributes:
         inner: the codec of K before RoPE (``center+`` / ``eq+`` inside it use statistics of K before RoPE).
-        rope: the layer's :class:`walshkv.ops.rope.RopeTable` (``None`` until :meth:`bind`).
+        rope: the layer's :class:`walshkv.ops.rope.RopeTable` (``None`` until :meth:`bind`; left out of equality).
     """
 
     name = "prerope"
@@ -55,10 +53,9 @@ class PreRope(Wrapper):
     other_kind = "refuse"
     misplaced = "prerope+ must be the first wrapper (it sees K as the cache does): write {fixed}, not {given}"
 
-    def __init__(self, inner: Codec, rope: RopeTable | None = None, spec: str | None = None) -> None:
-        super().__init__(inner)
-        self.rope = rope
-        self.spec = spec or f"prerope+{inner.spec}"
+    rope: RopeTable | None = field(default=None, compare=False)
+    #: the cos/sin rows of ``rope``, filled on use (``"rows"``)
+    _rows: dict[str, RopeRows] = field(default_factory=dict, init=False, compare=False)
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
@@ -76,7 +73,7 @@ class PreRope(Wrapper):
         stats = calibration.pre_rope()
         if not isinstance(stats, RopeTables):
             raise ValueError(f"{self.spec}: the calibration before RoPE holds no RoPE tables; recalibrate")
-        return PreRope(self.inner.bind(layer_idx, kind, stats), stats.rope_table(layer_idx), self.spec)
+        return replace(self, inner=self.inner.bind(layer_idx, kind, stats), rope=stats.rope_table(layer_idx))
 
     def check_head_dim(self, head_dim: int) -> None:
         self.inner.check_head_dim(head_dim)
@@ -94,9 +91,9 @@ class PreRope(Wrapper):
     def _transform(self, x: torch.Tensor, start: int) -> tuple[Codec, torch.Tensor]:
         """Keys ``x`` ``[batch, kv_heads, seq, head_dim]`` (after RoPE) at positions ``start, ...``, before RoPE."""
         table = self._table()
-        rows = _ROWS.get(self)
-        if rows is None or rows.table is not table:
-            rows = _ROWS[self] = RopeRows(table)
+        rows = self._rows.get("rows")
+        if rows is None:
+            rows = self._rows["rows"] = RopeRows(table)
         return self.inner, undo_rope(x, table, start, rows)
 
     def _decode_at(self, packed: Packed, start: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Every built-in codec and wrapper is registered here, one ``register_codec`` / ``register_wrapper`` line
 each (the list at the bottom); the order of the lines is the order ``walshkv codecs`` prints. A new codec
-adds its file and one line here (docs/codecs.md, "Adding a codec"); code outside walshkv registers its own
+adds its file and one line here (docs/architecture.md, "Adding a codec"); code outside walshkv registers its own
 with the same functions.
 """
 

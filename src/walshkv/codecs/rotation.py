@@ -8,6 +8,7 @@ signs with a seeded random ±1 vector (a randomized Hadamard transform):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,10 +23,11 @@ if TYPE_CHECKING:
 __all__ = ["Rotated"]
 
 
+@dataclass(frozen=True, repr=False)
 class Rotated(Wrapper):
     """Wrap ``inner`` in a (randomized) Walsh-Hadamard rotation over head_dim.
 
-    Args:
+    Attributes:
         inner: the codec that stores the rotated vectors.
         seed: ``None`` for the plain rotation (``rot+``), or a seed for random sign
             flips (``rrot:SEED+``).
@@ -34,10 +36,7 @@ class Rotated(Wrapper):
     name = "rot"
     kinds = ("k", "v")
 
-    def __init__(self, inner: Codec, seed: int | None = None) -> None:
-        self.seed = seed  # before the order check: it names the prefix
-        super().__init__(inner)
-        self.spec = f"{self.prefix}+{inner.spec}"
+    seed: int | None = None
 
     @property
     def prefix(self) -> str:
@@ -46,7 +45,7 @@ class Rotated(Wrapper):
 
     def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
         inner = self.inner.bind(layer_idx, kind, calibration)
-        return self if inner is self.inner else Rotated(inner, self.seed)
+        return self if inner is self.inner else replace(self, inner=inner)
 
     def check_head_dim(self, head_dim: int) -> None:
         _check_size(head_dim, f"head_dim of '{self.spec}'")

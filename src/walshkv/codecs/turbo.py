@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -100,6 +101,11 @@ def _check_seed(seed: Any, name: str) -> int:
     return seed
 
 
+def _check_codebook(codebook: Any, name: str) -> None:
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"{name} codebook must be one of {', '.join(CODEBOOKS)}, got {codebook!r}")
+
+
 def _check_fp16(norm: torch.Tensor, what: str, spec: str) -> torch.Tensor:
     """``norm`` (float64) rounded to fp16, or ``ValueError`` if that overflows."""
     norm16 = norm.to(torch.float16)
@@ -112,11 +118,13 @@ def _check_fp16(norm: torch.Tensor, what: str, spec: str) -> torch.Tensor:
     return norm16
 
 
+@dataclass(frozen=True, repr=False)
 class TurboQuant(Codec):
     """``tq:B``: randomized Hadamard rotation, fp16 norm, Lloyd-Max codes per rotated coordinate.
 
-    Args:
-        bits: 1..8, or a half width 1.5..7.5 (half the coordinates at ``ceil(bits)``, half at ``floor``).
+    Attributes:
+        bits: 1..8, or a half width 1.5..7.5 (half the coordinates at ``ceil(bits)``, half at ``floor``);
+            stored as a float (``TurboQuant(3) == TurboQuant(3.0)``).
         seed: seed of the random sign flips (default 0).
         codebook: ``"gauss"`` (unit Gaussian Lloyd-Max levels, default) or ``"beta"`` (levels for the
             exact density of a rotated coordinate at this head_dim).
@@ -126,13 +134,18 @@ class TurboQuant(Codec):
     ``norm``.
     """
 
-    def __init__(self, bits: float, seed: int = 0, codebook: str = "gauss") -> None:
-        self.bits = _check_bits(bits, TQ_BITS, "tq")
-        self.seed = _check_seed(seed, "tq")
-        if codebook not in CODEBOOKS:
-            raise ValueError(f"tq codebook must be one of {', '.join(CODEBOOKS)}, got {codebook!r}")
-        self.codebook = codebook
-        self.spec = _canonical("tq", self.bits, seed, codebook)
+    bits: float
+    seed: int = 0
+    codebook: str = "gauss"
+
+    def __post_init__(self) -> None:
+        self._set(bits=_check_bits(self.bits, TQ_BITS, "tq"))
+        _check_seed(self.seed, "tq")
+        _check_codebook(self.codebook, "tq")
+        super().__post_init__()
+
+    def _spec(self) -> str:
+        return _canonical("tq", self.bits, self.seed, self.codebook)
 
     # --- the parts ------------------------------------------------------------------------------------
 
@@ -241,27 +254,35 @@ class TurboQuant(Codec):
         return self.unrotate(t * scale)
 
 
+@dataclass(frozen=True, repr=False)
 class TurboQuantProd(Codec):
     """``tqprod:B``: ``tq:(B-1)`` plus a 1-bit QJL sketch of its residual (TurboQuant-prod).
 
-    Args:
-        bits: total bit width, one of :data:`TQPROD_BITS` (1 = QJL sketch alone, no MSE stage).
+    Attributes:
+        bits: total bit width, one of :data:`TQPROD_BITS` (1 = QJL sketch alone, no MSE stage); a float.
         seed: seed of the MSE stage's sign flips; ``S`` is drawn from ``seed + 1``.
         codebook: codebook of the MSE stage (see :class:`TurboQuant`).
+        stage: the MSE stage ``tq:(B-1)`` (``None`` for B = 1), derived from the fields above.
 
     Stored per vector: the MSE stage's fields prefixed ``mse_`` (none for B = 1),
     ``qjl_signs uint8[ceil(d/8)]`` (bit i = 1 where ``(S r)_i >= 0``) and ``qjl_norm float16[1]`` (``||r||``).
     """
 
-    def __init__(self, bits: float, seed: int = 0, codebook: str = "gauss") -> None:
-        self.bits = _check_bits(bits, TQPROD_BITS, "tqprod")
-        self.seed = _check_seed(seed, "tqprod")
-        if codebook not in CODEBOOKS:
-            raise ValueError(f"tqprod codebook must be one of {', '.join(CODEBOOKS)}, got {codebook!r}")
-        self.codebook = codebook
-        self.stage = TurboQuant(self.bits - 1, seed, codebook) if self.bits > 1 else None
-        self.spec = _canonical("tqprod", self.bits, seed, codebook)
-        self._proj: dict[int, torch.Tensor] = {}
+    bits: float
+    seed: int = 0
+    codebook: str = "gauss"
+    stage: TurboQuant | None = field(init=False, compare=False)
+    _proj: dict[int, torch.Tensor] = field(default_factory=dict, init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._set(bits=_check_bits(self.bits, TQPROD_BITS, "tqprod"))
+        _check_seed(self.seed, "tqprod")
+        _check_codebook(self.codebook, "tqprod")
+        self._set(stage=TurboQuant(self.bits - 1, self.seed, self.codebook) if self.bits > 1 else None)
+        super().__post_init__()
+
+    def _spec(self) -> str:
+        return _canonical("tqprod", self.bits, self.seed, self.codebook)
 
     def projection(self, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The seeded QJL matrix ``S`` (``[d, d]``, i.i.d. N(0, 1), float32)."""

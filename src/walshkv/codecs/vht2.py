@@ -31,7 +31,7 @@ quantized at B bits with one fp16 scale; the others decode as zero.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -99,57 +99,64 @@ def equal_bands(widths: tuple[int, ...], kept: int) -> tuple[Band, ...]:
     return tuple(Band(size if i < n - 1 else kept - size * (n - 1), b) for i, b in enumerate(widths))
 
 
+@dataclass(frozen=True, repr=False)
 class VHT2Codec(Codec):
     """Banded Walsh-Hadamard codec (see the module docstring for the exact layout).
 
-    Args:
+    Attributes:
         widths: band widths in bits (1..8), e.g. ``(5, 5, 4, 3)``.
-        order: coefficient order, one of :data:`walshkv.ops.orders.ORDERS`.
+        order: coefficient order, one of :data:`walshkv.ops.orders.ORDERS` (``variance`` for ``auto@BITS``).
         sk: skeleton, the number of coefficients kept after ordering (``None``: all).
         auto_bits: for ``vht2:auto@BITS``: the bits-per-element budget (bands come from calibration).
+        kind, layer: the side and layer a calibrated codec was bound to (``None`` before :meth:`bind`); its
+            spec then names them, ``vht2:4,3:order=variance[k0]``.
+        calibrated_bands: the bands :meth:`bind` allocated for ``auto@BITS`` (left out of equality).
+        calibrated_perm: the coefficient order :meth:`bind` measured for ``variance`` (left out of equality).
     """
 
-    def __init__(
-        self,
-        widths: tuple[int, ...] = (),
-        order: str = "natural",
-        sk: int | None = None,
-        *,
-        auto_bits: float | None = None,
-        bands: tuple[Band, ...] | None = None,
-        perm: torch.Tensor | None = None,
-    ) -> None:
-        if order not in ORDERS:
-            raise ValueError(f"unknown vht2 order {order!r}; choose one of {', '.join(ORDERS)}")
-        for b in widths:
-            if not isinstance(b, int) or not 1 <= b <= 8:
-                raise ValueError(f"vht2 band widths must be integers in 1..8 bits, got {b!r} in {widths}")
-        if sk is not None and sk < 1:
-            raise ValueError(f"vht2 sk (kept coefficients) must be >= 1, got {sk}")
-        if auto_bits is not None and not 0.5 <= auto_bits <= 16:
-            raise ValueError(f"vht2:auto@BITS takes a budget between 0.5 and 16 bits per element, got {auto_bits}")
-        self.widths = tuple(widths)
-        self.order = "variance" if auto_bits is not None else order
-        self.sk = sk
-        self.auto_bits = auto_bits
-        self._bands = bands  # set by bind() for auto
-        self._perm = perm  # set by bind() for variance / auto
-        self._perm_cache: dict[int, torch.Tensor] = {}
-        self.spec = self._spec()
+    widths: tuple[int, ...] = ()
+    order: str = "natural"
+    sk: int | None = None
+    auto_bits: float | None = field(default=None, kw_only=True)
+    kind: Kind | None = field(default=None, kw_only=True)
+    layer: int | None = field(default=None, kw_only=True)
+    calibrated_bands: tuple[Band, ...] | None = field(default=None, kw_only=True, compare=False)
+    calibrated_perm: torch.Tensor | None = field(default=None, kw_only=True, compare=False)
+    _perm_cache: dict[int, torch.Tensor] = field(default_factory=dict, init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"unknown vht2 order {self.order!r}; choose one of {', '.join(ORDERS)}")
+        for b in self.widths:
+            if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
+                raise ValueError(f"vht2 band widths must be integers in 1..8 bits, got {b!r} in {self.widths}")
+        if self.sk is not None and self.sk < 1:
+            raise ValueError(f"vht2 sk (kept coefficients) must be >= 1, got {self.sk}")
+        if self.auto_bits is not None:
+            if not 0.5 <= self.auto_bits <= 16:
+                raise ValueError(
+                    f"vht2:auto@BITS takes a budget between 0.5 and 16 bits per element, got {self.auto_bits}"
+                )
+            self._set(auto_bits=float(self.auto_bits), order="variance")
+        if (self.kind is None) != (self.layer is None):
+            raise ValueError(f"a bound vht2 codec names its side and layer together, got {self.kind!r}, {self.layer!r}")
+        self._set(widths=tuple(self.widths))
+        super().__post_init__()
 
     def _spec(self) -> str:
         if self.auto_bits is not None:
-            return f"vht2:auto@{repr(float(self.auto_bits)).removesuffix('.0')}"
-        s = "vht2:" + ",".join(str(b) for b in self.widths)
-        if self.order != "natural":
-            s += f":order={self.order}"
-        if self.sk is not None:
-            s += f":sk={self.sk}"
-        return s
+            s = f"vht2:auto@{repr(self.auto_bits).removesuffix('.0')}"
+        else:
+            s = "vht2:" + ",".join(str(b) for b in self.widths)
+            if self.order != "natural":
+                s += f":order={self.order}"
+            if self.sk is not None:
+                s += f":sk={self.sk}"
+        return s if self.layer is None else f"{s}[{self.kind}{self.layer}]"
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
-        return (self.order == "variance" or self.auto_bits is not None) and self._perm is None
+        return (self.order == "variance" or self.auto_bits is not None) and self.calibrated_perm is None
 
     def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
         if not self.needs_calibration:
@@ -161,18 +168,12 @@ class VHT2Codec(Codec):
         bands = None
         if self.auto_bits is not None:
             bands = allocate_bits(variance[perm], self.auto_bits)
-        return VHT2Codec(self.widths, self.order, self.sk, auto_bits=self.auto_bits, bands=bands, perm=perm)._named(
-            f"{self.spec}[{kind}{layer_idx}]"
-        )
-
-    def _named(self, spec: str) -> VHT2Codec:
-        self.spec = spec
-        return self
+        return replace(self, kind=kind, layer=layer_idx, calibrated_bands=bands, calibrated_perm=perm)
 
     def bands(self, head_dim: int) -> tuple[Band, ...]:
         """The bands for ``head_dim`` (kept coefficients only)."""
-        if self._bands is not None:
-            return self._bands
+        if self.calibrated_bands is not None:
+            return self.calibrated_bands
         if self.auto_bits is not None:
             raise ValueError(f"{self.spec}: band widths come from calibration; bind() the codec first")
         kept = self.sk if self.sk is not None else head_dim
@@ -182,14 +183,16 @@ class VHT2Codec(Codec):
         _check_size(head_dim, f"head_dim of '{self.spec}'")
         if self.sk is not None and self.sk > head_dim:
             raise ValueError(f"{self.spec}: sk={self.sk} exceeds head_dim {head_dim}; use sk <= {head_dim}")
-        if self._bands is None and self.auto_bits is None:
+        if self.calibrated_bands is None and self.auto_bits is None:
             self.bands(head_dim)  # raises if there are more bands than kept coefficients
-        if self._perm is not None and self._perm.numel() != head_dim:
-            raise ValueError(f"{self.spec} was calibrated for head_dim {self._perm.numel()}, not {head_dim}")
+        perm = self.calibrated_perm
+        if perm is not None and perm.numel() != head_dim:
+            raise ValueError(f"{self.spec} was calibrated for head_dim {perm.numel()}, not {head_dim}")
 
     def perm(self, head_dim: int) -> torch.Tensor:
-        if self._perm is not None:
-            return self._perm
+        """The coefficient order at ``head_dim`` (the calibrated one once bound)."""
+        if self.calibrated_perm is not None:
+            return self.calibrated_perm
         if head_dim not in self._perm_cache:
             self._perm_cache[head_dim] = coefficient_order(self.order, head_dim)
         return self._perm_cache[head_dim]
@@ -289,10 +292,12 @@ def allocate_bits(variance: torch.Tensor, budget: float, max_bits: int = 8) -> t
     return best
 
 
+@dataclass(frozen=True, repr=False)
 class VZCCodec(Codec):
-    """``vzc``: sign bitmap of the WHT coefficients + one fp16 mean-|y| scale per index class mod 3."""
+    """``vzc``: sign bitmap of the WHT coefficients + one fp16 mean-|y| scale per index class mod 3 (no fields)."""
 
-    spec = "vzc"
+    def _spec(self) -> str:
+        return "vzc"
 
     def layout(self, head_dim: int) -> dict[str, Field]:
         return {"signs": Field((packed_nbytes(head_dim, 1),), torch.uint8), "scale": Field((3,), _SCALE)}
@@ -316,14 +321,23 @@ class VZCCodec(Codec):
         return hadamard_transform(signs * packed.tensors["scale"].to(torch.float32)[..., cls])
 
 
+@dataclass(frozen=True, repr=False)
 class SqfreeCodec(Codec):
-    """``sqfree:B``: keep only squarefree-indexed WHT coefficients at B bits, one fp16 scale."""
+    """``sqfree:B``: keep only squarefree-indexed WHT coefficients at B bits, one fp16 scale.
 
-    def __init__(self, bits: int) -> None:
-        if not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise ValueError(f"sqfree:B takes B in 1..8 bits, got {bits!r}")
-        self.bits = bits
-        self.spec = f"sqfree:{bits}"
+    Attributes:
+        bits: code width, 1..8.
+    """
+
+    bits: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+            raise ValueError(f"sqfree:B takes B in 1..8 bits, got {self.bits!r}")
+        super().__post_init__()
+
+    def _spec(self) -> str:
+        return f"sqfree:{self.bits}"
 
     def check_head_dim(self, head_dim: int) -> None:
         _check_size(head_dim, f"head_dim of '{self.spec}'")
