@@ -146,10 +146,10 @@ def test_hf_cache_errors(tiny_lm, tiny_gemma3, monkeypatch):
 
 
 def test_sweep_runs_hf_rows_and_leaves_out_what_cannot_run(tmp_path, tiny_lm, tiny_gemma3, toy_tokenizer, monkeypatch):
-    import walshkv.eval.sweep
+    import walshkv.eval.sweep.run
     from walshkv.eval.sweep import run_sweep
 
-    monkeypatch.setattr(walshkv.eval.sweep, "plot_pareto", lambda rows, path, title: None)
+    monkeypatch.setattr(walshkv.eval.sweep.run, "plot_pareto", lambda rows, path, title: None)
     rows = run_sweep(tiny_lm, TEXT, ["int8", "hf-fp8"], tmp_path / "a", ctx=32, windows=1, progress=False)
     assert {r["codec"]: r["feed"] for r in rows} == {"int8": "window", "hf-fp8": "decode"}
     md = (tmp_path / "a" / "results.md").read_text()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import walshkv.eval.sweep
+import walshkv.eval.sweep.run
 from walshkv._version import __version__
 from walshkv.bench import machine_description
 from walshkv.data import Text
@@ -93,7 +94,7 @@ def test_every_result_meta_records_the_commit_and_the_cpu(tiny_lm):
 
 
 def test_a_sweep_reruns_rows_of_other_code_and_says_so(tmp_path, tiny_lm, monkeypatch, capsys):
-    monkeypatch.setattr(walshkv.eval.sweep, "plot_pareto", lambda rows, path, title: None)
+    monkeypatch.setattr(walshkv.eval.sweep.run, "plot_pareto", lambda rows, path, title: None)
     out = tmp_path / "sw"
     specs = ["int8", "int4", "int2"]
     run_sweep(tiny_lm, TEXT, specs, out, ctx=32, windows=1, progress=False)
@@ -107,9 +108,9 @@ def test_a_sweep_reruns_rows_of_other_code_and_says_so(tmp_path, tiny_lm, monkey
         row_path(out, spec).write_text(json.dumps(record))
     capsys.readouterr()
     calls: list[list[str]] = []
-    real = walshkv.eval.sweep.evaluate
+    real = walshkv.eval.sweep.run.evaluate
     monkeypatch.setattr(
-        walshkv.eval.sweep, "evaluate", lambda lm, t, c, **kw: calls.append(list(c)) or real(lm, t, c, **kw)
+        walshkv.eval.sweep.run, "evaluate", lambda lm, t, c, **kw: calls.append(list(c)) or real(lm, t, c, **kw)
     )
     run_sweep(tiny_lm, TEXT, specs, out, ctx=32, windows=1, progress=True)
     assert calls == [["int8", "int4"]]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import walshkv.eval.sweep
+import walshkv.eval.sweep.run
 import walshkv.models
 from walshkv.cli import main
 from walshkv.data import Text, load_text
@@ -75,7 +76,7 @@ def _worker_loads(metas: list[dict]) -> dict[int, int]:
 
 
 def test_sweep_on_ray_gives_the_in_process_rows_and_resumes(lm, cluster, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(walshkv.eval.sweep, "plot_pareto", lambda rows, path, title: None)
+    monkeypatch.setattr(walshkv.eval.sweep.run, "plot_pareto", lambda rows, path, title: None)
     here = run_sweep(lm, TEXT, SPECS, tmp_path / "here", chunk=2, **FAST)
     there = run_sweep(lm, TEXT, SPECS, tmp_path / "ray", chunk=1, executor=cluster, **FAST)
     assert [_metrics(r) for r in there] == [_metrics(r) for r in here]  # every KLD number identical

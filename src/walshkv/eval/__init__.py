@@ -1,12 +1,13 @@
 """Honest evaluation: KL divergence against the same model with an uncompressed cache.
 
-Modules: :mod:`~walshkv.eval.harness` (:func:`evaluate`, the protocol), :mod:`~walshkv.eval.metrics`,
-:mod:`~walshkv.eval.rows` (the typed result row), :mod:`~walshkv.eval.report` (run descriptions and result
-files for every command), :mod:`~walshkv.eval.grids`, :mod:`~walshkv.eval.pareto` and
-:mod:`~walshkv.eval.sweep` (``walshkv sweep``), :mod:`~walshkv.eval.rd` with :mod:`~walshkv.eval.rd_report`
-(``walshkv rd``), :mod:`~walshkv.eval.needle` (``walshkv needle``, a subpackage), :mod:`~walshkv.eval.capture`
-(K/V of real text for the research studies), :mod:`~walshkv.eval.fit` (a run's specs checked against the model
-before anything runs). Token windows live one layer down, in :mod:`walshkv.data`; they are re-exported here.
+Modules: the protocol every command shares sits at this level: :mod:`~walshkv.eval.harness` (:func:`evaluate`),
+:mod:`~walshkv.eval.metrics`, :mod:`~walshkv.eval.rows` (the typed result row), :mod:`~walshkv.eval.report` (run
+descriptions and result files for every command), :mod:`~walshkv.eval.calibrated` (a run's calibration inputs),
+:mod:`~walshkv.eval.fit` (a run's specs checked against the model before anything runs),
+:mod:`~walshkv.eval.capture` (K/V of real text for the research studies) and :mod:`~walshkv.eval.provenance`; one
+subpackage per command above it: :mod:`~walshkv.eval.sweep` (``walshkv sweep``: grids, Pareto front, rows on
+disk), :mod:`~walshkv.eval.rd` (``walshkv rd``: measure, report), :mod:`~walshkv.eval.needle` (``walshkv needle``).
+Token windows live one layer down, in :mod:`walshkv.data`; they are re-exported here.
 """
 
 from walshkv.data import SCORE_MODES, Windows, describe_scored, make_windows, scored_positions

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import walshkv.eval.rd as rd
-import walshkv.eval.rd_report as rd_report
+import walshkv.eval.rd.measure as rd_measure
+import walshkv.eval.rd.report as rd_report
 import walshkv.models
 from walshkv.cli import main
 from walshkv.data import Text
@@ -108,7 +109,7 @@ def test_codec_failing_on_the_data_is_reported_not_fatal(tiny_lm, monkeypatch):
         ks, vs, qs = real(lm, ids, queries)
         return [k * 1e5 for k in ks], vs, qs  # K norms beyond fp16
 
-    monkeypatch.setattr(rd, "capture_window", huge)
+    monkeypatch.setattr(rd_measure, "capture_window", huge)
     res = measure_rd(tiny_lm, TEXT, ["fp32", "tq:3"], tokens=64, ctx=64, progress=False)
     rows = {r["codec"]: r for r in res.rows}
     assert rows["fp32"]["error"] is None

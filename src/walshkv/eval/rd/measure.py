@@ -17,7 +17,7 @@ post-RoPE queries of the same layer. Each codec then encodes and decodes those v
   the distance above the Shannon distortion-rate function of a memoryless unit-variance Gaussian source.
 
 Outputs in ``--out``: ``rd.json`` (meta and every row, with per-layer values), ``rd.csv``, ``rd.md`` and
-``rd.png`` (needs matplotlib): :mod:`walshkv.eval.rd_report`.
+``rd.png`` (needs matplotlib): :mod:`walshkv.eval.rd.report`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from walshkv.cache.recording import RecordingCache
 from walshkv.codecs import parse_cache_spec
 from walshkv.data import make_windows
 from walshkv.defaults import CTX
-from walshkv.eval.rd_report import (
+from walshkv.eval.rd.report import (
     RDResult,
     describe_rd,
     format_rd_table,

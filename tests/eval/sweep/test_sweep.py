@@ -10,6 +10,7 @@ import pytest
 
 import walshkv.eval
 import walshkv.eval.sweep
+import walshkv.eval.sweep.run
 import walshkv.models
 from walshkv.cli import main
 from walshkv.codecs import available_codecs, parse_cache_spec
@@ -29,7 +30,7 @@ from walshkv.models import LoadedModel, _describe
 from walshkv.presets import resolve_preset
 
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(2000)))
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "sweep.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "sweep.md"
 FAST = {"ctx": 32, "windows": 1, "progress": False}
 
 
@@ -48,7 +49,7 @@ def count_evaluate(monkeypatch):
         calls.append(list(codecs))
         return real(lm, text, codecs, **kw)
 
-    monkeypatch.setattr(walshkv.eval.sweep, "evaluate", counting)
+    monkeypatch.setattr(walshkv.eval.sweep.run, "evaluate", counting)
     return calls
 
 
@@ -56,7 +57,7 @@ def count_evaluate(monkeypatch):
 def stub_plot(monkeypatch):
     """Skip matplotlib's rendering (about half a second a plot) where the PNG is not under test."""
     plots: list[str] = []
-    monkeypatch.setattr(walshkv.eval.sweep, "plot_pareto", lambda rows, path, title: plots.append(title))
+    monkeypatch.setattr(walshkv.eval.sweep.run, "plot_pareto", lambda rows, path, title: plots.append(title))
     return plots
 
 
@@ -228,7 +229,7 @@ def test_run_sweep_writes_rows_and_outputs_then_resumes(tmp_path, tiny_lm, count
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # second run: everything finished, nothing evaluated, same rows
-    monkeypatch.setattr(walshkv.eval.sweep, "plot_pareto", lambda rows, path, title: None)
+    monkeypatch.setattr(walshkv.eval.sweep.run, "plot_pareto", lambda rows, path, title: None)
     count_evaluate.clear()
     again = run_sweep(tiny_lm, TEXT, specs, out, chunk=2, **FAST)
     assert count_evaluate == []
@@ -456,7 +457,7 @@ def test_docs_cover_every_preset():
 
 def test_repository_grid_files_load_and_parse():
     # docs/grids/*.json drive the reproduce scripts: each must load and every spec must parse (presets by name)
-    files = sorted((Path(__file__).resolve().parents[2] / "docs" / "grids").glob("*.json"))
+    files = sorted((Path(__file__).resolve().parents[3] / "docs" / "grids").glob("*.json"))
     assert files
     for path in files:
         _, description, specs = load_grid(str(path))

@@ -1,10 +1,10 @@
 """``walshkv sweep``: a grid of cache specs through the ``walshkv eval`` protocol.
 
 A grid is a named preset (:data:`PRESETS`) or a ``.yaml``/``.json`` file with ``codecs: [spec, ...]``
-(:mod:`walshkv.eval.grids`). Every spec is measured exactly as ``walshkv eval`` measures it
+(:mod:`walshkv.eval.sweep.grids`). Every spec is measured exactly as ``walshkv eval`` measures it
 (:func:`walshkv.eval.evaluate`); the sweep adds resumability (one JSON file per finished row, reused when
 its settings match), a combined CSV and markdown table sorted by bits per element, and a plot of mean KLD
-against bits with the Pareto front marked (:mod:`walshkv.eval.pareto`).
+against bits with the Pareto front marked (:mod:`walshkv.eval.sweep.pareto`).
 
 Preset specs may contain the placeholders ``{hd}``, ``{hd/2}``, ``{hd/4}`` (any ``{hd/N}``), replaced
 by the model's head_dim when the grid is resolved.
@@ -25,20 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from walshkv.constants import Score
 from walshkv.defaults import CTX, WINDOWS
-from walshkv.eval.grids import (
-    HF_PEERS,
-    PRESETS,
-    canonical_specs,
-    grid_files_hint,
-    load_grid,
-    needs_calibration,
-    resolve_grid,
-    substitute_head_dim,
-    unrunnable_specs,
-)
 from walshkv.eval.harness import EvalResult, evaluate
 from walshkv.eval.metrics import is_finite_number
-from walshkv.eval.pareto import pareto_front, plot_pareto
 from walshkv.eval.provenance import code_version
 from walshkv.eval.report import (
     PLOT_HINT,
@@ -50,6 +38,18 @@ from walshkv.eval.report import (
     write_csv,
 )
 from walshkv.eval.rows import ResultRow
+from walshkv.eval.sweep.grids import (
+    HF_PEERS,
+    PRESETS,
+    canonical_specs,
+    grid_files_hint,
+    load_grid,
+    needs_calibration,
+    resolve_grid,
+    substitute_head_dim,
+    unrunnable_specs,
+)
+from walshkv.eval.sweep.pareto import pareto_front, plot_pareto
 from walshkv.fileio import write_json_atomic, write_text_atomic
 
 if TYPE_CHECKING:
