@@ -253,3 +253,11 @@ def test_an_exact_prefill_is_measured_as_serving_engines_run_it(tiny_lm):
         evaluate(tiny_lm, TEXT, ["int3"], ctx=32, windows=1, prefill="exact", feed="window", progress=False)
     with pytest.raises(ValueError, match="quantized, exact"):
         evaluate(tiny_lm, TEXT, ["int3"], ctx=32, windows=1, prefill="fast", progress=False)
+
+
+def test_specs_travel_as_objects_and_a_repeated_spec_is_measured_once(tiny_lm):
+    twice = evaluate(tiny_lm, TEXT, ["int4", parse_cache_spec("int4"), "INT4/int4"], ctx=64, windows=2, progress=False)
+    once = evaluate(tiny_lm, TEXT, ["int4"], ctx=64, windows=2, progress=False)
+    assert [r["codec"] for r in twice.results] == ["int4"]
+    assert twice.results[0]["kld_mean"] == once.results[0]["kld_mean"]  # windows not counted twice
+    assert twice.results[0]["scored_tokens"] == once.results[0]["scored_tokens"]

@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from walshkv.cache import context_state, footprint, fp_bytes, make_cache, prefill_is_exact
+from walshkv.cache import Footprint, context_state, footprint, fp_bytes, make_cache, prefill_is_exact
 from walshkv.codecs.kivi import KiviCodec
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, parse_cache_spec
 from walshkv.constants import Feed, Prefill, Score
@@ -187,10 +187,52 @@ def _feed_for(spec: CacheSpec | HFCacheSpec, feed: Feed, prefill: Prefill = "qua
 
 
 @torch.inference_mode()
+@dataclass
+class _SpecRun:
+    """One spec's measurement over the windows: the parsed spec, how it is fed, and what it accumulates."""
+
+    spec: CacheSpec | HFCacheSpec
+    feed: Feed
+    fp_window: int | None  # the full-precision window it keeps by design (KIVI, hf-*), else None
+    metrics: TokenMetrics = field(default_factory=TokenMetrics)
+    seconds: float = 0.0
+    held: Footprint | None = None  # the cache after the first window
+    # per scored token: (positions attended to, of which full precision with the token, of which earlier)
+    fp_context: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def row(self, fp16_bytes: int, prefill: Prefill, decode_chunk: int) -> ResultRow:
+        """The result row (its ``codec`` the spec's canonical text, the one string form files and JSON carry)."""
+        assert self.held is not None  # every run sees at least one window
+        row: ResultRow = {
+            "codec": self.spec.spec,
+            **self.metrics.summary(),
+            "bits_k": self.held.bits_k,
+            "bits_v": self.held.bits_v,
+            "bits_per_element": self.held.bits_per_element,
+            "compression": 16.0 / self.held.bits_per_element,
+            "kv_bytes": self.held.kv_bytes,
+            "kv_bytes_fp16": fp16_bytes,
+            "seconds": self.seconds,
+            "feed": self.feed,
+            "prefill": prefill,
+            "quantize_on_write": self.fp_window is None and prefill == "quantized",
+        }
+        states = self.fp_context
+        if states:  # decode-fed and KIVI rows: how much of what attention read was full precision
+            row["fp_context_mean"] = sum(fp / seen for seen, fp, _ in states) / len(states)
+            # every earlier position it attended to was quantized (the token itself may be exact)
+            row["scored_quantized_context_share"] = sum(earlier == 0 for _, _, earlier in states) / len(states)
+            if self.feed == "decode":
+                row["decode_chunk"] = decode_chunk
+        if self.fp_window is not None:
+            row["fp_window"] = self.fp_window
+        return row
+
+
 def evaluate(
     lm: LoadedModel,
     text: Text,
-    codecs: Sequence[str] = DEFAULT_CODECS,
+    codecs: Sequence[str | CacheSpec | HFCacheSpec] = DEFAULT_CODECS,
     *,
     ctx: int = CTX,
     windows: int | None = WINDOWS,
@@ -207,7 +249,7 @@ def evaluate(
     Args:
         lm: the loaded model.
         text: evaluation text.
-        codecs: cache specs (``"rot+int4"``, ``"int8/int4"``, ...).
+        codecs: cache specs, as text (``"rot+int4"``, ``"int8/int4"``, ...) or parsed (:class:`CacheSpec`).
         ctx: tokens per window.
         windows: number of windows (``None``: every full window of the text).
         score: ``"half"`` (second half of each window) or ``"all"``.
@@ -227,14 +269,14 @@ def evaluate(
     Returns:
         An :class:`EvalResult`.
     """
-    specs = [parse_cache_spec(c) for c in codecs]  # fail fast on typos
+    # parsed once (fail fast on typos); a spec given twice (in any spelling) is measured once
+    specs = list({s.spec: s for s in map(parse_cache_spec, codecs)}.values())
     if not specs:
         raise ValueError("give at least one --codec")
     if feed not in FEEDS:
         raise ValueError(f"feed must be one of {', '.join(FEEDS)}, got {feed!r}")
     if prefill not in PREFILLS:
         raise ValueError(f"prefill must be one of {', '.join(PREFILLS)}, got {prefill!r}")
-    feeds = {s.spec: _feed_for(s, feed, prefill) for s in specs}
     if decode_chunk < 1:
         raise ValueError(f"decode_chunk must be at least 1 token, got {decode_chunk}")
     head_dim = lm.shape.head_dim
@@ -251,15 +293,7 @@ def evaluate(
     win = make_windows(lm.tokenizer, text.content, ctx, windows)
     n_win = win.ids.shape[0]
     keep = ctx - first  # logits for positions first .. ctx-1; the last one has no target
-    metrics = {s.spec: TokenMetrics() for s in specs}
-    kv_bytes: dict[str, int] = {}
-    layout_bits: dict[str, float] = {}
-    kv_bits: dict[str, tuple[float, float]] = {}
-    fp_windows = {s.spec: _fp_window(s) for s in specs}
-    fp_context: dict[str, list[tuple[int, int, int]]] = {
-        s.spec: [] for s in specs if feeds[s.spec] == "decode" or fp_windows[s.spec] is not None
-    }
-    seconds = dict.fromkeys(metrics, 0.0)
+    runs = [_SpecRun(spec, _feed_for(spec, feed, prefill), _fp_window(spec)) for spec in specs]
     model = lm.model
     device = next(model.parameters()).device
     bar = tqdm(total=n_win * (len(specs) + 1), desc="eval", unit="fwd", disable=not progress)
@@ -270,56 +304,28 @@ def evaluate(
         bar.set_postfix_str(f"window {w + 1}/{n_win}: reference")
         ref = forward_scored(model, ids, DynamicCache(config=model.config), keep)[: last - first]
         bar.update()
-        for spec in specs:
-            bar.set_postfix_str(f"window {w + 1}/{n_win}: {spec.spec}")
+        for run in runs:
+            bar.set_postfix_str(f"window {w + 1}/{n_win}: {run.spec.spec}")
             t0 = time.perf_counter()
-            cache = make_cache(spec, config=model.config, residual=residual, calibration=calibration, prefill=prefill)
-            if feeds[spec.spec] == "decode":
+            cache = make_cache(
+                run.spec, config=model.config, residual=residual, calibration=calibration, prefill=prefill
+            )
+            if run.feed == "decode":
                 logits, states = _decode(model, ids, cache, first, last, decode_chunk)
-                fp_context[spec.spec].extend(states)
+                run.fp_context.extend(states)
             else:
                 logits = forward_scored(model, ids, cache, keep)[: last - first]
-                if spec.spec in fp_context:  # KIVI: its newest tokens stayed in fp16
-                    fp_context[spec.spec].extend(_window_states(cache, first, last))
-            seconds[spec.spec] += time.perf_counter() - t0
-            if w == 0:
-                held = footprint(cache)
-                kv_bytes[spec.spec] = held.kv_bytes
-                layout_bits[spec.spec] = held.bits_per_element
-                kv_bits[spec.spec] = (held.bits_k, held.bits_v)
-            metrics[spec.spec].add(*compare_logits(ref, logits, targets))
+                if run.fp_window is not None:  # KIVI: its newest tokens stayed in fp16
+                    run.fp_context.extend(_window_states(cache, first, last))
+            run.seconds += time.perf_counter() - t0
+            if run.held is None:
+                run.held = footprint(cache)  # after the first window
+            run.metrics.add(*compare_logits(ref, logits, targets))
             del cache
             bar.update()
     bar.close()
-
     fp16_bytes = fp_bytes(lm.model.config, ctx)
-    results: list[ResultRow] = []
-    for spec in specs:
-        bits = layout_bits[spec.spec]
-        row: ResultRow = {
-            "codec": spec.spec,
-            **metrics[spec.spec].summary(),
-            "bits_k": kv_bits[spec.spec][0],
-            "bits_v": kv_bits[spec.spec][1],
-            "bits_per_element": bits,
-            "compression": 16.0 / bits,
-            "kv_bytes": kv_bytes[spec.spec],
-            "kv_bytes_fp16": fp16_bytes,
-            "seconds": seconds[spec.spec],
-            "feed": feeds[spec.spec],
-            "prefill": prefill,
-            "quantize_on_write": fp_windows[spec.spec] is None and prefill == "quantized",
-        }
-        states = fp_context.get(spec.spec)
-        if states:  # decode-fed and KIVI rows: how much of what attention read was full precision
-            row["fp_context_mean"] = sum(fp / seen for seen, fp, _ in states) / len(states)
-            # every earlier position it attended to was quantized (the token itself may be exact)
-            row["scored_quantized_context_share"] = sum(earlier == 0 for _, _, earlier in states) / len(states)
-            if feeds[spec.spec] == "decode":
-                row["decode_chunk"] = decode_chunk
-        if fp_windows[spec.spec] is not None:
-            row["fp_window"] = fp_windows[spec.spec]
-        results.append(row)
+    results = [run.row(fp16_bytes, prefill, decode_chunk) for run in runs]
     meta = run_meta(
         lm,
         text,
