@@ -23,20 +23,15 @@ Only ``eval`` runs (it decodes the cache through the codecs: the result is the c
 
 from __future__ import annotations
 
-import json
-import shlex
 import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
-from walshkv.cli import main as cli
-from walshkv.codecs import register_wrapper
 from walshkv.codecs.base import Codec
 from walshkv.codecs.equalize import Equalized
-from walshkv.fileio import write_json_atomic
 from walshkv.ops.equalize import MAX_COND
+from walshkv_research.probes import count_argument, run_probe_eval
 
 
 def block_groups(head_dim: int, size: int, pairs: bool) -> list[torch.Tensor]:
@@ -113,36 +108,21 @@ class BlockEqualized(Equalized):
 
 def _factory(pairs: bool):  # type: ignore[no-untyped-def]
     def make(args: str | None, inner: Codec) -> Codec:
-        try:
-            size = int(args or "")
-        except ValueError:
-            size = 0
-        if size < 1:
-            raise ValueError(f"{'eqpb' if pairs else 'eqb'} takes a block size >= 1 (eqb:8+tq:3.5), got {args!r}")
+        size = count_argument(args, f"{'eqpb' if pairs else 'eqb'} takes a block size >= 1 (eqb:8+tq:3.5)")
         return BlockEqualized(inner, size=size, pairs=pairs)
 
     return make
 
 
-def _record_command(argv: list[str]) -> None:
-    """Name this script, not ``walshkv``, as the command in the ``--json`` result (the codec exists only here)."""
-    if "--json" not in argv or argv.index("--json") + 1 >= len(argv):
-        return
-    path = Path(argv[argv.index("--json") + 1])
-    result = json.loads(path.read_text())
-    result["meta"]["command"] = " ".join(["python", "research/scripts/block_eq_probe.py", *map(shlex.quote, argv)])
-    write_json_atomic(path, result)
-
-
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] != "eval":
-        raise SystemExit("block_eq_probe.py runs `eval` only (bench, needle and sweep may use the fused kernels)")
-    register_wrapper("eqb", _factory(False), "probe: eq+ with a block-diagonal K transform (B consecutive channels)")
-    register_wrapper("eqpb", _factory(True), "probe: eq+ with a block-diagonal K transform (B/2 rotary pairs)")
-    rc = cli(argv)
-    if rc == 0:
-        _record_command(argv)
-    return rc
+    return run_probe_eval(
+        argv,
+        "research/scripts/block_eq_probe.py",
+        [
+            ("eqb", _factory(False), "probe: eq+ with a block-diagonal K transform (B consecutive channels)"),
+            ("eqpb", _factory(True), "probe: eq+ with a block-diagonal K transform (B/2 rotary pairs)"),
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -28,23 +28,18 @@ docs/long-context.md), since slow pairs have not turned there yet.
 
 from __future__ import annotations
 
-import json
-import shlex
 import sys
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 
-from walshkv.cli import main as cli
 from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.calibration import PreRopeSource, RopeTables
 from walshkv.codecs.equalize import Equalized
 from walshkv.codecs.prerope import PreRope
-from walshkv.codecs.registry import register_wrapper
-from walshkv.fileio import write_json_atomic
 from walshkv.ops.equalize import k_equalizer
 from walshkv.ops.rope import apply_rope
+from walshkv_research.probes import count_argument, run_probe_eval
 
 
 @dataclass(frozen=True, repr=False)
@@ -153,52 +148,31 @@ class RopeAveragedEqualized(Equalized):
         return replace(self, inner=inner, matrix=matrix)
 
 
-def _count(args: str, what: str) -> int:
-    """A wrapper argument that must be a whole number >= 1; ``what`` names it and gives an example."""
-    try:
-        n = int(args)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{what}, got {args!r}")
-    return n
-
-
 def _eqr_factory(args: str | None, inner: Codec) -> Codec:
     if args is None:
         return RopeAveragedEqualized(inner)
-    length = _count(args, "eqr takes a number of positions >= 1 (eqr:32768+tq:3.5)")
+    length = count_argument(args, "eqr takes a number of positions >= 1 (eqr:32768+tq:3.5)")
     return RopeAveragedEqualized(inner, length=length)
 
 
 def _factory(args: str | None, inner: Codec) -> Codec:
     if args is None:
         return RopeCentered(inner)
-    pairs = _count(args, "ropecenter takes a number of channel pairs >= 1 (ropecenter:16+rot+iq4_nl)")
+    pairs = count_argument(args, "ropecenter takes a number of channel pairs >= 1 (ropecenter:16+rot+iq4_nl)")
     return RopeCentered(inner, pairs=pairs)
-
-
-def _record_command(argv: list[str]) -> None:
-    """Name this script, not ``walshkv``, as the command in the ``--json`` result (the codec exists only here)."""
-    if "--json" not in argv or argv.index("--json") + 1 >= len(argv):
-        return
-    path = Path(argv[argv.index("--json") + 1])
-    result = json.loads(path.read_text())
-    result["meta"]["command"] = " ".join(["python", "research/scripts/ropecenter_probe.py", *map(shlex.quote, argv)])
-    write_json_atomic(path, result)
 
 
 def main(argv: list[str]) -> int:
     # the fused kernels read a PreRope subclass as prerope+ codes (they would rotate post-RoPE codes again):
     # only `walshkv eval`, which decodes the cache through the codec, measures this wrapper correctly
-    if not argv or argv[0] != "eval":
-        raise SystemExit("ropecenter_probe.py runs `eval` only (bench, needle and sweep may use the fused kernels)")
-    register_wrapper("ropecenter", _factory, "probe: K after RoPE minus the pre-RoPE mean turned to each position")
-    register_wrapper("eqr", _eqr_factory, "probe: eq+ after RoPE fitted to moments averaged over positions 0..L-1")
-    rc = cli(argv)
-    if rc == 0:
-        _record_command(argv)
-    return rc
+    return run_probe_eval(
+        argv,
+        "research/scripts/ropecenter_probe.py",
+        [
+            ("ropecenter", _factory, "probe: K after RoPE minus the pre-RoPE mean turned to each position"),
+            ("eqr", _eqr_factory, "probe: eq+ after RoPE fitted to moments averaged over positions 0..L-1"),
+        ],
+    )
 
 
 if __name__ == "__main__":
