@@ -261,3 +261,14 @@ def test_specs_travel_as_objects_and_a_repeated_spec_is_measured_once(tiny_lm):
     assert [r["codec"] for r in twice.results] == ["int4"]
     assert twice.results[0]["kld_mean"] == once.results[0]["kld_mean"]  # windows not counted twice
     assert twice.results[0]["scored_tokens"] == once.results[0]["scored_tokens"]
+
+
+def test_evaluate_runs_the_model_in_inference_mode(tiny_lm):
+    """No autograd graph over the windows (and no inference tensor later reused under autograd)."""
+    seen: list[bool] = []
+    handle = tiny_lm.model.register_forward_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
+    try:
+        evaluate(tiny_lm, TEXT, ["int4"], ctx=64, windows=1, progress=False)
+    finally:
+        handle.remove()
+    assert seen and all(seen)

@@ -186,7 +186,6 @@ def _feed_for(spec: CacheSpec | HFCacheSpec, feed: Feed, prefill: Prefill = "qua
     return feed
 
 
-@torch.inference_mode()
 @dataclass
 class _SpecRun:
     """One spec's measurement over the windows: the parsed spec, how it is fed, and what it accumulates."""
@@ -229,6 +228,7 @@ class _SpecRun:
         return row
 
 
+@torch.inference_mode()
 def evaluate(
     lm: LoadedModel,
     text: Text,
