@@ -266,7 +266,8 @@ def test_specs_travel_as_objects_and_a_repeated_spec_is_measured_once(tiny_lm):
 def test_evaluate_runs_the_model_in_inference_mode(tiny_lm):
     """No autograd graph over the windows (and no inference tensor later reused under autograd)."""
     seen: list[bool] = []
-    handle = tiny_lm.model.register_forward_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
+    layer = tiny_lm.model.model.layers[0]
+    handle = layer.register_forward_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
     try:
         evaluate(tiny_lm, TEXT, ["int4"], ctx=64, windows=1, progress=False)
     finally:
