@@ -163,13 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
+    commit = code_commit()  # the code the runs below test, read before anything is written
     rows = []
     for part, path, what in MATRIX:
         row = run_file(path)
         row.update(part=part, what=what)
         rows.append(row)
         print(f"{part}: {row['summary']} ({row['seconds']} s)", file=sys.stderr, flush=True)
-    meta = {"commit": code_commit(), "cpu": cpu_meta(), "date": time.strftime("%Y-%m-%d")}
+    meta = {"commit": commit, "cpu": cpu_meta(), "date": time.strftime("%Y-%m-%d")}
     write_json_atomic(out / "fault-matrix.json", {"meta": meta, "rows": rows})
     write_text_atomic(out / "fault-matrix.md", markdown(rows, meta))
     print(f"wrote {out / 'fault-matrix.md'} and fault-matrix.json", file=sys.stderr)
