@@ -26,12 +26,34 @@ import torch
 
 from walshkv_vllm.specs import KV_CACHE_DTYPES
 
-__all__ = ["BACKEND_PATH", "CPU_ENV", "patch_cache_dtypes", "register_all"]
+__all__ = ["BACKEND_PATH", "CPU_ENV", "SUPPORTED_VLLM", "check_vllm_version", "patch_cache_dtypes", "register_all"]
 
 #: What vLLM imports for the CUSTOM backend.
 BACKEND_PATH = "walshkv_vllm.vllm_backend.WalshKVAttentionBackend"
 #: Set to 1 to override vLLM's CPU attention backend (the CPU platform ignores ``--attention-backend``).
 CPU_ENV = "WALSHKV_VLLM_CPU"
+#: The vLLM release (major.minor) whose private internals :func:`patch_cache_dtypes` and the backend were written
+#: and tested against; the ``vllm`` extra pins it.
+SUPPORTED_VLLM = "0.32"
+
+
+def check_vllm_version(installed: str) -> None:
+    """Refuse a vLLM other than :data:`SUPPORTED_VLLM`: the plugin patches internals that change between releases.
+
+    Args:
+        installed: the installed vLLM's version (``vllm.__version__``, e.g. ``0.32.0`` or ``0.32.1+cpu``).
+
+    Raises:
+        RuntimeError: another major.minor; names both and the install that fits.
+    """
+    parts = installed.split("+", 1)[0].split(".")
+    if ".".join(parts[:2]) != SUPPORTED_VLLM:
+        raise RuntimeError(
+            f"walshkv-vllm is written for vLLM {SUPPORTED_VLLM}.x (it patches vLLM's cache-dtype Literal and "
+            f"attention selector, private internals that change between releases), but vLLM {installed} is installed: "
+            f"install vllm=={SUPPORTED_VLLM}.* (pip install 'walshkv-vllm[vllm]'), or remove walshkv-vllm from this "
+            "environment to run vLLM without it"
+        )
 
 
 def _widened(old: Any, names: tuple[str, ...]) -> Any:
@@ -70,8 +92,10 @@ def patch_cache_dtypes(names: tuple[str, ...] = tuple(KV_CACHE_DTYPES)) -> Any:
 
 def register_all() -> None:
     """Register the backend as ``AttentionBackendEnum.CUSTOM`` (and ``CPU_ATTN`` under ``WALSHKV_VLLM_CPU=1``)."""
+    import vllm
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    check_vllm_version(str(getattr(vllm, "__version__", "unknown")))
     patch_cache_dtypes()
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     if os.environ.get(CPU_ENV) == "1":
