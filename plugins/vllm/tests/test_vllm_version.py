@@ -1,4 +1,5 @@
-"""The plugin refuses a vLLM it was not written for (it patches vLLM internals), and its extra pins the same one."""
+"""The plugin refuses a vLLM it was not written for (it patches vLLM internals), its extra pins the same one, and
+it offers no walshkv_* cache dtype where vLLM's own CPU attention would get it (silent garbage before)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from walshkv_vllm.registration import SUPPORTED_VLLM, check_vllm_version
+from walshkv_vllm.registration import CPU_ENV, SUPPORTED_VLLM, check_vllm_version, dtypes_to_register
+from walshkv_vllm.specs import KV_CACHE_DTYPES
 
 
 @pytest.mark.parametrize("version", [f"{SUPPORTED_VLLM}.0", f"{SUPPORTED_VLLM}.3", f"{SUPPORTED_VLLM}.1+cpu"])
@@ -28,3 +30,10 @@ def test_the_extra_pins_the_supported_release() -> None:
     (pin,) = project["optional-dependencies"]["vllm"]
     major, minor = SUPPORTED_VLLM.split(".")
     assert pin.replace(" ", "") == f"vllm>={SUPPORTED_VLLM},<{major}.{int(minor) + 1}"
+
+
+def test_no_walshkv_dtype_is_offered_where_vllms_own_cpu_attention_would_get_it() -> None:
+    assert dtypes_to_register(True, {}) == ()  # vLLM then refuses --kv-cache-dtype walshkv_* at engine start
+    assert dtypes_to_register(True, {CPU_ENV: "0"}) == ()
+    assert dtypes_to_register(True, {CPU_ENV: "1"}) == tuple(KV_CACHE_DTYPES)
+    assert dtypes_to_register(False, {}) == tuple(KV_CACHE_DTYPES)

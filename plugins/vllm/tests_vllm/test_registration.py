@@ -4,6 +4,7 @@ main test run, whose testpaths do not include this folder)."""
 from __future__ import annotations
 
 import math
+import os
 from typing import get_args
 
 import pytest
@@ -14,6 +15,8 @@ from walshkv_vllm.layout import SlotLayout
 from walshkv_vllm.paged import decode_paged
 from walshkv_vllm.specs import KV_CACHE_DTYPES, resolve_spec
 
+# on vLLM's CPU platform the plugin offers its cache dtypes only with the backend that reads them in place of vLLM's
+os.environ.setdefault("WALSHKV_VLLM_CPU", "1")
 walshkv_vllm.register()
 
 from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config  # noqa: E402  (after the plugin widened the cache dtypes)

@@ -20,13 +20,22 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
 import torch
 
 from walshkv_vllm.specs import KV_CACHE_DTYPES
 
-__all__ = ["BACKEND_PATH", "CPU_ENV", "SUPPORTED_VLLM", "check_vllm_version", "patch_cache_dtypes", "register_all"]
+__all__ = [
+    "BACKEND_PATH",
+    "CPU_ENV",
+    "SUPPORTED_VLLM",
+    "check_vllm_version",
+    "dtypes_to_register",
+    "patch_cache_dtypes",
+    "register_all",
+]
 
 #: What vLLM imports for the CUSTOM backend.
 BACKEND_PATH = "walshkv_vllm.vllm_backend.WalshKVAttentionBackend"
@@ -90,13 +99,35 @@ def patch_cache_dtypes(names: tuple[str, ...] = tuple(KV_CACHE_DTYPES)) -> Any:
     return new
 
 
+def dtypes_to_register(is_cpu: bool, env: Mapping[str, str]) -> tuple[str, ...]:
+    """The ``walshkv_*`` cache dtypes this process may offer vLLM: none where vLLM's own attention would get them.
+
+    On vLLM's CPU platform the attention backend is not selectable: without ``WALSHKV_VLLM_CPU=1`` vLLM's own CPU
+    attention runs and would write float K/V into walshkv's uint8 pages (garbage from the first token, exit 0). Not
+    registering the dtypes there makes vLLM refuse ``--kv-cache-dtype walshkv_*`` when the engine starts.
+    """
+    if is_cpu and env.get(CPU_ENV) != "1":
+        return ()
+    return tuple(KV_CACHE_DTYPES)
+
+
 def register_all() -> None:
     """Register the backend as ``AttentionBackendEnum.CUSTOM`` (and ``CPU_ATTN`` under ``WALSHKV_VLLM_CPU=1``)."""
     import vllm
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     check_vllm_version(str(getattr(vllm, "__version__", "unknown")))
-    patch_cache_dtypes()
+    names = dtypes_to_register(current_platform.is_cpu(), os.environ)
+    if not names:
+        print(
+            f"walshkv-vllm: on vLLM's CPU platform the walshkv backend runs only with {CPU_ENV}=1 (vLLM's own CPU "
+            f"attention cannot read walshkv's pages); without it the walshkv_* cache dtypes are not offered, and vLLM "
+            f"refuses --kv-cache-dtype walshkv_*: set {CPU_ENV}=1 to use them",
+            file=sys.stderr,
+        )
+        return
+    patch_cache_dtypes(names)
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     if os.environ.get(CPU_ENV) == "1":
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
