@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["check_identity", "config_differences", "identity_config", "model_identity"]
+__all__ = ["check_identity", "config_differences", "head_dim_of", "identity_config", "model_identity"]
 
 #: Config keys that say how a model runs, not what it computes: left out of the config hash.
 _RUNTIME_KEYS = frozenset(
@@ -42,6 +42,11 @@ _RUNTIME_KEYS = frozenset(
 )
 
 
+def head_dim_of(config: Any) -> int:
+    """The K/V head size of a (text) config: its ``head_dim``, else ``hidden_size // num_attention_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def identity_config(config: PretrainedConfig) -> dict[str, Any]:
     """The model's text config as JSON values, without the keys that only say how it runs (the identity)."""
     text = config.get_text_config(decoder=True)
@@ -52,7 +57,7 @@ def identity_config(config: PretrainedConfig) -> dict[str, Any]:
 def model_identity(config: PretrainedConfig) -> dict[str, Any]:
     """What a saved cache records of its model: config class, layers, kv heads, head size, a hash of the config."""
     text = config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    head_dim = head_dim_of(text)
     digest = hashlib.sha256(json.dumps(identity_config(config), sort_keys=True).encode()).hexdigest()
     return {
         "config_class": type(text).__name__,

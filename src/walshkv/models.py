@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from walshkv.defaults import DEFAULT_MODEL
+from walshkv.identity import head_dim_of
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -292,7 +293,7 @@ class ModelShape:
     def of(cls, model: Any) -> ModelShape:
         """Read the shape off a transformers model's (text) config and parameters."""
         cfg = model.config.get_text_config(decoder=True)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = head_dim_of(cfg)
         return cls(
             arch=cfg.model_type,
             layers=cfg.num_hidden_layers,

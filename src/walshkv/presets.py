@@ -46,6 +46,7 @@ from walshkv.codecs.equalize import DiagonalEqualized, Equalized
 from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, LayeredCacheSpec
 from walshkv.constants import Keys
+from walshkv.identity import head_dim_of
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
@@ -121,7 +122,7 @@ def _shape_of(model: Any) -> dict[str, Any] | None:
     if config is None or not hasattr(model, "parameters"):
         return None
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = head_dim_of(cfg)
     return {
         "arch": cfg.model_type,
         "layers": cfg.num_hidden_layers,

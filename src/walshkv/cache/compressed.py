@@ -22,7 +22,7 @@ from walshkv.cache.persist import load_cache, save_cache
 from walshkv.codecs.kivi import KiviCodec
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, LayeredCacheSpec, parse_cache_spec
 from walshkv.constants import Prefill
-from walshkv.identity import identity_config
+from walshkv.identity import head_dim_of, identity_config
 from walshkv.presets import resolve_preset
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def _layer_types(spec: CacheSpec, config: PretrainedConfig) -> tuple[list[str], 
             spec, what the model has and the fix.
     """
     text_config = config.get_text_config(decoder=True)
-    head_dim = getattr(text_config, "head_dim", None) or (text_config.hidden_size // text_config.num_attention_heads)
+    head_dim = head_dim_of(text_config)
     spec.check_head_dim(head_dim)
     if isinstance(spec, LayeredCacheSpec):
         spec.check_layers(text_config.num_hidden_layers)
@@ -184,9 +184,7 @@ class CompressedCache(Cache):
             return
         layer_types, per_layer_kwargs = _layer_types(self.cache_spec, config)  # refuses what cannot be held
         text_config = config.get_text_config(decoder=True)
-        head_dim = getattr(text_config, "head_dim", None) or (
-            text_config.hidden_size // text_config.num_attention_heads
-        )
+        head_dim = head_dim_of(text_config)
         self._kv_shape = (text_config.num_hidden_layers, text_config.num_key_value_heads, head_dim)
         if calibration is not None:
             calibration.check_matches(

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, QuantizedCache
 
+from walshkv.identity import head_dim_of
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -64,7 +66,7 @@ def make_hf_cache(spec: HFCacheSpec, config: PretrainedConfig) -> Cache:
     except ValueError as err:
         raise ValueError(f"{spec.spec}: transformers' QuantizedCache cannot run this model: {err}") from err
     text = config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    head_dim = head_dim_of(text)
     cache.hf_spec = spec  # type: ignore[attr-defined]
     cache.hf_row = text.num_key_value_heads * head_dim  # type: ignore[attr-defined]
     return cache

@@ -25,6 +25,7 @@ from walshkv.cache.compressed import CompressedCache
 from walshkv.cache.hf import hf_cache_nbytes
 from walshkv.cache.kivi import KiviLayer
 from walshkv.cache.layers import CompressedLayer, CompressedSlidingWindowLayer
+from walshkv.identity import head_dim_of
 
 if TYPE_CHECKING:
     from transformers import Cache, PretrainedConfig
@@ -94,7 +95,7 @@ def fp_bytes(config: PretrainedConfig, ctx: int, element_bytes: int = 2) -> int:
     """
     cache = CompressedCache("fp16", config=config)
     text = config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    head_dim = head_dim_of(text)
     total = 0
     for layer in cache.layers:
         tokens = min(ctx, layer.sliding_window - 1) if getattr(layer, "is_sliding", False) else ctx

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from walshkv.identity import head_dim_of
+
 __all__ = ["RopeRows", "RopeTable", "apply_rope", "rope_tables", "undo_rope"]
 
 
@@ -144,7 +146,7 @@ def rope_tables(model: Any) -> list[RopeTable] | None:
             return None
         scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0) or 1.0)
         tables.append(RopeTable(inv_freq.detach().to("cpu", torch.float32).clone(), scaling))
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = head_dim_of(cfg)
     if tables and tables[0].head_dim != head_dim:
         raise ValueError(
             f"partial rotary embeddings are not supported (rotary dim {tables[0].head_dim}, head_dim {head_dim})"
