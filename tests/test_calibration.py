@@ -235,3 +235,9 @@ def test_statistics_files_and_merged_calibration_satisfy_the_protocol(stats: KVS
         assert isinstance(obj, Statistics) and isinstance(obj, Calibration)
     assert isinstance(bias, Calibration) and not isinstance(bias, Statistics)  # a file holds no per-channel moments
     assert merged.k_basis == bias.k_basis == stats.k_basis == "post-rope"
+
+
+def test_too_many_calibration_tokens_name_the_limit(tiny_lm) -> None:
+    limit = r"asked for 1,000,000 tokens .* calibrate on at most [\d,]+ tokens \(--tokens\)"
+    with pytest.raises(ValueError, match=limit):
+        collect_kv_stats(tiny_lm, TEXT, tokens=1_000_000, ctx=64, progress=False)

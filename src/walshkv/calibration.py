@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from walshkv.cache.recording import RecordingCache
-from walshkv.data import make_windows
+from walshkv.data import TextTooShortError, make_windows
 from walshkv.defaults import CALIB_TOKENS, CTX
 from walshkv.export import KMeanBias
 from walshkv.identity import check_identity, identity_config
@@ -348,12 +348,10 @@ def collect_kv_stats(
     n_win = max(1, tokens // ctx)
     try:
         win = make_windows(lm.tokenizer, text.content, ctx, n_win)
-    except ValueError as err:
-        fit = re.search(r"enough for (\d+) window", str(err))
-        most = f"at most {int(fit[1]) * ctx:,} tokens" if fit else "fewer tokens"
+    except TextTooShortError as err:
         raise ValueError(
-            f"calibration on {text.name} asked for {tokens:,} tokens ({n_win:,} windows of {ctx}): {err.args[0]}; "
-            f"for calibration: {most} (--tokens), or a longer --calib-text"
+            f"calibration on {text.name} asked for {tokens:,} tokens ({n_win:,} windows of {ctx}), but the text has "
+            f"{err.tokens:,}: calibrate on at most {err.fit * ctx:,} tokens (--tokens), or on a longer --calib-text"
         ) from err
     stats = KVStats(
         lm.name,

@@ -29,6 +29,7 @@ __all__ = [
     "SCORE_MODES",
     "TEXTS",
     "Text",
+    "TextTooShortError",
     "Windows",
     "describe_scored",
     "load_text",
@@ -142,6 +143,14 @@ def describe_scored(first: int, last: int) -> str:
     )
 
 
+class TextTooShortError(ValueError):
+    """A text too short for the windows asked of it; ``fit`` is how many windows of ``ctx`` tokens it holds."""
+
+    def __init__(self, message: str, *, tokens: int, fit: int, ctx: int) -> None:
+        super().__init__(message)
+        self.tokens, self.fit, self.ctx = tokens, fit, ctx
+
+
 def make_windows(tokenizer: Any, text: str, ctx: int, windows: int | None) -> Windows:
     """Tokenize ``text`` and cut ``windows`` consecutive windows of ``ctx`` tokens.
 
@@ -152,7 +161,8 @@ def make_windows(tokenizer: Any, text: str, ctx: int, windows: int | None) -> Wi
         windows: number of windows, or ``None`` for as many as fit.
 
     Raises:
-        ValueError: if the text is too short for even one window, or for ``windows``.
+        ValueError: ``ctx`` or ``windows`` out of range.
+        TextTooShortError: the text is too short for even one window, or for ``windows``.
     """
     if ctx < 4:
         raise ValueError(f"--ctx must be at least 4 tokens, got {ctx}")
@@ -162,9 +172,12 @@ def make_windows(tokenizer: Any, text: str, ctx: int, windows: int | None) -> Wi
     fit = len(ids) // ctx
     want = fit if windows is None else windows
     if fit < max(want, 1):
-        raise ValueError(
+        raise TextTooShortError(
             f"the text has {len(ids)} tokens, enough for {fit} window(s) of {ctx}, but {max(want, 1)} "
-            f"were asked for; use fewer --windows, a smaller --ctx, or a longer --text"
+            f"were asked for; use fewer --windows, a smaller --ctx, or a longer --text",
+            tokens=len(ids),
+            fit=fit,
+            ctx=ctx,
         )
     tensor = torch.tensor(ids[: want * ctx], dtype=torch.long).view(want, ctx)
     bos_id = getattr(tokenizer, "bos_token_id", None)
