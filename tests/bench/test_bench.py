@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from walshkv.bench import bench_attention, bench_generation, copy_bandwidth, crossover, machine_description
+from walshkv.bench import (
+    GenerationBenchConfig,
+    bench_attention,
+    bench_generation,
+    copy_bandwidth,
+    crossover,
+    machine_description,
+)
 from walshkv.cli import main
 
 
@@ -88,9 +95,10 @@ def test_cli_attention(tmp_path, capsys):
 
 @pytest.mark.model
 def test_generation_rows(smollm2):
-    rows = bench_generation(
-        "smollm2-135m", [96], "rot+int4", dynamic_dtypes=["float32"], new_tokens=2, prefill_chunk=64, progress=False
+    config = GenerationBenchConfig(
+        "smollm2-135m", [96], ["rot+int4"], dynamic_dtypes=["float32"], new_tokens=2, prefill_chunk=64, progress=False
     )
+    rows = bench_generation(config)
     assert [r["cache"] for r in rows] == ["dynamic", "fused"]
     dyn, fused = rows
     assert dyn["speedup_vs_dynamic"] == 1.0 and fused["decode_tokens_per_s"] > 0

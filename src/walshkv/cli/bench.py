@@ -13,6 +13,7 @@ import copy
 import functools
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, get_args
 
@@ -42,19 +43,18 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _check(args: argparse.Namespace) -> tuple[list[bench.GenerationCodec], list[str]] | None:
-    """Refuse counts below 1, a CUDA device that is not there and generation codecs that cannot run, before
-    anything runs.
+def _check(
+    args: argparse.Namespace,
+) -> tuple[bench.GenerationBenchConfig, list[bench.GenerationCodec], list[str]] | None:
+    """Refuse counts below 1, a CUDA device that is not there and generation settings or codecs that cannot run,
+    before anything runs.
 
     Returns:
-        The resolved generation codecs (presets resolved, calibration in hand) and the notes to print (presets the
-        default table leaves out); ``None`` without a generation part.
+        Without a generation part ``None``; else its config with the codecs resolved (presets resolved,
+        calibration in hand), those codecs, and the notes to print (presets the default table leaves out).
     """
-    for flag, value in (("--repeats", args.repeats), ("--new-tokens", args.new_tokens), ("--gen-runs", args.gen_runs)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
-    if args.prefill_chunk < 1:
-        raise ValueError(f"--prefill-chunk must be at least 1 token, got {args.prefill_chunk}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     if args.part in ("all", "attention") and args.device.startswith("cuda"):
         index = torch.device(args.device).index or 0
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -82,15 +82,39 @@ def _check(args: argparse.Namespace) -> tuple[list[bench.GenerationCodec], list[
                 "(e.g. --codec walshkv:3.5)"
             )
         return None
+    config = _generation_config(args)  # every setting checked before the codecs load anything
     gen_codecs: list[Any] | None = args.gen_codec
     if gen_codecs and not args.kv_mean_center and not args.calib_text:  # presets with this checkout's files
         gen_codecs = [(c, f) if (f := _shipped_file(args.model, c)) else c for c in gen_codecs]
-    return bench.resolve_generation_codecs(
-        args.model,
+    resolved, notes = bench.resolve_generation_codecs(
+        config.model,
         gen_codecs,
+        kv_mean_center=config.kv_mean_center,
+        calib_text=config.calib_text,
+        calib_tokens=config.calib_tokens,
+        text=config.text,
+        progress=config.progress,
+    )
+    return replace(config, codecs=resolved, kv_mean_center=None, calib_text=None), resolved, notes
+
+
+def _generation_config(args: argparse.Namespace) -> bench.GenerationBenchConfig:
+    """The generation part's settings from the command line (its codecs as given, not resolved yet)."""
+    return bench.GenerationBenchConfig(
+        args.model,
+        args.ctx,
+        args.gen_codec,
         kv_mean_center=args.kv_mean_center,
         calib_text=args.calib_text,
         calib_tokens=args.calib_tokens,
+        dynamic_dtypes=args.dynamic_dtype or bench.DYNAMIC_DTYPES,
+        new_tokens=args.new_tokens,
+        prefill_chunk=args.prefill_chunk,
+        decoded=args.decoded,
+        reserve=not args.no_reserve,
+        malloc_mmap_threshold=args.malloc_mmap_threshold,
+        prefill=args.prefill,
+        runs=args.gen_runs,
         progress=not args.quiet,
     )
 
@@ -138,23 +162,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         result["attention"] = att
         print(bench.format_attention_table(att, meta["copy_bandwidth_gb_per_s"]))
     if generation is not None:
-        gen_codecs, notes = generation
+        config, gen_codecs, notes = generation
         for line in notes:
             print(line)
-        gen = bench.bench_generation(
-            args.model,
-            args.ctx,
-            gen_codecs,
-            dynamic_dtypes=args.dynamic_dtype or bench.DYNAMIC_DTYPES,
-            new_tokens=args.new_tokens,
-            prefill_chunk=args.prefill_chunk,
-            decoded=args.decoded,
-            reserve=not args.no_reserve,
-            malloc_mmap_threshold=args.malloc_mmap_threshold,
-            prefill=args.prefill,
-            runs=args.gen_runs,
-            progress=not args.quiet,
-        )
+        gen = bench.bench_generation(config)
         result["generation"] = gen
         meta["crossover_context"] = {c.name: bench.crossover(gen, "fused", c.spec) for c in gen_codecs}
         meta["notes"] = [*notes, *bench.position_notes(gen)]
