@@ -148,14 +148,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             meta["machine"]["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
         meta["copy_bandwidth_gb_per_s"] = bench.copy_bandwidth(device=args.device)
         calibration = read_kv_mean_center(args.kv_mean_center) if args.kv_mean_center and args.codec else None
+        shapes = bench.attention_shapes(args.model)
+        meta["attention_model"] = {"model": args.model, **shapes}
         att = bench.bench_attention(
             args.kv_len,
             args.codec or bench.DEFAULT_ATTENTION_CODECS,
+            **shapes,
             repeats=args.repeats,
             device=args.device,
             calibration=calibration,
-            # the attention bench has smollm2-135m's shapes (3 kv heads, head_dim 64): presets take its files
-            calibrations=None if calibration is not None else _shipped_calibrations(DEFAULT_MODEL, args.codec or ()),
+            # presets take the files this checkout ships for --model, whose attention shapes these are
+            calibrations=None if calibration is not None else _shipped_calibrations(args.model, args.codec or ()),
             layer=args.layer,
             progress=not args.quiet,
         )
@@ -235,6 +238,12 @@ def _add_options(parser: argparse.ArgumentParser, part: str | None) -> argparse.
     """Add the options of ``walshkv bench PART`` (``part`` None: both parts', for ``walshkv bench``) to
     ``parser``, which has the calibration options already unless ``part`` is attention. A subcommand lists its
     part's options as its own; ``walshkv bench`` lists each part's in a group of its own."""
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model: the generation part runs it; the attention part takes its attention shapes (head_dim, kv and "
+        "query heads) and the preset files this checkout ships for it",
+    )
     if part in (None, "attention"):
         group = parser.add_argument_group("attention (walshkv bench attention)") if part is None else parser
         group.add_argument("--kv-len", type=_ints, default=list(bench.DEFAULT_KV_LENS), help="cached tokens")
@@ -243,9 +252,8 @@ def _add_options(parser: argparse.ArgumentParser, part: str | None) -> argparse.
             action="append",
             metavar="SPEC",
             help="codec (repeatable): a spec, or a preset or calibrated spec with --kv-mean-center FILE (bound to "
-            "--layer's calibration; the file's kv heads and head_dim must be the bench's 3 and 64); without "
-            f"--kv-mean-center each preset takes the file this checkout ships for {DEFAULT_MODEL}, whose attention "
-            f"shapes these are (docs/results/presets/{DEFAULT_MODEL}/walshkv-B.gguf)",
+            "--layer's calibration; the file's kv heads and head_dim must be --model's); without --kv-mean-center "
+            "each preset takes the file this checkout ships for --model (docs/results/presets/MODEL/walshkv-B.gguf)",
         )
         group.add_argument("--layer", type=int, default=3, help="the layer whose calibration a calibrated codec uses")
         group.add_argument("--repeats", type=int, default=7, help="timed repeats per case (median)")
@@ -263,7 +271,6 @@ def _add_options(parser: argparse.ArgumentParser, part: str | None) -> argparse.
         )
     if part in (None, "generation"):
         group = parser.add_argument_group("generation (walshkv bench generation)") if part is None else parser
-        group.add_argument("--model", default=DEFAULT_MODEL, help="model")
         group.add_argument("--ctx", type=_ints, default=list(bench.DEFAULT_CONTEXTS), help="context lengths")
         group.add_argument(
             "--gen-codec",
