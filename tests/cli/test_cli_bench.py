@@ -22,7 +22,7 @@ from test_cli_errors import no_load  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("no_load")
 
-ATTENTION = ("--kv-len", "--codec", "--layer", "--repeats", "--device")
+ATTENTION = ("--kv-len", "--codec", "--layer", "--repeats", "--threads", "--device")
 GENERATION = (
     "--ctx",
     "--gen-codec",

@@ -55,6 +55,8 @@ def _check(
     """
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.part in ("all", "attention") and args.device.startswith("cuda"):
         index = torch.device(args.device).index or 0
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -147,6 +149,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.device.startswith("cuda") and torch.cuda.is_available():
             meta["machine"]["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
         meta["copy_bandwidth_gb_per_s"] = bench.copy_bandwidth(device=args.device)
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+            meta["machine"] = bench.machine_description()  # records the threads the rows ran with
         calibration = read_kv_mean_center(args.kv_mean_center) if args.kv_mean_center and args.codec else None
         shapes = bench.attention_shapes(args.model)
         meta["attention_model"] = {"model": args.model, **shapes}
@@ -257,6 +262,14 @@ def _add_options(parser: argparse.ArgumentParser, part: str | None) -> argparse.
         )
         group.add_argument("--layer", type=int, default=3, help="the layer whose calibration a calibrated codec uses")
         group.add_argument("--repeats", type=int, default=7, help="timed repeats per case (median)")
+        group.add_argument(
+            "--threads",
+            type=int,
+            default=None,
+            metavar="N",
+            help="torch threads for SDPA and the kernel alike (default: torch's, one per core); 1 compares both "
+            "on one core, which a machine shared with other work disturbs least",
+        )
         group.add_argument(
             "--device",
             default="cpu",
