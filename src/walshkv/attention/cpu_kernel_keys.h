@@ -266,8 +266,12 @@ static inline void had_core(const float* __restrict b, const vf* __restrict r, c
                             const vf* __restrict mu, float f, const float* __restrict cs, const float* __restrict sn,
                             vf* __restrict x) {
   for (int v = 0; v < NV; ++v) x[v] = fwht_lanes(R_ONE ? ((const vf*)b)[v] : ((const vf*)b)[v] * r[v]);
+  // butterflies between whole vectors, fully unrolled (a loop here kept x on the stack)
+#pragma GCC unroll 8
   for (int len = 1; len < NV; len <<= 1)
+#pragma GCC unroll 16
     for (int i = 0; i < NV; i += 2 * len)
+#pragma GCC unroll 16
       for (int j = i; j < i + len; ++j) {
         const vf a = x[j], bb = x[j + len];
         x[j] = a + bb;
@@ -293,9 +297,45 @@ static inline void had_key(const float* __restrict b, const vf* __restrict r, co
   for (int v = 0; v < NV; ++v) ((vf*)z)[v] = x[v];
 }
 
+// NB query heads (rows of q, stride LK) against two keys x, y of NV vectors in registers: sx[c], sy[c].
+template <int NV, int NB>
+static inline void score_pair(const vf* __restrict x, const vf* __restrict y, const float* __restrict q, int64_t LK,
+                              float* __restrict sx, float* __restrict sy) {
+  static_assert(NB == 1 || NB == 2, "one or two heads against two keys");
+  vf ax0 = vf{}, ax1 = vf{}, ay0 = vf{}, ay1 = vf{};  // named sums: an array here stayed on the stack
+  const vf* q0 = (const vf*)q;
+  const vf* q1 = (const vf*)(q + (NB == 2 ? LK : 0));
+  for (int v = 0; v < NV; ++v) {
+    ax0 += x[v] * q0[v];
+    ay0 += y[v] * q0[v];
+    if constexpr (NB == 2) {
+      ax1 += x[v] * q1[v];
+      ay1 += y[v] * q1[v];
+    }
+  }
+  float s4[4];
+  hsum4(ax0, ax1, ay0, ay1, s4);
+  sx[0] = s4[0], sy[0] = s4[2];
+  if constexpr (NB == 2) sx[1] = s4[1], sy[1] = s4[3];
+}
+
+// NB query heads against one key x in registers: s[c].
+template <int NV, int NB>
+static inline void score_one(const vf* __restrict x, const float* __restrict q, int64_t LK, float* __restrict s) {
+  vf a[4] = {vf{}, vf{}, vf{}, vf{}};
+  for (int c = 0; c < NB; ++c) {
+    const vf* qv = (const vf*)(q + c * LK);
+    for (int v = 0; v < NV; ++v) a[c] += x[v] * qv[v];
+  }
+  float s4[4];
+  hsum4(a[0], a[1], a[2], a[3], s4);
+  for (int c = 0; c < NB; ++c) s[c] = s4[c];
+}
+
 // Hadamard form, scored where the key is made: each of nt decoded rows (ktile, ld_in floats) becomes its key in
-// registers (had_core) and meets the G query rows (q, stride LK = d) there, up to four heads per pass; the key is
-// never written. sc[j * TILE + i]: head j's score of row i, as score_tile over transform_keys' rows gives it.
+// registers (had_core) and meets the G query rows (q, stride LK = d) there, two keys and two heads at a time (every
+// bound known to the compiler, so the sums stay in registers); the key is never written. sc[j * TILE + i]: head j's
+// score of row i, as score_tile over transform_keys' rows gives it.
 template <int NV, bool R_ONE>
 static void had_scores(const KPost& kp, int64_t h, int64_t t, int nt, const float* __restrict ktile, int64_t ld_in,
                        const float* __restrict rs, const float* __restrict q, int64_t G, int64_t LK,
@@ -304,46 +344,33 @@ static void had_scores(const KPost& kp, int64_t h, int64_t t, int nt, const floa
   const vf* c = (const vf*)(kp.c + h * kp.ld);
   const vf* m = (const vf*)(kp.mu + h * kp.ld);
   const int half = kp.d / 2;
+  float sx[2], sy[2];
   int i = 0;
-  for (; i + 2 <= nt; i += 2) {  // two keys at a time: two independent chains of shuffles and adds in flight
+  // two keys at a time (two independent chains of shuffles and adds in flight) where both keys, four sums and the
+  // query's vectors fit in the registers (32 vector registers with AVX-512, 16 with AVX2)
+  constexpr bool PAIRS = 2 * NV + 6 <= (VW == 16 ? 32 : 16);
+  for (; PAIRS && i + 2 <= nt; i += 2) {
     const int64_t pos = kp.pos0 + t + i;
     vf x[NV], y[NV];
     had_core<NV, R_ONE>(ktile + i * ld_in, r, c, m, rs[i], kp.cs + pos * half, kp.sn + pos * half, x);
     had_core<NV, R_ONE>(ktile + (i + 1) * ld_in, r, c, m, rs[i + 1], kp.cs + (pos + 1) * half,
                         kp.sn + (pos + 1) * half, y);
-    for (int64_t j0 = 0; j0 < G; j0 += 2) {
-      const int nb = (int)std::min<int64_t>(2, G - j0);
-      vf a[4] = {vf{}, vf{}, vf{}, vf{}};  // heads j0, j0 + 1 against x, then against y
-      for (int cc = 0; cc < nb; ++cc) {
-        const vf* qv = (const vf*)(q + (j0 + cc) * LK);
-        for (int v = 0; v < NV; ++v) {
-          a[cc] += x[v] * qv[v];
-          a[2 + cc] += y[v] * qv[v];
-        }
-      }
-      float s4[4];
-      hsum4(a[0], a[1], a[2], a[3], s4);
-      for (int cc = 0; cc < nb; ++cc) {
-        sc[(j0 + cc) * TILE + i] = s4[cc];
-        sc[(j0 + cc) * TILE + i + 1] = s4[2 + cc];
-      }
+    int64_t j = 0;
+    for (; j + 2 <= G; j += 2) {
+      score_pair<NV, 2>(x, y, q + j * LK, LK, sx, sy);
+      sc[j * TILE + i] = sx[0], sc[(j + 1) * TILE + i] = sx[1];
+      sc[j * TILE + i + 1] = sy[0], sc[(j + 1) * TILE + i + 1] = sy[1];
+    }
+    if (j < G) {
+      score_pair<NV, 1>(x, y, q + j * LK, LK, sx, sy);
+      sc[j * TILE + i] = sx[0], sc[j * TILE + i + 1] = sy[0];
     }
   }
   for (; i < nt; ++i) {
     const int64_t pos = kp.pos0 + t + i;
     vf x[NV];
     had_core<NV, R_ONE>(ktile + i * ld_in, r, c, m, rs[i], kp.cs + pos * half, kp.sn + pos * half, x);
-    for (int64_t j0 = 0; j0 < G; j0 += 4) {
-      const int nb = (int)std::min<int64_t>(4, G - j0);
-      vf a[4] = {vf{}, vf{}, vf{}, vf{}};
-      for (int cc = 0; cc < nb; ++cc) {
-        const vf* qv = (const vf*)(q + (j0 + cc) * LK);
-        for (int v = 0; v < NV; ++v) a[cc] += x[v] * qv[v];
-      }
-      float s4[4];
-      hsum4(a[0], a[1], a[2], a[3], s4);
-      for (int cc = 0; cc < nb; ++cc) sc[(j0 + cc) * TILE + i] = s4[cc];
-    }
+    for (int64_t j = 0; j < G; ++j) score_one<NV, 1>(x, q + j * LK, LK, sc + j * TILE + i);
   }
 }
 
