@@ -30,6 +30,7 @@ from walshkv.codecs import parse_cache_spec
 from walshkv.data import load_text
 from walshkv.defaults import CALIB_TOKENS, CTX
 from walshkv.eval import evaluate
+from walshkv.eval.report import describe_calibration
 from walshkv.export import KMeanBias, read_kv_mean_center
 from walshkv.identity import model_identity
 from walshkv.models import MODELS, ModelShape, is_cached, layout_config, load_model
@@ -164,12 +165,12 @@ def test_a_corrupted_copy_is_refused_by_name_with_the_fix(tmp_path, monkeypatch)
 @pytest.mark.model
 def test_a_model_whose_config_differs_is_refused_by_name():
     config = _real_config("smollm2-135m")
-    config.rope_theta = 12345.0  # same shapes, another model
+    config.rms_norm_eps = 1e-3  # same shapes, another model
     with pytest.raises(ShippedCalibrationError) as err:
         shipped_calibration(_Model("smollm2-135m", config), ["walshkv:3.5"])
     msg = str(err.value)
     assert "walshkv/calibrations/smollm2-135m/" in msg and "was made for smollm2-135m" in msg
-    assert "rope_theta" in msg and "walshkv calibrate" in msg
+    assert "rms_norm_eps" in msg and "walshkv calibrate" in msg
 
 
 def test_unknown_models_and_presets_without_a_shipped_spec_get_none():
@@ -221,8 +222,9 @@ def test_a_part_no_file_holds_is_refused_with_the_fix():
     only = CalibrationSet([read_kv_mean_center(dense.path)], label="smollm2's eq+ file")
     with pytest.raises(ValueError, match=r"smollm2's eq\+ file holds no diagonal eqd\+ K transforms.*--calib-text"):
         parse_cache_spec(model_presets()["smollm2-135m"]["presets"]["walshkv:3.5-fast"]["spec"]).bind(0, only)
-    with pytest.raises(ValueError, match="before RoPE"):  # K after RoPE: the set's files hold K before it only
+    with pytest.raises(ValueError, match=r"holds no K mean in the plain basis \(K post-rope"):  # K before RoPE only
         parse_cache_spec("center+tq:4/tq:3").bind(0, only)
+    assert parse_cache_spec("rot+q4_0").bind(0, only).spec == "rot+q4_0"  # a spec that reads nothing binds
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -230,15 +232,18 @@ def test_a_part_no_file_holds_is_refused_with_the_fix():
 # ------------------------------------------------------------------------------------------------------------------
 
 #: Mean KLD of each smollm2-135m preset with its shipped file on 2 windows of 128 tokens of python-docs[eval] (the
-#: default run's evaluation text), second half of each window scored: the numbers the slow test below gets with the
-#: statistics recalibrated in the run, bit for bit (scripts/ship_calibrations.py; any CPU within float rounding).
+#: default run's evaluation text), second half of each window scored, measured at the commit that shipped the files
+#: (AMD EPYC, torch 2.13.0+cpu): the numbers the slow test below gets with the statistics recalibrated in the run,
+#: bit for bit. On 126 scored tokens the KLD is sensitive: the replaced per-preset files (K means and transforms
+#: within 1e-6 and 5e-5 of these for the plain presets) give 1.6-13% other KLDs; another CPU's float rounding of the
+#: model (~1e-7 relative) perturbs the quantizers' inputs far less, hence 1%.
 PINNED_KLD = {
-    "walshkv:4.5": None,
-    "walshkv:3.5": None,
-    "walshkv:3": None,
-    "walshkv:4.5-fast": None,
-    "walshkv:3.5-fast": None,
-    "walshkv:3-fast": None,
+    "walshkv:4.5": 0.01015672767508606,
+    "walshkv:3.5": 0.05377996416147469,
+    "walshkv:3": 0.08859780480835387,
+    "walshkv:4.5-fast": 0.012018520940041107,
+    "walshkv:3.5-fast": 0.08081127767468617,
+    "walshkv:3-fast": 0.15361424311498503,
 }
 FIXED = {"ctx": 128, "windows": 2}
 
@@ -258,7 +263,7 @@ def test_shipped_files_reproduce_each_presets_kld_on_a_fixed_window(smollm2):
     cal = shipped_calibration(smollm2, list(PINNED_KLD))
     got = _klds(smollm2, cal)
     for preset, want in PINNED_KLD.items():
-        assert math.isclose(got[preset], want, rel_tol=1e-3, abs_tol=1e-7), (preset, got[preset], want)
+        assert math.isclose(got[preset], want, rel_tol=1e-2), (preset, got[preset], want)
 
 
 @pytest.mark.model
@@ -293,6 +298,11 @@ def test_eval_reads_the_shipped_file_and_never_calibrates(tmp_path, monkeypatch,
     (described,) = meta["calibration"]["files"]
     assert (described["file"], described["sha256"]) == (file.label, file.sha256)
     assert set(described["presets"]) >= {"walshkv:3", "walshkv:3.5", "walshkv:4.5"}
+    words = describe_calibration(meta["calibration"])  # as sweep files describe it
+    assert words == (
+        f"the calibration shipped with walshkv for smollm2-135m: {file.label} (sha256 {file.sha256[:12]}...), "
+        "8,192 tokens of python-docs[calib]"
+    )
 
 
 @pytest.mark.model
@@ -352,3 +362,13 @@ def test_the_regenerating_script_is_documented():
     spec.loader.exec_module(script)
     assert script.OUT == SHIPPED and "python scripts/ship_calibrations.py" in (script.__doc__ or "")
     assert "ship_calibrations.py" in (ROOT / "docs" / "presets.md").read_text()
+
+
+def test_docs_state_the_shipped_sizes():
+    """docs/presets.md's table of shipped files says what the manifest says, file by file."""
+    page = (ROOT / "docs" / "presets.md").read_text()
+    for model in manifest()["models"]:
+        for file in shipped_files(model):
+            row = next((line for line in page.splitlines() if line.startswith(f"| `{model}/{file.name}` |")), None)
+            assert row is not None and f"| {file.size:,} |" in row, (model, file.name)
+            assert all(f"`{p}`" in row for p in file.presets), (model, file.name)

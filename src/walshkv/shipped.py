@@ -319,8 +319,8 @@ class CalibrationSet:
 
     Attributes:
         files: the files (:class:`~walshkv.export.KMeanBias`).
-        k_basis: ``post-rope`` if some file holds K after RoPE, else ``pre-rope``; :meth:`pre_rope` is the view of
-            the files that hold K before RoPE.
+        k_basis: ``post-rope``, as statistics are: specs that read nothing bind to it, specs that read K after RoPE
+            read the files that hold it; :meth:`pre_rope` is the view of the files that hold K before RoPE.
         text: the calibration text's name.
     """
 
@@ -339,8 +339,7 @@ class CalibrationSet:
         self.label = label
         self.text = text if text is not None else self.files[0].text
         self._description = description or {"kind": "calibration files", "files": [f.describe() for f in files]}
-        held = {f.k_basis for f in self.files}
-        self.k_basis: KBasis = k_basis or ("post-rope" if "post-rope" in held else "pre-rope")
+        self.k_basis: KBasis = k_basis or "post-rope"
         self._diagonal = {
             (id(f), kind): _is_diagonal(eq)
             for f in self.files

@@ -171,7 +171,15 @@ def test_prerope_rows_time_their_key_transform_alone():
 
     path = shipped_preset_file("smollm2-135m", "walshkv:4.5")
     cal = read_kv_mean_center(path)
-    rows = bench_attention([64, 1000], ["walshkv:4.5", "rot+int4"], calibration=cal, layer=3, repeats=1, progress=False)
+    rows = bench_attention(
+        [64, 1000],
+        ["walshkv:4.5", "rot+int4"],
+        calibration=cal,
+        layer=3,
+        model="smollm2-135m",
+        repeats=1,
+        progress=False,
+    )
     assert [r["method"] for r in rows[:5]] == ["sdpa-fp16", "sdpa-bf16", "sdpa-fp32", "walshkv:4.5", "rot+int4"]
     pre = [r for r in rows if r["method"] == "walshkv:4.5"]
     assert pre[1]["k_transform_macs"] == 3 * 1000 * 64 * 64  # kv heads x keys x head_dim^2

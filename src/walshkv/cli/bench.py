@@ -133,6 +133,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             # the attention bench has smollm2-135m's shapes (3 kv heads, head_dim 64): presets take its files
             calibrations=None if calibration is not None else _shipped_calibrations(DEFAULT_MODEL, args.codec or ()),
             layer=args.layer,
+            model=DEFAULT_MODEL,
             progress=not args.quiet,
         )
         result["attention"] = att

@@ -116,14 +116,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if config is None:  # only loading told (a .gguf file, a hub id): checked now, still before calibration
         codecs = fit_codecs(codecs, lm.model.config, lm, required=bool(args.codec))
     # a calibration input given (a file, a text, a token count) wins over the files shipped with walshkv
-    explicit = bool(args.calib_text or args.kv_mean_center or args.calib_tokens != CALIB_TOKENS)
+    inputs = bool(args.calib_text or args.kv_mean_center)
+    explicit = inputs or args.calib_tokens != CALIB_TOKENS
     shipped = None if explicit else shipped_for(lm, codecs)  # checked: a bad file stops the run here
     calibration: CalibrationLike | None
     if shipped is not None:
         _, text = default_calibration(text)  # python-docs is evaluated on its second half: the files saw its first
         print(shipped_note(shipped, text), file=sys.stderr, flush=True)
         calibration = shipped
-    elif not args.codec and not explicit:  # a model walshkv ships no calibration for: calibrated in the run
+    elif not args.codec and not inputs:  # a model walshkv ships none for, or --calib-tokens: calibrated in the run
         calib, text = default_calibration(text)
         print(
             f"calibrating the presets on {calib.name} ({args.calib_tokens:,} tokens), evaluating on {text.name}; "
@@ -197,8 +198,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         metavar="SPEC",
         help=f"cache spec or preset, repeatable (default: {' '.join(MAIN_CODECS)}). Without --kv-mean-center, "
         "--calib-text or --calib-tokens, presets on a model walshkv ships calibration for read the shipped files "
-        "(checked: sha256 and the model's identity); on any other model the default set's presets are calibrated in "
-        "the run on python-docs. Either way python-docs as the evaluation text is evaluated on its second half",
+        "(checked: sha256 and the model's identity); on any other model, or with --calib-tokens N, the default set's "
+        "presets are calibrated in the run on python-docs. Either way python-docs as the evaluation text is evaluated "
+        "on its second half",
     )
     ev.add_argument(
         "--score",
