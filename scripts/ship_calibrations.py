@@ -10,7 +10,8 @@ the model's presets (walshkv.preset_file.calibration_needs: K before or after Ro
 diagonal eq+ transforms), written without a preset name (walshkv.preset_file.write_calibration_file): a model's
 presets that read the same parts share one file. The manifest records for each file its sha256 and size, the
 presets it serves and their specs, the model's identity (walshkv.identity.model_identity), the calibration text
-(name, source, sha256 of its characters, tokens, windows) and the commit, command, date and library versions.
+(name, source, sha256 of its characters, tokens, windows) and the commit, command, date, library versions, CPU and
+torch thread count (float32 sums depend on both: the statistics repeat bit for bit on the same CPU kind and threads).
 
     python scripts/ship_calibrations.py                      # every model (qwen2.5-1.5b takes minutes on 2 cores)
     python scripts/ship_calibrations.py --model smollm2-135m # one model; the others' entries are kept
@@ -95,10 +96,13 @@ def check() -> list[str]:
 
 def ship(model_names: list[str], command: str) -> None:
     """Calibrate each model once and write its files and its manifest entry."""
+    import torch
+
     from walshkv.calibration import collect_kv_stats
     from walshkv.cli.eval import default_calibration
     from walshkv.data import load_text
     from walshkv.defaults import CALIB_TOKENS, CTX
+    from walshkv.eval.provenance import cpu_meta
     from walshkv.eval.report import library_versions, timestamp
     from walshkv.fileio import write_text_atomic
     from walshkv.identity import model_identity
@@ -106,6 +110,8 @@ def ship(model_names: list[str], command: str) -> None:
     from walshkv.preset_file import calibration_needs, write_calibration_file
 
     versions = library_versions()  # the commit before any file is written
+    # float32 sums depend on the CPU and torch's thread count: the statistics are bit-for-bit reproducible with both
+    machine = {"cpu": cpu_meta(), "torch_threads": torch.get_num_threads()}
     if versions["commit"].endswith("-dirty"):
         print(f"warning: the tree is dirty ({versions['commit']}); the manifest records it so", file=sys.stderr)
     data = _load_manifest()
@@ -155,7 +161,7 @@ def ship(model_names: list[str], command: str) -> None:
                     f"python-docs by characters); `walshkv eval` on python-docs scores {evaluated.name}, its second "
                     "half",
                 },
-                "produced_by": {"command": command, "date": timestamp(), "versions": versions},
+                "produced_by": {"command": command, "date": timestamp(), "versions": versions, **machine},
             }
             print(f"wrote {path.relative_to(ROOT)}: {', '.join(served)} ({files[path.name]['size']:,} bytes)")
         data["models"][name] = {
