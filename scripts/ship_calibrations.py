@@ -11,7 +11,8 @@ diagonal eq+ transforms), written without a preset name (walshkv.preset_file.wri
 presets that read the same parts share one file. The manifest records for each file its sha256 and size, the
 presets it serves and their specs, the model's identity (walshkv.identity.model_identity), the calibration text
 (name, source, sha256 of its characters, tokens, windows) and the commit, command, date, library versions, CPU and
-torch thread count (float32 sums depend on both: the statistics repeat bit for bit on the same CPU kind and threads).
+torch thread count (torch's sums and the eq+ fits' linear algebra round by both: the files repeat bit for bit on the
+same CPU kind and thread count; regenerated there, every file came out byte-identical).
 
     python scripts/ship_calibrations.py                      # every model (qwen2.5-1.5b takes minutes on 2 cores)
     python scripts/ship_calibrations.py --model smollm2-135m # one model; the others' entries are kept
@@ -110,7 +111,8 @@ def ship(model_names: list[str], command: str) -> None:
     from walshkv.preset_file import calibration_needs, write_calibration_file
 
     versions = library_versions()  # the commit before any file is written
-    # float32 sums depend on the CPU and torch's thread count: the statistics are bit-for-bit reproducible with both
+    # torch's results (the sums, the eq+ fits' linear algebra) depend on the CPU and the thread count: the files are
+    # reproducible bit for bit with both
     machine = {"cpu": cpu_meta(), "torch_threads": torch.get_num_threads()}
     if versions["commit"].endswith("-dirty"):
         print(f"warning: the tree is dirty ({versions['commit']}); the manifest records it so", file=sys.stderr)
