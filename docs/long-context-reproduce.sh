@@ -67,7 +67,8 @@ for stage in $STAGES; do
   select)
     # do the 512-token winners stay best at 4k? recommend again at --ctx 4096 on python-docs (selection text
     # only), the shipped spec among the candidates; the report ranks it there. A run here ships once
-    # scripts/ship_presets.py is rerun (the longest selection context wins), and every table must then be rerun
+    # scripts/ship_presets.py is rerun (the longest selection context wins) and then scripts/ship_calibrations.py
+    # (the calibration each shipped spec reads, in the package), and every table must then be rerun
     for model in $SELECT_MODELS; do
       for bits in $SELECT_BITS; do
         shipped=$(python -c "from walshkv.presets import resolve_preset as r; print(r('walshkv:$bits', model='$model').spec)")
@@ -75,9 +76,6 @@ for stage in $STAGES; do
         [ -f "$OUT/select/$model/recommend-$bits-ctx4096.json" ] || walshkv recommend --model "$model" --bits "$bits" \
           --ctx 4096 --windows 2 --candidate "$shipped" --quiet --json "$OUT/select/$model/recommend-$bits-ctx4096.json" \
           -o "$OUT/select/$model/walshkv-$bits-ctx4096.gguf"
-        # the preset file the benches read (docs/results/presets/MODEL/walshkv-B.gguf) names the spec that ships
-        [ ! -f "$OUT/select/$model/walshkv-$bits-ctx4096.gguf" ] ||
-          cp "$OUT/select/$model/walshkv-$bits-ctx4096.gguf" "docs/results/presets/$model/walshkv-$bits.gguf"
       done
     done
     ;;
@@ -154,17 +152,17 @@ for stage in $STAGES; do
   select-fast)
     # the fast presets: recommend --fast at --ctx 4096 on python-docs (selection text only), candidates restricted
     # to specs the fused kernels decode without a dense per-key matrix (eqd+ in place of prerope+'s eq+). The
-    # preset file goes where the benches read presets (docs/results/presets/MODEL/walshkv-B-fast.gguf); it ships
-    # once scripts/ship_presets.py is rerun, and stage fast then measures it. Among the candidates: the fast twin of
+    # spec ships once scripts/ship_presets.py is rerun, its calibration once scripts/ship_calibrations.py is (the
+    # benches read the shipped calibrations), and stage fast then measures it. Among the candidates: the fast twin of
     # the shipped plain preset (fast_candidate: its eq+ made eqd+, its sink:1 and per-layer V widths kept), which the
     # built-in pool lacks: a sink:1: spec fits 3 and 3.5 bits only with the plain preset's narrower V in a few layers
     for model in $FAST_MODELS; do
-      mkdir -p "$OUT/select/$model" "docs/results/presets/$model"
+      mkdir -p "$OUT/select/$model"
       for bits in $FAST_BITS; do
         twin=$(python -c "from walshkv.presets import resolve_preset as r; from walshkv.recommend import fast_candidate as f; print(f(r('walshkv:$bits', model='$model').spec))")
         [ -f "$OUT/select/$model/recommend-$bits-fast-ctx4096.json" ] || walshkv recommend --model "$model" \
           --bits "$bits" --fast --ctx 4096 --windows 2 --candidate "$twin" --quiet \
-          --json "$OUT/select/$model/recommend-$bits-fast-ctx4096.json" -o "docs/results/presets/$model/walshkv-$bits-fast.gguf"
+          --json "$OUT/select/$model/recommend-$bits-fast-ctx4096.json" -o "$OUT/select/$model/walshkv-$bits-fast-ctx4096.gguf"
       done
     done
     ;;

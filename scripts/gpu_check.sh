@@ -9,7 +9,7 @@
 #     of the GPU measured in the same run.
 #
 # Writes docs/results/gpu/{check.json,bench.*,machine.txt}. Commit them with the device named (the files
-# record nvidia-smi's name). Nothing here needs a network: the preset files are in docs/results/presets.
+# record nvidia-smi's name). Nothing here needs a network: the presets' calibrations ship with walshkv.
 #
 # Usage: bash scripts/gpu_check.sh            (OUT=dir to write elsewhere; KV_LEN=16384,65536 by default)
 set -euo pipefail
@@ -79,9 +79,9 @@ json.dump({"device": torch.cuda.get_device_name(0), "worst_abs_err": worst, "row
 print("worst |triton - reference|:", worst, "errors:", sum("error" in r for r in rows))
 EOF
 
-presets=docs/results/presets/smollm2-135m
+# walshkv:3.5 reads the calibration walshkv ships for smollm2-135m (the attention bench's shapes)
 walshkv bench attention --device cuda --kv-len "${KV_LEN:-16384,65536}" \
-  --codec walshkv:3.5 --kv-mean-center "$presets/walshkv-3.5.gguf" \
+  --codec walshkv:3.5 \
   --codec rot+int4 --codec q4_0 --codec tq:4/tq:2.5 --repeats 20 --quiet --no-plot --out "$out" \
   || echo "bench failed (see above): a finding too"
 echo "wrote $out"

@@ -31,8 +31,10 @@ paste_block() {  # paste $1/bench.md into docs/performance.md's block $2 where t
 }
 new="${NEW_TOKENS:-16}"
 smol_longest=$((8192 - new))
-presets=docs/results/presets
-smol_preset=(--gen-codec walshkv:3.5 --kv-mean-center "$presets/smollm2-135m/walshkv-3.5.gguf")
+shipped() {  # the calibration file walshkv ships for preset $2 on model $1 (walshkv.shipped, src/walshkv/calibrations)
+  python -c "import sys; from walshkv.shipped import shipped_file; print(shipped_file(*sys.argv[1:]).path)" "$1" "$2"
+}
+smol_preset=(--gen-codec walshkv:3.5 --kv-mean-center "$(shipped smollm2-135m walshkv:3.5)")
 out=docs/results/bench
 # decode attention (the presets' codecs bound to layer 3 of the shipped file, rot+int4, q4_0, ... against SDPA over
 # fp16/bf16/fp32 caches), then generation (DynamicCache fp32 and bf16 against the fused compressed caches)
@@ -53,12 +55,12 @@ python scripts/update_readme.py docs/results/bench-glibc-default/bench.md docs/p
 # was measured when it was the 512-token winner sink:1:center+rot+iq4_nl/tq:4) and tq variants in the fused
 # kernel, against rot+int4 and SDPA in the same run (a few minutes)
 walshkv bench attention --kv-len "${KV_LEN_TQ:-4096,16384,65536}" --codec rot+int4 --codec walshkv:4.5 \
-  --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" --codec tq:4/tq:2.5 --codec tq:3.5 \
+  --kv-mean-center "$(shipped smollm2-135m walshkv:4.5)" --codec tq:4/tq:2.5 --codec tq:3.5 \
   --codec tq:5/tq:3.5 --quiet --no-plot --out docs/results/bench-tq
 python scripts/update_readme.py docs/results/bench-tq/bench.md docs/performance.md tq
-# the shipped walshkv:4.5 since it is chosen at 4k tokens (sink:1:prerope+center+eq+rot+iq4_nl/tq:4, file rewritten
-# by `walshkv calibrate --preset walshkv:4.5 --model smollm2-135m`) at 16k, against rot+int4, tq:4 and SDPA
-walshkv bench attention --kv-len 16384 --codec walshkv:4.5 --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" \
+# the shipped walshkv:4.5 since it is chosen at 4k tokens (sink:1:prerope+center+eq+rot+iq4_nl/tq:4, its shipped
+# calibration) at 16k, against rot+int4, tq:4 and SDPA
+walshkv bench attention --kv-len 16384 --codec walshkv:4.5 --kv-mean-center "$(shipped smollm2-135m walshkv:4.5)" \
   --codec rot+int4 --codec tq:4 --quiet --out docs/results/bench-presets-16k
 python scripts/update_readme.py docs/results/bench-presets-16k/bench.md docs/performance.md presets45
 # how the kernel maps prerope+ keys: the shipped walshkv:4.5 (eq+: one d x d matrix per key, its torch-matmul bound
@@ -74,7 +76,7 @@ fi
 keymap=keymap$isa
 keymap_out=docs/results/bench-keymap$isa
 walshkv bench attention --kv-len "${KV_LEN_KEYMAP:-16384,65536}" --codec walshkv:4.5 \
-  --kv-mean-center "$presets/smollm2-135m/walshkv-4.5.gguf" --codec "sink:1:prerope+rot+iq4_nl/tq:4" \
+  --kv-mean-center "$(shipped smollm2-135m walshkv:4.5)" --codec "sink:1:prerope+rot+iq4_nl/tq:4" \
   --codec "sink:1:prerope+tq:4.5/tq:4" --codec rot+iq4_nl/tq:4 --codec tq:4.5/tq:4 --codec rot+int4 --quiet --no-plot \
   --out "$keymap_out"
 paste_block "$keymap_out" "$keymap"
@@ -126,7 +128,7 @@ fi
 # a <!-- results:qwen:start --> ... <!-- results:qwen:end --> block
 if [[ -n "${QWEN_CTX:-}" ]]; then
   walshkv bench generation --model qwen2.5-1.5b --ctx "$QWEN_CTX" --gen-codec rot+int4 \
-    --gen-codec walshkv:3.5 --kv-mean-center "$presets/qwen2.5-1.5b/walshkv-3.5.gguf" --new-tokens "$new" \
+    --gen-codec walshkv:3.5 --kv-mean-center "$(shipped qwen2.5-1.5b walshkv:3.5)" --new-tokens "$new" \
     --quiet --no-plot --out docs/results/bench-qwen
   paste_block docs/results/bench-qwen qwen
 else

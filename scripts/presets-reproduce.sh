@@ -11,6 +11,11 @@
 # collected from python-docs in the same run (--calib-text). That is the default for qwen2.5-1.5b
 # (its per-layer recommend runs would take hours on 2 cores; RECOMMEND=1 runs them), which instead gets
 # recommend runs with hand-written per-layer candidates at 3, 3.5 and 4.5 bits (below).
+# The preset files recommend writes here (docs/results/presets/MODEL/walshkv-B.gguf, git-ignored) are this
+# script's working files: the K mean and transforms the selection ran with, read by its eval step. The calibrations
+# that ship with walshkv are written by scripts/ship_calibrations.py (src/walshkv/calibrations) once
+# scripts/ship_presets.py has picked up new recommend runs. A recommend step is skipped once its JSON exists; to
+# rerun an eval step on a fresh clone, delete its recommend JSON too (the eval reads the file recommend writes).
 # Idempotent: finished files are kept. On 2 CPU cores: about 25-60 minutes per budget for smollm2-135m
 # (the per-layer step dominates), 30-40 per budget for qwen2.5-1.5b and about 15 for gemma3-270m.
 set -euo pipefail
@@ -28,7 +33,7 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
       # 4.5 bits at head_dim 128: tq's half-bit widths leave 0.125 bit of the budget unused; these
       # candidates spend it on a quarter of the layers (first and last, or first seven), chosen on
       # python-docs by recommend (about 10 minutes), then evaluated on Emma
-      [ -f "$out/walshkv-4.5.gguf" ] || walshkv recommend --model "$model" --text python-docs --bits 4.5 --quiet \
+      [ -f "$out/recommend-4.5.json" ] || walshkv recommend --model "$model" --text python-docs --bits 4.5 --quiet \
         --candidate 'layers:center+tq:6/tq:3.5@0-3,25-27;center+tq:5/tq:3.5' \
         --candidate 'layers:center+tq:5/tq:4.5@0-3,25-27;center+tq:5/tq:3.5' \
         --candidate 'layers:center+tq:6/tq:3.5@0-6;center+tq:5/tq:3.5' \
@@ -39,7 +44,7 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
       # 0.025 bit at 512 tokens, fits in the 0.125 bit tq leaves) plus ones that also widen the first and
       # last layers (a quarter of them, or as many as the budget allows: 11 of 28), chosen on python-docs
       # (about 30 minutes), then evaluated on Emma
-      [ -f "$out/walshkv-3.5.gguf" ] || walshkv recommend --model "$model" --text python-docs --bits 3.5 --quiet \
+      [ -f "$out/recommend-3.5.json" ] || walshkv recommend --model "$model" --text python-docs --bits 3.5 --quiet \
         --candidate 'sink:1:layers:center+tq:3.5/tq:3.5@0-3,25-27;center+tq:3.5/tq:3' \
         --candidate 'sink:1:layers:center+tq:4/tq:3@0-3,25-27;center+tq:3.5/tq:3' \
         --candidate 'sink:1:layers:center+eq+tq:3.5/tq:3.5@0-3,25-27;center+eq+tq:3.5/tq:3' \
@@ -52,7 +57,7 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
         --kv-mean-center "$out/walshkv-3.5.gguf" --windows 8 --quiet --json "$out/eval-3.5.json"
       # 3 bits: the same idea one step down (the built-in candidates, eq+ ones included, plus V half a bit
       # wider in the first and last 7 or 11 layers, paid by the 0.125 bit tq leaves), then evaluated on Emma
-      [ -f "$out/walshkv-3.gguf" ] || walshkv recommend --model "$model" --text python-docs --bits 3 --quiet \
+      [ -f "$out/recommend-3.json" ] || walshkv recommend --model "$model" --text python-docs --bits 3 --quiet \
         --candidate 'sink:1:layers:center+eq+tq:3.5/tq:2.5@0-3,25-27;center+eq+tq:3.5/tq:2' \
         --candidate 'sink:1:layers:center+eq+tq:3/tq:3@0-3,25-27;center+eq+tq:3/tq:2.5' \
         --candidate 'sink:1:layers:center+eq+tq:3/tq:3@0-5,23-27;center+eq+tq:3/tq:2.5' \
@@ -96,7 +101,7 @@ for model in ${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
                     --candidate 'sink:1:layers:prerope+center+eq+tq:3.5/tq:2.5@5,8,12;prerope+center+eq+tq:3.5/tq:3') ;;
       esac
     fi
-    [ -f "$chosen" ] || walshkv recommend --model "$model" --text python-docs --bits "$bits" --quiet \
+    [ -f "$out/recommend-$bits.json" ] || walshkv recommend --model "$model" --text python-docs --bits "$bits" --quiet \
       ${per_layer[@]+"${per_layer[@]}"} ${extra[@]+"${extra[@]}"} -o "$chosen" --json "$out/recommend-$bits.json"
     [ -f "$builtin" ] || walshkv calibrate --model "$model" --text python-docs --preset "walshkv:$bits" \
       --quiet -o "$builtin"

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("walshkv.ops",),  # pure math on tensors
     ("walshkv.codecs",),  # codecs, wrappers, registry, spec grammar, the calibration protocol
     ("walshkv.export",),  # GGUF files other tools read (K mean, eq+ transforms)
-    ("walshkv.presets",),  # the preset table and its resolution
+    ("walshkv.presets", "walshkv.shipped"),  # the preset table and its resolution; the shipped calibrations
     ("walshkv.attention",),  # decode/prefill attention over packed codes: reference, chunked, CPU, Triton
     ("walshkv.cache",),  # the only code that touches transformers' cache API
     ("walshkv.data", "walshkv.models"),  # texts and token windows; models from PyPI packages

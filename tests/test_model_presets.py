@@ -132,18 +132,19 @@ def test_calibrate_preset_on_smollm2_writes_the_shipped_spec(tmp_path, capsys):
 
 
 def test_fast_presets_ship_with_files_whose_keys_the_kernel_maps_fast():
-    # smollm2-135m's walshkv:B-fast (recommend --fast at 4k): shipped, no dense per-key map, and the file in
-    # docs/results/presets binds to the fast Walsh-Hadamard key map of the CPU kernel
+    # smollm2-135m's walshkv:B-fast (recommend --fast at 4k): shipped, no dense per-key map, and the calibration
+    # walshkv ships for it (walshkv/calibrations) binds to the fast Walsh-Hadamard key map of the CPU kernel
     from walshkv.attention.cpu import prerope_key_map
     from walshkv.export import read_kv_mean_center
+    from walshkv.shipped import shipped_file
 
     for name in ("walshkv:3-fast", "walshkv:3.5-fast", "walshkv:4.5-fast"):
         p = resolve_preset(name, model="smollm2-135m")
         assert p.source == "shipped:smollm2-135m" and p.provenance["ctx"] == 4096 and not dense_key_map(p.spec)
         plain = resolve_preset(name.removesuffix("-fast"), model="smollm2-135m")
         assert dense_key_map(plain.spec)  # what the fast preset is for
-        cal = read_kv_mean_center(ROOT / "docs/results/presets/smollm2-135m" / f"{name.replace(':', '-')}.gguf")
-        assert resolve_preset(name, cal).spec == p.spec
+        cal = read_kv_mean_center(shipped_file("smollm2-135m", name).path)
+        assert resolve_preset(name, cal, model="smollm2-135m").spec == p.spec  # the file names no other spec
         bound = parse_cache_spec(p.spec).bind(3, cal)
         assert prerope_key_map(bound.k, bound.v, 64, 3) == "hadamard", name
 

@@ -5,12 +5,17 @@ the spec centers in (:func:`k_mean_basis`), K statistics before RoPE where the s
 (:func:`k_pre_rope`), and the ``eq+``/``eqd+`` transforms of each side it equalizes (:func:`equalized_kinds`,
 :func:`diagonal_equalizers`). :func:`write_preset_file` writes it from statistics
 (:class:`walshkv.calibration.KVStats`); :mod:`walshkv.presets` reads a preset back out of such a file.
+
+Those parts together are a spec's :class:`CalibrationNeeds` (:func:`calibration_needs`): specs with equal needs read
+the same file, which :func:`write_calibration_file` writes without naming a preset. The calibrations that ship with
+the package (:mod:`walshkv.shipped`, ``scripts/ship_calibrations.py``) are such files, one per model and needs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -28,7 +33,19 @@ if TYPE_CHECKING:
     from walshkv.constants import Basis, Kind
     from walshkv.models import LoadedModel
 
-__all__ = ["diagonal_equalizers", "equalized_kinds", "k_mean_basis", "k_pre_rope", "write_preset_file"]
+__all__ = [
+    "CalibrationNeeds",
+    "calibration_needs",
+    "diagonal_equalizers",
+    "equalized_kinds",
+    "k_mean_basis",
+    "k_pre_rope",
+    "write_calibration_file",
+    "write_preset_file",
+]
+
+#: The transforms a side of a spec reads: ``eq+``'s dense ones, ``eqd+``'s diagonal ones, or none.
+EqKind = Literal["eq", "eqd"]
 
 
 def k_mean_basis(spec: str | CacheSpec) -> Basis:
@@ -84,6 +101,83 @@ def diagonal_equalizers(spec: str | CacheSpec, kind: Kind) -> bool:
     return found == {True}
 
 
+@dataclass(frozen=True)
+class CalibrationNeeds:
+    """What a spec reads from its calibration file; specs with equal needs can read the same file.
+
+    Attributes:
+        pre_rope: K statistics before RoPE and the RoPE tables (``prerope+``), else after RoPE.
+        basis: the K mean's basis (:func:`k_mean_basis`).
+        k_eq, v_eq: the transforms each side reads (``eq``: dense, ``eqd``: diagonal), or ``None``.
+    """
+
+    pre_rope: bool
+    basis: Basis
+    k_eq: EqKind | None = None
+    v_eq: EqKind | None = None
+
+    @property
+    def name(self) -> str:
+        """The file name stem: ``prerope-plain-keq`` (K before RoPE, K mean in the plain basis, ``eq+`` on K)."""
+        parts = ["prerope" if self.pre_rope else "postrope", self.basis]
+        parts += [f"{side}{eq}" for side, eq in (("k", self.k_eq), ("v", self.v_eq)) if eq is not None]
+        return "-".join(parts)
+
+
+def calibration_needs(spec: str | CacheSpec) -> CalibrationNeeds | None:
+    """What ``spec`` reads from a calibration file, or ``None`` if it reads none (nothing in it is calibrated).
+
+    Raises:
+        ValueError: a per-layer spec whose parts read different things (one file holds one of each).
+    """
+    parts = spec_parts(spec)
+    if not any(p.needs_calibration for p in parts):
+        return None
+    kinds = equalized_kinds(spec)
+
+    def eq(kind: Kind) -> EqKind | None:
+        return None if kind not in kinds else "eqd" if diagonal_equalizers(spec, kind) else "eq"
+
+    return CalibrationNeeds(k_pre_rope(spec), k_mean_basis(spec), eq("k"), eq("v"))
+
+
+def write_calibration_file(
+    path: str | Path, lm: LoadedModel, needs: CalibrationNeeds, stats: KVStats, extra: dict[str, str] | None = None
+) -> Basis:
+    """Write what specs with ``needs`` read, from ``stats``: the K mean (before RoPE, with the RoPE tables, where
+    ``needs.pre_rope``) in ``needs.basis``, and the ``eq+``/``eqd+`` transforms of each side that has them.
+
+    The file records the model, its identity (``walshkv.model_config``), the calibration text and tokens; it names
+    no preset unless ``extra`` does (:func:`write_preset_file`).
+
+    Returns:
+        The basis written (``rot`` or ``plain``).
+    """
+    k_stats = stats.pre_rope() if needs.pre_rope else stats
+    mean = torch.stack([k_stats.mean("k", i, "plain") for i in range(stats.num_layers)])
+    k_eq = k_stats.equalizers("k", needs.k_eq == "eqd") if needs.k_eq else None
+    v_eq = stats.equalizers("v", needs.v_eq == "eqd") if needs.v_eq else None
+    rope = None
+    if needs.pre_rope:
+        assert stats.rope_inv_freq is not None and stats.rope_scaling is not None  # pre_rope() above checked
+        rope = (stats.rope_inv_freq, stats.rope_scaling)
+    write_kv_mean_center(
+        path,
+        mean,
+        arch=lm.shape.arch,
+        basis=needs.basis,
+        tokens=stats.tokens,
+        text=stats.text,
+        model=lm.name,
+        model_config=stats.model_config,
+        extra=extra,
+        k_equalizer=k_eq,
+        v_equalizer=v_eq,
+        rope=rope,
+    )
+    return needs.basis
+
+
 def write_preset_file(path: str | Path, lm: LoadedModel, preset: Preset, stats: KVStats, note: str = "") -> Basis:
     """Write the calibration file of ``preset`` for ``lm``: the K mean in the basis its spec needs
     (and the ``eq+`` K / V transforms where its spec has ``eq+``).
@@ -94,32 +188,8 @@ def write_preset_file(path: str | Path, lm: LoadedModel, preset: Preset, stats: 
     Returns:
         The basis written (``rot`` or ``plain``).
     """
-    basis = k_mean_basis(preset.spec)
-    pre = k_pre_rope(preset.spec)
-    k_stats = stats.pre_rope() if pre else stats
-    mean = torch.stack([k_stats.mean("k", i, "plain") for i in range(stats.num_layers)])
-    kinds = equalized_kinds(preset.spec)
-    k_eq = k_stats.equalizers("k", diagonal_equalizers(preset.spec, "k")) if "k" in kinds else None
-    v_eq = stats.equalizers("v", diagonal_equalizers(preset.spec, "v")) if "v" in kinds else None
+    needs = calibration_needs(preset.spec) or CalibrationNeeds(k_pre_rope(preset.spec), k_mean_basis(preset.spec))
     extra = {Keys.Preset.NAME: preset.name, Keys.Preset.SPEC: preset.spec, Keys.Preset.BUDGET: f"{preset.budget:g}"}
     if note:
         extra[Keys.Preset.NOTE] = note
-    rope = None
-    if pre:
-        assert stats.rope_inv_freq is not None and stats.rope_scaling is not None  # pre_rope() above checked
-        rope = (stats.rope_inv_freq, stats.rope_scaling)
-    write_kv_mean_center(
-        path,
-        mean,
-        arch=lm.shape.arch,
-        basis=basis,
-        tokens=stats.tokens,
-        text=stats.text,
-        model=lm.name,
-        model_config=stats.model_config,
-        extra=extra,
-        k_equalizer=k_eq,
-        v_equalizer=v_eq,
-        rope=rope,
-    )
-    return basis
+    return write_calibration_file(path, lm, needs, stats, extra)

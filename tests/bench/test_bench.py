@@ -173,14 +173,21 @@ def test_device_errors():
 def test_prerope_rows_time_their_key_transform_alone():
     # what limits a prerope+ row: mapping every cached key with a d x d matrix; torch's own matmul of the same
     # multiply-adds is timed in the same rounds and bounds what any float32 kernel doing that could reach
-    from pathlib import Path
-
+    from walshkv.bench.generation import shipped_preset_file
     from walshkv.bench.report import format_attention_table, targets
     from walshkv.export import read_kv_mean_center
 
-    path = Path(__file__).resolve().parents[2] / "docs/results/presets/smollm2-135m/walshkv-4.5.gguf"
+    path = shipped_preset_file("smollm2-135m", "walshkv:4.5")
     cal = read_kv_mean_center(path)
-    rows = bench_attention([64, 1000], ["walshkv:4.5", "rot+int4"], calibration=cal, layer=3, repeats=1, progress=False)
+    rows = bench_attention(
+        [64, 1000],
+        ["walshkv:4.5", "rot+int4"],
+        calibration=cal,
+        layer=3,
+        model="smollm2-135m",
+        repeats=1,
+        progress=False,
+    )
     assert [r["method"] for r in rows[:5]] == ["sdpa-fp16", "sdpa-bf16", "sdpa-fp32", "walshkv:4.5", "rot+int4"]
     pre = [r for r in rows if r["method"] == "walshkv:4.5"]
     assert pre[1]["k_transform_macs"] == 3 * 1000 * 64 * 64  # kv heads x keys x head_dim^2

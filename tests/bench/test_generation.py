@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import walshkv.bench.generation
 from walshkv.bench import (
     GenerationBenchConfig,
     GenerationCodec,
@@ -23,7 +24,7 @@ from walshkv.bench import (
     resolve_generation_codecs,
     targets,
 )
-from walshkv.bench.generation import PRESETS_DIR, shipped_preset_file
+from walshkv.bench.generation import shipped_preset_file
 from walshkv.calibration import KVStats
 from walshkv.cli import main
 from walshkv.codecs.builtin_presets import BUILTIN
@@ -95,7 +96,7 @@ def tiny_preset_file(tiny_model_dir: Path, calib_text_file: Path, tmp_path_facto
     return path
 
 
-SMOLLM2_FILE = PRESETS_DIR / "smollm2-135m" / "walshkv-3.5.gguf"
+SMOLLM2_FILE = shipped_preset_file("smollm2-135m", "walshkv:3.5")  # shipped with the package
 NEW_COLUMNS = ("update_ms", "attn_ms", "other_ms", "step_ms", "cpu", "cpu_capability", "cpu_flags")
 
 
@@ -139,8 +140,8 @@ def test_a_preset_without_calibration_names_the_fix():
     msg = str(err.value)
     assert "--kv-mean-center FILE" in msg and "walshkv calibrate --preset walshkv:3.5 --model smollm2-135m" in msg
     assert "--calib-text TEXT" in msg
-    assert SMOLLM2_FILE.is_file(), f"the checkout ships {SMOLLM2_FILE}"  # so the message names it
-    assert "docs/results/presets/smollm2-135m/walshkv-3.5.gguf" in msg
+    assert SMOLLM2_FILE is not None and SMOLLM2_FILE.is_file()  # walshkv ships it, so the message names it
+    assert f"(walshkv ships walshkv/calibrations/smollm2-135m/{SMOLLM2_FILE.name})" in msg
     with pytest.raises(ValueError, match=r"center\+, eq\+.*--kv-mean-center FILE"):
         resolve_generation_codecs("smollm2-135m", ["rot+int4", "center+tq:4/tq:2.5"])
 
@@ -194,7 +195,7 @@ def test_cli_generation_presets_take_the_checkouts_files(monkeypatch):
 
 
 def test_file_for_another_model_or_preset_and_calib_text_on_the_bench_text(tiny_model_dir, tiny_preset_file):
-    assert SMOLLM2_FILE.is_file(), f"the checkout ships {SMOLLM2_FILE}"
+    assert SMOLLM2_FILE is not None and SMOLLM2_FILE.is_file(), "walshkv ships smollm2-135m's calibration"
     with pytest.raises(ValueError, match="calibrated on 'smollm2-135m', not 'tiny-bench'"):
         resolve_generation_codecs(str(tiny_model_dir), ["walshkv:3.5"], kv_mean_center=SMOLLM2_FILE)
     with pytest.raises(ValueError, match=r"was written for walshkv:3\.5, not walshkv:3: give each preset its own"):
@@ -228,20 +229,22 @@ def test_calibration_inputs_resolve_as_in_eval(tiny_model_dir, tiny_preset_file,
 
 
 def test_default_table_has_the_shipped_presets(tmp_path, monkeypatch):
-    """The checkout ships every preset file of smollm2-135m (each becomes a row); a checkout that lacks some
-    leaves those rows out with a note naming the fix."""
-    folder = PRESETS_DIR / "smollm2-135m"
+    """walshkv ships the calibration of every preset of smollm2-135m (each becomes a row; the three plain presets
+    read one file, the three fast ones another); a model whose presets lack some leaves those rows out with a note
+    naming the fix."""
     names = ["walshkv:3", "walshkv:3.5", "walshkv:4.5", "walshkv:3-fast", "walshkv:3.5-fast", "walshkv:4.5-fast"]
-    files = [folder / f"{name.replace(':', '-')}.gguf" for name in names]
-    assert all(f.is_file() for f in files), f"the checkout ships the six preset files under {folder}"
+    files = [shipped_preset_file("smollm2-135m", name) for name in names]
+    assert all(f is not None and f.is_file() for f in files), "walshkv ships smollm2-135m's six presets' files"
+    assert len(set(files)) == 2
     requests, notes = default_generation_codecs("smollm2-135m")
     assert requests == ["rot+int4", "q4_0", *((n, str(f)) for n, f in zip(names, files, strict=True))]
     assert notes == []
-    partial = tmp_path / "presets"  # only walshkv:3.5 (and its fast form) there
-    (partial / "smollm2-135m").mkdir(parents=True)
-    for f in (files[1], files[4]):
-        (partial / "smollm2-135m" / f.name).write_bytes(f.read_bytes())
-    monkeypatch.setattr("walshkv.bench.generation.PRESETS_DIR", partial)
+    real = walshkv.bench.generation.shipped_file  # only walshkv:3.5 (and its fast form) shipped
+    monkeypatch.setattr(
+        walshkv.bench.generation,
+        "shipped_file",
+        lambda model, preset: real(model, preset) if preset in ("walshkv:3.5", "walshkv:3.5-fast") else None,
+    )
     requests, notes = default_generation_codecs("smollm2-135m")
     assert [r[0] if isinstance(r, tuple) else r for r in requests] == [
         "rot+int4",
@@ -254,7 +257,7 @@ def test_default_table_has_the_shipped_presets(tmp_path, monkeypatch):
     monkeypatch.undo()
     requests, notes = default_generation_codecs("tiny-model-without-presets")
     assert requests == ["rot+int4", "q4_0"]
-    assert len(notes) == 1 and "no preset file for tiny-model-without-presets" in notes[0]
+    assert len(notes) == 1 and "walshkv ships no calibration for tiny-model-without-presets" in notes[0]
     assert "walshkv calibrate --preset walshkv:3 " in notes[0] and "--kv-mean-center FILE" in notes[0]
 
 
@@ -362,9 +365,11 @@ def test_position_notes():
     assert position_notes([_row(8176, "dynamic", 1.0, max_position_embeddings=8192)]) == []
 
 
-def test_shipped_files_resolve_relative_to_the_checkout():
-    assert Path(__file__).resolve().parents[2] / "docs" / "results" / "presets" == PRESETS_DIR
+def test_shipped_files_are_the_packages():
+    package = Path(walshkv.bench.generation.__file__).resolve().parents[1] / "calibrations" / "smollm2-135m"
+    assert shipped_preset_file("smollm2-135m", "walshkv:3.5").parent == package
     assert shipped_preset_file("smollm2-135m", "walshkv:7") is None
+    assert shipped_preset_file("qwen2.5-1.5b", "walshkv:3-fast") is None
 
 
 def _run(step_ms, prefill, loaded_mib, peak_mib):

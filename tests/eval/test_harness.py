@@ -75,6 +75,33 @@ def test_compare_logits_in_row_chunks_equals_one_pass():
         compare_logits(a, b, t, rows=0)
 
 
+def test_reference_rows_made_once_give_the_same_numbers():
+    """The harness makes the reference's float64 side once per window (ReferenceRows) for every spec: the same
+    numbers bit for bit, the reference's head run once, and nothing kept past the memory bound."""
+    from walshkv.eval.metrics import HeadLogits, ReferenceRows
+
+    hidden, head_w = torch.randn(11, 6), torch.randn(13, 6)
+    calls = []
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        calls.append(h.shape[0])
+        return h @ head_w.T
+
+    ref = HeadLogits(hidden, head, 13)
+    t = torch.randint(0, 13, (11,))
+    shared = ReferenceRows(ref)
+    for _ in range(3):
+        b = torch.randn(11, 13)
+        for x, y in zip(compare_logits(ref, b, t, rows=4), compare_logits(shared, b, t, rows=4), strict=True):
+            assert torch.equal(x, y)
+    assert calls == [4, 4, 3] * 4  # each plain comparison makes them, the shared ones the first time only
+    calls.clear()
+    bounded = ReferenceRows(ref, keep_bytes=11 * 13 * 16 - 1)  # one byte short: made again each time
+    compare_logits(bounded, b, t, rows=4)
+    compare_logits(bounded, b, t, rows=4)
+    assert calls == [4, 4, 3, 4, 4, 3] and bounded.shape == ref.shape
+
+
 def _tiny_qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -20,8 +20,9 @@ measured in the same run (these machines are shared and noisy, so absolute times
    ``--kv-mean-center FILE`` (written by ``walshkv calibrate --preset`` / ``walshkv recommend``; a file made
    for the preset chooses its spec, as in ``walshkv eval``) or ``--calib-text TEXT`` (calibrated in the run,
    on a text other than the bench text). Each row is named by its spec (``walshkv:3.5 = SPEC`` for a
-   preset). Without ``--gen-codec``: ``rot+int4``, ``q4_0`` and the model's shipped presets, each with its
-   file from ``docs/results/presets/<model>/`` (a note names the presets without one). Each run is a
+   preset). Without ``--gen-codec``: ``rot+int4``, ``q4_0`` and the model's shipped presets, each with the
+   calibration file walshkv ships for it (``walshkv/calibrations/<model>/``, :mod:`walshkv.shipped`; a note names
+   the presets without one). Each run is a
    fresh subprocess, so its peak resident memory (``VmHWM``) is its own; ``--gen-runs N`` runs every row N
    times, the rows taking turns, and reports each row's medians and its runs' spread (under glibc's default
    allocator the peak moves by about 100 MiB between identical runs). Per row: decode tokens per

@@ -120,6 +120,7 @@ def bench_attention(
     calibration: CalibrationLike | None = None,
     calibrations: Mapping[str, CalibrationLike] | None = None,
     layer: int = 0,
+    model: str | None = None,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """Time one decode step per method and kv_len (see :mod:`walshkv.bench`).
@@ -146,6 +147,8 @@ def bench_attention(
         calibrations: ``{codec: calibration}`` for codecs that take their own (e.g. two presets with their own
             files, side by side); the others take ``calibration``.
         layer: the layer whose calibration (and, for a ``layers:`` spec, whose codecs) a row uses.
+        model: the model whose shipped spec a preset stands for (``walshkv models list``; the bench's shapes must be
+            its), unless its calibration file names one; ``None``: the built-in spec.
         progress: show a progress bar.
 
     Returns:
@@ -175,7 +178,7 @@ def bench_attention(
     cal_of: dict[str, CalibrationLike | None] = {}
     for codec in codecs:
         cal = own.get(codec, calibration)
-        (spec_str,), preset_of = resolve_specs([codec], cal)
+        (spec_str,), preset_of = resolve_specs([codec], cal, model=model)
         names[spec_str] = preset_of.get(spec_str, spec_str)  # a preset's row is named by the preset
         cal_of[spec_str] = cal
     specs: dict[str, CacheSpec] = {}

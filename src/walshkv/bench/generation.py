@@ -41,6 +41,7 @@ from walshkv.eval.provenance import cpu_meta
 from walshkv.export import KMeanBias
 from walshkv.models import load_model
 from walshkv.presets import FAST_BUDGETS, PRESET_BUDGETS, is_preset, resolve_specs
+from walshkv.shipped import check_file, shipped_file
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import Calibration
@@ -49,7 +50,6 @@ __all__ = [
     "DEFAULT_CONTEXTS",
     "DEFAULT_GENERATION_CODECS",
     "DYNAMIC_DTYPES",
-    "PRESETS_DIR",
     "CodecRequest",
     "GenerationBenchConfig",
     "GenerationCodec",
@@ -66,8 +66,6 @@ DEFAULT_CONTEXTS: tuple[int, ...] = (1024, 8192, 32768)
 DEFAULT_GENERATION_CODECS: tuple[str, ...] = ("rot+int4", "q4_0")
 #: The dtypes of the DynamicCache rows: the model is loaded in that dtype, so its cache holds K/V in it too.
 DYNAMIC_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
-#: Where a source checkout keeps each model's preset files (``<model>/walshkv-3.5.gguf``, ...).
-PRESETS_DIR = Path(__file__).resolve().parents[3] / "docs" / "results" / "presets"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
@@ -107,27 +105,39 @@ def _vm(key: str) -> int:
 
 
 def shipped_preset_file(model: str, preset: str) -> Path | None:
-    """The preset file a source checkout ships for ``model`` (``docs/results/presets/<model>/walshkv-3.5.gguf``).
+    """The calibration file walshkv ships for ``preset`` on ``model`` (:mod:`walshkv.shipped`), its sha256 checked.
 
     Returns:
-        The path, or ``None`` if there is none (another model, or an installed package without ``docs/``).
+        The path, or ``None`` if walshkv ships none (a model it has not measured, or a preset without a shipped spec).
+
+    Raises:
+        walshkv.shipped.ShippedCalibrationError: the file is missing or fails its checksum.
     """
-    path = PRESETS_DIR / Path(model).name / f"{preset.strip().lower().replace(':', '-')}.gguf"
-    return path if path.is_file() else None
+    try:
+        file = shipped_file(model, preset)
+    except ValueError:  # not a built-in preset name: nothing ships for it (the spec's parse names the presets)
+        return None
+    if file is None:
+        return None
+    check_file(file)
+    return file.path
 
 
 def _display(path: str | Path) -> str:
-    """``path`` relative to the checkout (or the current directory) where it lies under it, else as given."""
+    """``path`` as ``walshkv/calibrations/...`` for a shipped file, relative to the current directory where it lies
+    under it, else as given."""
     p = Path(path).resolve()
-    for root in (PRESETS_DIR.parents[2], Path.cwd()):
-        if p.is_relative_to(root):
-            return str(p.relative_to(root))
+    package = Path(__file__).resolve().parents[1]
+    if p.is_relative_to(package):
+        return str(Path("walshkv") / p.relative_to(package))
+    if p.is_relative_to(Path.cwd()):
+        return str(p.relative_to(Path.cwd()))
     return str(path)
 
 
 def default_generation_codecs(model: str = DEFAULT_MODEL) -> tuple[list[CodecRequest], list[str]]:
     """The compressed caches of the default table: :data:`DEFAULT_GENERATION_CODECS` and the model's shipped
-    presets, each with its file from :data:`PRESETS_DIR`.
+    presets, each with the calibration file walshkv ships for it (:func:`shipped_preset_file`).
 
     Returns:
         ``(requests, notes)``: the codecs (presets as ``(name, file)``) and a line for each preset left out.
@@ -142,9 +152,8 @@ def default_generation_codecs(model: str = DEFAULT_MODEL) -> tuple[list[CodecReq
             missing.append(preset)
     notes = []
     if missing:
-        where = _display(PRESETS_DIR / Path(model).name)
         notes.append(
-            f"note: no preset file for {model} under {where}/ for {', '.join(missing)}, so the default table has no "
+            f"note: walshkv ships no calibration for {model} for {', '.join(missing)}, so the default table has no "
             f"row for {'it' if len(missing) == 1 else 'them'}; write one with `walshkv calibrate --preset "
             f"{missing[0]} --model {model} -o FILE` and pass --gen-codec {missing[0]} --kv-mean-center FILE"
         )
@@ -178,7 +187,7 @@ def _check_requests(
             continue
         if is_preset(codec):
             shipped = shipped_preset_file(model, codec)
-            example = f" (this checkout ships {_display(shipped)})" if shipped else ""
+            example = f" (walshkv ships {_display(shipped)})" if shipped else ""
             raise ValueError(
                 f"--gen-codec {codec} needs its calibration: add --kv-mean-center FILE, the file `walshkv calibrate "
                 f"--preset {codec} --model {model} -o FILE` or `walshkv recommend` writes{example}, or --calib-text "
@@ -262,7 +271,7 @@ def resolve_generation_codecs(
                 own = shipped_preset_file(model, codec)
                 raise ValueError(
                     f"--kv-mean-center {path} was written for {made_for}, not {codec}: give each preset its own file"
-                    + (f" (this checkout ships {_display(own)})" if own else "")
+                    + (f" (walshkv ships {_display(own)})" if own else "")
                     + ", one preset per run, or leave out --gen-codec for the default table"
                 )
             parsed = parse_cache_spec(spec)

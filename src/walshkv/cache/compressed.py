@@ -24,6 +24,7 @@ from walshkv.codecs.spec import CacheSpec, HFCacheSpec, LayeredCacheSpec, parse_
 from walshkv.constants import Prefill
 from walshkv.identity import head_dim_of, identity_config
 from walshkv.presets import resolve_preset
+from walshkv.shipped import shipped_calibration
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -236,23 +237,35 @@ class CompressedCache(Cache):
     ) -> CompressedCache:
         """A cache for ``model`` with the preset ``name`` (``walshkv:3``, ``walshkv:3.5``, ``walshkv:4.5``).
 
+        On a model walshkv ships presets for (``walshkv models list``), no calibration is needed: the preset's
+        calibration file ships with the package and is used after its sha256 and the model's identity are checked
+        (:func:`walshkv.shipped.shipped_calibration`); a failed check raises, naming the file and the fix.
+
         Args:
             model: a transformers model (its ``config`` is used).
             name: the preset.
-            calibration: what the preset needs, normally the file of ``walshkv calibrate --preset NAME``
-                (``walshkv.export.read_kv_mean_center(path)``) or ``collect_kv_stats(...)``; a file
-                written for this preset by ``walshkv recommend`` also chooses the spec.
+            calibration: what the preset needs; ``None`` (a known model): the shipped file. Else normally the file
+                of ``walshkv calibrate --preset NAME`` (``walshkv.export.read_kv_mean_center(path)``) or
+                ``collect_kv_stats(...)``; a file written for this preset by ``walshkv recommend`` also chooses the
+                spec. A calibration given here always wins over the shipped one.
             residual: full-precision window of recent tokens (0: every token compressed).
             fused: attention reads the packed codes (after :func:`enable_fused_attention`), as for
                 :class:`CompressedCache`.
             max_cache_len: tokens to allocate per layer on the first write, as for :class:`CompressedCache`.
             prefill: ``"quantized"`` or ``"exact"``, as for :class:`CompressedCache`.
 
-        The resolved :class:`walshkv.presets.Preset` is kept as ``cache.preset``.
+        The resolved :class:`walshkv.presets.Preset` is kept as ``cache.preset``, and the calibration used as
+        ``cache.calibration`` (the shipped one's ``describe()`` names its file and sha256).
+
+        Raises:
+            walshkv.shipped.ShippedCalibrationError: the shipped file is missing, fails its checksum, or was made
+                for a model whose config differs from ``model``'s.
         """
         preset = resolve_preset(name, calibration, model=model)
         if preset.note:
             warnings.warn(preset.note, UserWarning, stacklevel=2)
+        if calibration is None and preset.source.startswith("shipped:"):
+            calibration = shipped_calibration(model, [preset.name])
         cache = cls(
             preset.spec,
             config=model.config,

@@ -86,7 +86,7 @@ def _check(
         return None
     config = _generation_config(args)  # every setting checked before the codecs load anything
     gen_codecs: list[Any] | None = args.gen_codec
-    if gen_codecs and not args.kv_mean_center and not args.calib_text:  # presets with this checkout's files
+    if gen_codecs and not args.kv_mean_center and not args.calib_text:  # presets with their shipped files
         gen_codecs = [(c, f) if (f := _shipped_file(args.model, c)) else c for c in gen_codecs]
     resolved, notes = bench.resolve_generation_codecs(
         config.model,
@@ -122,14 +122,14 @@ def _generation_config(args: argparse.Namespace) -> bench.GenerationBenchConfig:
 
 
 def _shipped_file(model: str, codec: str) -> str | None:
-    """The file this checkout ships for preset ``codec`` on ``model`` (``docs/results/presets/<model>/walshkv-B.gguf``),
-    or ``None`` (not a preset, or no such file)."""
+    """The calibration file walshkv ships for preset ``codec`` on ``model`` (``walshkv/calibrations/<model>/...``, its
+    sha256 checked), or ``None`` (not a preset, or none shipped)."""
     path = shipped_preset_file(model, codec) if is_preset(codec) else None
     return None if path is None else str(path)
 
 
 def _shipped_calibrations(model: str, codecs: Sequence[str]) -> dict[str, Any]:
-    """Without ``--kv-mean-center``: each preset of ``codecs`` with the file this checkout ships for it and ``model``,
+    """Without ``--kv-mean-center``: each preset of ``codecs`` with the file walshkv ships for it and ``model``,
     so that presets run side by side with their own files."""
     files = {c: _shipped_file(model, c) for c in codecs}
     return {c: read_kv_mean_center(path) for c, path in files.items() if path is not None}
@@ -165,6 +165,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             # presets take the files this checkout ships for --model, whose attention shapes these are
             calibrations=None if calibration is not None else _shipped_calibrations(args.model, args.codec or ()),
             layer=args.layer,
+            model=args.model,
             progress=not args.quiet,
         )
         result["attention"] = att
@@ -206,15 +207,14 @@ _DESCRIPTION = bench.__doc__.split("\n\n", 1)[1] if bench.__doc__ else ""
 _ATTENTION_EXAMPLES = """\
   walshkv bench attention --kv-len 1024,16384
   walshkv bench attention --kv-len 16384 --codec walshkv:3.5 --codec walshkv:3.5-fast   # each with its shipped file
-  walshkv bench attention --kv-len 16384 --codec walshkv:4.5 --codec rot+int4 \\
-      --kv-mean-center docs/results/presets/smollm2-135m/walshkv-4.5.gguf
+  walshkv bench attention --kv-len 16384 --codec walshkv:4.5 --codec rot+int4 --kv-mean-center my-4.5.gguf
   walshkv bench attention --device cuda --kv-len 16384,65536   # the Triton kernel (pip install 'walshkv[gpu]')
 """
 
 _GENERATION_EXAMPLES = """\
   walshkv bench generation --ctx 1024,8192 --new-tokens 16
-  walshkv bench generation --ctx 8176 --gen-codec walshkv:3.5 --gen-codec rot+int4 \\
-      --kv-mean-center docs/results/presets/smollm2-135m/walshkv-3.5.gguf
+  walshkv bench generation --ctx 8176 --gen-codec walshkv:3.5 --gen-codec rot+int4   # the shipped calibration
+  walshkv bench generation --ctx 8176 --gen-codec walshkv:3.5 --kv-mean-center my-3.5.gguf   # a file of yours
   walshkv bench generation --ctx 8176 --gen-codec walshkv:3.5 --gen-runs 3   # a preset, medians of 3 runs
 """
 
@@ -258,7 +258,7 @@ def _add_options(parser: argparse.ArgumentParser, part: str | None) -> argparse.
             metavar="SPEC",
             help="codec (repeatable): a spec, or a preset or calibrated spec with --kv-mean-center FILE (bound to "
             "--layer's calibration; the file's kv heads and head_dim must be --model's); without --kv-mean-center "
-            "each preset takes the file this checkout ships for --model (docs/results/presets/MODEL/walshkv-B.gguf)",
+            "each preset takes the calibration walshkv ships for --model (walshkv/calibrations/MODEL/)",
         )
         group.add_argument("--layer", type=int, default=3, help="the layer whose calibration a calibrated codec uses")
         group.add_argument("--repeats", type=int, default=7, help="timed repeats per case (median)")
@@ -293,7 +293,7 @@ def _add_options(parser: argparse.ArgumentParser, part: str | None) -> argparse.
             "(walshkv:3.5; its calibration from --kv-mean-center FILE or --calib-text TEXT, else the file this "
             "checkout ships for --model); default: "
             f"{', '.join(bench.DEFAULT_GENERATION_CODECS)} and the model's shipped presets "
-            "(docs/results/presets/MODEL/walshkv-*.gguf)",
+            "(their calibrations shipped with walshkv, walshkv/calibrations/MODEL/)",
         )
         group.add_argument(
             "--dynamic-dtype",

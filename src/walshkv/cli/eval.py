@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from walshkv import data, models
 from walshkv.calibration import collect_kv_stats
@@ -19,7 +19,9 @@ from walshkv.cli.common import (
 from walshkv.codecs import parse_cache_spec
 from walshkv.constants import Feed, Prefill, Score
 from walshkv.data import Text
+from walshkv.defaults import CALIB_TOKENS
 from walshkv.eval import evaluate
+from walshkv.eval.calibrated import shipped_for
 from walshkv.eval.fit import fit_specs
 from walshkv.eval.report import (
     command_line,
@@ -32,8 +34,12 @@ from walshkv.eval.report import (
 )
 from walshkv.presets import resolve_specs
 from walshkv.recommend import split_text
+from walshkv.shipped import CalibrationSet
 
-__all__ = ["MAIN_CODECS", "add_parsers", "default_calibration", "fit_codecs"]
+if TYPE_CHECKING:
+    from walshkv.codecs.calibration import CalibrationLike
+
+__all__ = ["MAIN_CODECS", "add_parsers", "default_calibration", "fit_codecs", "shipped_note"]
 
 
 #: What ``walshkv eval`` runs with no ``--codec``: the uncompressed reference row, walshkv's presets (the model's
@@ -71,6 +77,20 @@ def default_calibration(text: Text) -> tuple[Text, Text]:
     return calib, Text(f"{text.name}[eval]", rest.source, rest.content)
 
 
+def shipped_note(calibration: CalibrationSet, text: Text) -> str:
+    """The line ``walshkv eval`` prints when the presets read the calibration shipped with walshkv."""
+    described = calibration.describe()
+    files = "; ".join(
+        f"{f['file']} (sha256 {f['sha256'][:16]}..., {', '.join(f['presets'])})" for f in described["files"]
+    )
+    tokens = described.get("tokens")
+    source = f"{tokens:,} tokens of {described.get('text')}" if isinstance(tokens, int) else described.get("text")
+    return (
+        f"calibration: shipped with walshkv for {described['model']}, sha256 and model identity checked: {files}; "
+        f"made from {source}; evaluating on {text.name}; --calib-text or --kv-mean-center choose otherwise"
+    )
+
+
 def fit_codecs(codecs: list[str], config: Any, model: Any, *, required: bool) -> list[str]:
     """The run's codecs checked against the model's config before any calibration or forward
     (:func:`walshkv.eval.fit.fit_specs`): asked-for codecs that do not fit are refused; default ones are left
@@ -95,7 +115,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     lm = models.load_model(args.model, progress=not args.quiet)
     if config is None:  # only loading told (a .gguf file, a hub id): checked now, still before calibration
         codecs = fit_codecs(codecs, lm.model.config, lm, required=bool(args.codec))
-    if not args.codec and not args.calib_text and not args.kv_mean_center:
+    # a calibration input given (a file, a text, a token count) wins over the files shipped with walshkv
+    inputs = bool(args.calib_text or args.kv_mean_center)
+    explicit = inputs or args.calib_tokens != CALIB_TOKENS
+    shipped = None if explicit else shipped_for(lm, codecs)  # checked: a bad file stops the run here
+    calibration: CalibrationLike | None
+    if shipped is not None:
+        _, text = default_calibration(text)  # python-docs is evaluated on its second half: the files saw its first
+        print(shipped_note(shipped, text), file=sys.stderr, flush=True)
+        calibration = shipped
+    elif not args.codec and not inputs:  # a model walshkv ships none for, or --calib-tokens: calibrated in the run
         calib, text = default_calibration(text)
         print(
             f"calibrating the presets on {calib.name} ({args.calib_tokens:,} tokens), evaluating on {text.name}; "
@@ -167,8 +196,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--codec",
         action="append",
         metavar="SPEC",
-        help=f"cache spec or preset, repeatable (default: {' '.join(MAIN_CODECS)}; the presets calibrated on "
-        "python-docs, or on its first half when python-docs is the evaluation text)",
+        help=f"cache spec or preset, repeatable (default: {' '.join(MAIN_CODECS)}). Without --kv-mean-center, "
+        "--calib-text or --calib-tokens, presets on a model walshkv ships calibration for read the shipped files "
+        "(checked: sha256 and the model's identity); on any other model, or with --calib-tokens N, the default set's "
+        "presets are calibrated in the run on python-docs. Either way python-docs as the evaluation text is evaluated "
+        "on its second half",
     )
     ev.add_argument(
         "--score",

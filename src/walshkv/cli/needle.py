@@ -30,7 +30,7 @@ _EXAMPLES = """\
 examples:
   walshkv needle --codec rot+q4_0 --codec q4_0 --lengths 1024,2048 --depths 0,0.5,1 --samples 2
   walshkv needle --text ../shared/data/austen_emma.txt --lengths 1024,2048,4096,8192 --task single \\
-      --task multikey --codec walshkv:3.5 --kv-mean-center docs/results/presets/smollm2-135m/walshkv-3.5.gguf \\
+      --task multikey --codec walshkv:3.5 --kv-mean-center smollm2-3.5.gguf \\
       --codec rot+q4_0 --codec kivi2 --json n.json --csv n.csv --markdown n.md --png n.png
   walshkv needle --codec none --lengths 1024,4096         # the uncompressed model alone: where does it succeed?
 """

@@ -3,7 +3,8 @@
 Every command that evaluates codecs (``walshkv eval``, ``sweep``, ``rd``, the research commands) gets the
 calibration its specs need from :func:`calibration_for`; the command line only supplies the inputs
 (``--kv-mean-center FILE``, ``--calib-text TEXT``, ``--calib-tokens N``). Calibration never uses the
-evaluation text.
+evaluation text. With neither input, presets on a model walshkv ships calibration for read the shipped files
+(:func:`shipped_for`, :mod:`walshkv.shipped`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from walshkv.data import Text, load_text
 from walshkv.defaults import CALIB_TOKENS
 from walshkv.export import read_kv_mean_center
 from walshkv.identity import identity_config
+from walshkv.presets import is_preset, resolve_preset
+from walshkv.shipped import CalibrationSet, shipped_calibration
 
 if TYPE_CHECKING:
     from walshkv.codecs import CacheSpec, Codec, HFCacheSpec
     from walshkv.codecs.calibration import Calibration
     from walshkv.models import LoadedModel
 
-__all__ = ["calibration_for", "only_centering"]
+__all__ = ["calibration_for", "only_centering", "shipped_for"]
 
 #: What a calibration file can stand in for: the K bias of ``center+`` and the transforms of ``eq+``.
 _FILE_WRAPPERS = ("center", "eq")
@@ -96,3 +99,23 @@ def calibration_for(
         raise ValueError("--calib-text is the evaluation text; calibrate on different text")
     stats = collect_kv_stats(lm, calib, tokens=calib_tokens, progress=progress)
     return stats if bias is None else MergedCalibration(stats, bias)
+
+
+def shipped_for(lm: LoadedModel, specs: Sequence[str | CacheSpec | HFCacheSpec]) -> CalibrationSet | None:
+    """The shipped calibration of a run's presets (:func:`walshkv.shipped.shipped_calibration`), checked, or ``None``.
+
+    It serves a run only where it serves all of it: some spec is a preset, every preset resolves to the model's
+    shipped spec (:func:`walshkv.presets.resolve_preset`), and no other spec needs calibration. Otherwise ``None``,
+    and the run's calibration comes from its inputs as before (:func:`calibration_for`).
+
+    Raises:
+        walshkv.shipped.ShippedCalibrationError: a shipped file is missing, damaged or made for another model
+            (never replaced by a calibration in the run).
+    """
+    presets = [s for s in specs if isinstance(s, str) and is_preset(s)]
+    others = [s for s in specs if not (isinstance(s, str) and is_preset(s))]
+    if not presets or any(parse_cache_spec(s).needs_calibration for s in others):
+        return None
+    if not all(resolve_preset(p, model=lm).source.startswith("shipped:") for p in presets):
+        return None
+    return shipped_calibration(lm, presets)

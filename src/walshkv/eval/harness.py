@@ -37,7 +37,7 @@ from walshkv.codecs.spec import CacheSpec, HFCacheSpec, parse_cache_spec
 from walshkv.constants import Feed, Prefill, Score
 from walshkv.data import describe_scored, make_windows, scored_positions
 from walshkv.defaults import CTX, WINDOWS
-from walshkv.eval.metrics import HeadLogits, TokenMetrics, compare_logits
+from walshkv.eval.metrics import HeadLogits, ReferenceRows, TokenMetrics, compare_logits
 from walshkv.eval.report import calibration_meta, run_meta
 from walshkv.eval.rows import ResultRow
 
@@ -302,7 +302,8 @@ def evaluate(
         ids = win.ids[w : w + 1].to(device)
         targets = win.ids[w, first + 1 : last + 1].to(device)
         bar.set_postfix_str(f"window {w + 1}/{n_win}: reference")
-        ref = forward_scored(model, ids, DynamicCache(config=model.config), keep)[: last - first]
+        # the reference's float64 side of the comparison, made once per window for every spec
+        ref = ReferenceRows(forward_scored(model, ids, DynamicCache(config=model.config), keep)[: last - first])
         bar.update()
         for run in runs:
             bar.set_postfix_str(f"window {w + 1}/{n_win}: {run.spec.spec}")

@@ -13,6 +13,7 @@ from walshkv.eval.rows import MetricSummary
 __all__ = [
     "BOOTSTRAP_RESAMPLES",
     "HeadLogits",
+    "ReferenceRows",
     "TokenMetrics",
     "bootstrap_ci95",
     "compare_logits",
@@ -164,8 +165,51 @@ def _logit_rows(x: torch.Tensor | HeadLogits, start: int, stop: int) -> torch.Te
     return x.rows(start, stop) if isinstance(x, HeadLogits) else x[start:stop]
 
 
+#: What :class:`ReferenceRows` keeps at most (float64 log-probabilities and probabilities of the scored positions):
+#: 512-token windows of a 152k-token vocabulary fit; 32k-token ones are made again per comparison instead.
+REFERENCE_KEEP_BYTES = 1 << 30
+
+
+class ReferenceRows:
+    """The reference's side of :func:`compare_logits`, made once and shared by every codec compared with it.
+
+    Per ``rows`` positions: the float64 log-probabilities, their ``exp`` and the argmax, exactly as
+    :func:`compare_logits` makes them from plain logits (the same operations on the same tensors, so every number
+    it returns is the same). They are kept while their size stays within ``keep_bytes`` (a 512-token window's scored
+    half: about 200 MB at a 49k vocabulary); beyond it each comparison makes them again, as with plain logits.
+
+    Args:
+        logits: ``[positions, vocab]`` reference logits (a tensor or :class:`HeadLogits`).
+        keep_bytes: the most to keep.
+    """
+
+    def __init__(self, logits: torch.Tensor | HeadLogits, keep_bytes: int = REFERENCE_KEEP_BYTES) -> None:
+        self.logits = logits
+        positions, vocab = logits.shape
+        self.keep = 2 * 8 * positions * vocab <= keep_bytes
+        self._made: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.logits.shape
+
+    def dim(self) -> int:
+        return 2
+
+    def part(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(log-probabilities, probabilities, argmax)`` of positions ``start..stop-1`` (float64, float64, long)."""
+        made = self._made.get((start, stop))
+        if made is None:
+            r = _logit_rows(self.logits, start, stop)
+            lp_ref = torch.log_softmax(r.to(torch.float64), dim=-1)
+            made = (lp_ref, lp_ref.exp(), r.argmax(dim=-1))
+            if self.keep:
+                self._made[(start, stop)] = made
+        return made
+
+
 def compare_logits(
-    ref_logits: torch.Tensor | HeadLogits,
+    ref_logits: torch.Tensor | HeadLogits | ReferenceRows,
     logits: torch.Tensor | HeadLogits,
     targets: torch.Tensor,
     rows: int = 256,
@@ -178,7 +222,7 @@ def compare_logits(
 
     Args:
         ref_logits: ``[positions, vocab]`` logits of the reference model (a tensor, or :class:`HeadLogits`, whose
-            rows are made ``rows`` at a time).
+            rows are made ``rows`` at a time), or :class:`ReferenceRows` of them, made once for several comparisons.
         logits: ``[positions, vocab]`` logits with the compressed cache (likewise).
         targets: ``[positions]`` next-token ids.
         rows: positions per float64 pass (at least 1).
@@ -196,16 +240,17 @@ def compare_logits(
         )
     if rows < 1:
         raise ValueError(f"rows must be at least 1, got {rows}")
+    reference = ref_logits if isinstance(ref_logits, ReferenceRows) else ReferenceRows(ref_logits, keep_bytes=0)
     parts = []
     for a in range(0, ref_logits.shape[0], rows):
-        r, t = _logit_rows(ref_logits, a, a + rows), _logit_rows(logits, a, a + rows)
-        lp_ref = torch.log_softmax(r.to(torch.float64), dim=-1)
+        lp_ref, p_ref, top_ref = reference.part(a, a + rows)
+        t = _logit_rows(logits, a, a + rows)
         lp = torch.log_softmax(t.to(torch.float64), dim=-1)
-        kl = (lp_ref.exp() * (lp_ref - lp)).sum(dim=-1).clamp_min_(0.0)
+        kl = (p_ref * (lp_ref - lp)).sum(dim=-1).clamp_min_(0.0)
         idx = targets[a : a + rows].view(-1, 1)
         nll = -lp.gather(1, idx).squeeze(1)
         nll_ref = -lp_ref.gather(1, idx).squeeze(1)
-        parts.append((kl, nll, nll_ref, r.argmax(dim=-1) == t.argmax(dim=-1)))
+        parts.append((kl, nll, nll_ref, top_ref == t.argmax(dim=-1)))
     if not parts:
         empty = torch.zeros(0, dtype=torch.float64)
         return empty, empty.clone(), empty.clone(), torch.zeros(0, dtype=torch.bool)

@@ -174,6 +174,9 @@ def describe_calibration(c: Mapping[str, Any]) -> str:
         return f"the K mean file {c['file']} ({c['basis']} basis, {tokens} tokens of {text})"
     if c.get("kind") == "merged":
         return f"{describe_calibration(c['stats'])} with the K mean of {describe_calibration(c['k_bias'])}"
+    if c.get("kind") == "shipped":
+        files = ", ".join(f"{f['file']} (sha256 {f['sha256'][:12]}...)" for f in c["files"])
+        return f"the calibration shipped with walshkv for {c['model']}: {files}, {c['tokens']:,} tokens of {c['text']}"
     return f"the K/V statistics of {c['tokens']:,} tokens of {c['text']} on {c['model']}"
 
 
