@@ -89,14 +89,17 @@ walshkv bench attention --kv-len "${KV_LEN_FAST:-16384,65536}" --codec walshkv:3
   --codec walshkv:3.5 --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+int4 \
   --codec q4_0 --quiet --no-plot --out "docs/results/bench-fast$isa"
 paste_block "docs/results/bench-fast$isa" "fast$isa"
-# the other models' attention shapes (walshkv bench attention --model: head_dim 128 with GQA 6 for qwen2.5-1.5b,
-# head_dim 256 with GQA 4 for gemma3-270m), each preset with the file this checkout ships for that model, against
-# rot+int4, q4_0 and SDPA at 16k and 64k; `prerope+tq:3.5/tq:3` decodes keys through the same fast Walsh-Hadamard
-# map as a fast preset (these models ship none: its cost, timing only). One block per model and instruction set
-for model in qwen2.5-1.5b gemma3-270m; do
-  walshkv bench attention --model "$model" --kv-len "${KV_LEN_FAST:-16384,65536}" --codec walshkv:3 \
-    --codec walshkv:3.5 --codec walshkv:4.5 --codec "prerope+tq:3.5/tq:3" --codec rot+int4 --codec q4_0 --quiet \
-    --no-plot --out "docs/results/bench-model-$model$isa"
+# every model's attention shapes (walshkv bench attention --model: head_dim 64 with GQA 3 for smollm2-135m, 128 with
+# GQA 6 for qwen2.5-1.5b, 256 with GQA 4 for gemma3-270m), each preset with the calibration walshkv ships for that
+# model, against rot+int4, q4_0, the same tq codes stored after RoPE (no per-key map) and SDPA, at 16k and 64k, on
+# one thread (SDPA and the kernel alike: what a machine shared with other work disturbs least; THREADS_MODELS=2
+# for both cores). One block per model and instruction set (a few minutes each)
+for model in smollm2-135m qwen2.5-1.5b gemma3-270m; do
+  fast=()
+  [ "$model" = smollm2-135m ] && fast=(--codec walshkv:3-fast --codec walshkv:3.5-fast --codec walshkv:4.5-fast)
+  walshkv bench attention --model "$model" --threads "${THREADS_MODELS:-1}" --kv-len "${KV_LEN_FAST:-16384,65536}" \
+    --codec walshkv:3 --codec walshkv:3.5 --codec walshkv:4.5 ${fast[@]+"${fast[@]}"} --codec "tq:3.5/tq:3" \
+    --codec rot+int4 --codec q4_0 --quiet --no-plot --out "docs/results/bench-model-$model$isa"
   paste_block "docs/results/bench-model-$model$isa" "model-$model$isa"
 done
 # on a CPU with AMX-BF16 the kernel maps eq+'s keys on tiles (walshkv.attention.cpu.amx_key_map): the same
