@@ -153,13 +153,16 @@ for stage in $STAGES; do
     # the fast presets: recommend --fast at --ctx 4096 on python-docs (selection text only), candidates restricted
     # to specs the fused kernels decode without a dense per-key matrix (eqd+ in place of prerope+'s eq+). The
     # spec ships once scripts/ship_presets.py is rerun, its calibration once scripts/ship_calibrations.py is (the
-    # benches read the shipped calibrations), and stage fast then measures it
+    # benches read the shipped calibrations), and stage fast then measures it. Among the candidates: the fast twin of
+    # the shipped plain preset (fast_candidate: its eq+ made eqd+, its sink:1 and per-layer V widths kept), which the
+    # built-in pool lacks: a sink:1: spec fits 3 and 3.5 bits only with the plain preset's narrower V in a few layers
     for model in $FAST_MODELS; do
       mkdir -p "$OUT/select/$model"
       for bits in $FAST_BITS; do
+        twin=$(python -c "from walshkv.presets import resolve_preset as r; from walshkv.recommend import fast_candidate as f; print(f(r('walshkv:$bits', model='$model').spec))")
         [ -f "$OUT/select/$model/recommend-$bits-fast-ctx4096.json" ] || walshkv recommend --model "$model" \
-          --bits "$bits" --fast --ctx 4096 --windows 2 --quiet --json "$OUT/select/$model/recommend-$bits-fast-ctx4096.json" \
-          -o "$OUT/select/$model/walshkv-$bits-fast-ctx4096.gguf"
+          --bits "$bits" --fast --ctx 4096 --windows 2 --candidate "$twin" --quiet \
+          --json "$OUT/select/$model/recommend-$bits-fast-ctx4096.json" -o "$OUT/select/$model/walshkv-$bits-fast-ctx4096.gguf"
       done
     done
     ;;

@@ -89,6 +89,16 @@ walshkv bench attention --kv-len "${KV_LEN_FAST:-16384,65536}" --codec walshkv:3
   --codec walshkv:3.5 --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+int4 \
   --codec q4_0 --quiet --no-plot --out "docs/results/bench-fast$isa"
 paste_block "docs/results/bench-fast$isa" "fast$isa"
+# the other models' attention shapes (walshkv bench attention --model: head_dim 128 with GQA 6 for qwen2.5-1.5b,
+# head_dim 256 with GQA 4 for gemma3-270m), each preset with the file this checkout ships for that model, against
+# rot+int4, q4_0 and SDPA at 16k and 64k; `prerope+tq:3.5/tq:3` decodes keys through the same fast Walsh-Hadamard
+# map as a fast preset (these models ship none: its cost, timing only). One block per model and instruction set
+for model in qwen2.5-1.5b gemma3-270m; do
+  walshkv bench attention --model "$model" --kv-len "${KV_LEN_FAST:-16384,65536}" --codec walshkv:3 \
+    --codec walshkv:3.5 --codec walshkv:4.5 --codec "prerope+tq:3.5/tq:3" --codec rot+int4 --codec q4_0 --quiet \
+    --no-plot --out "docs/results/bench-model-$model$isa"
+  paste_block "docs/results/bench-model-$model$isa" "model-$model$isa"
+done
 # on a CPU with AMX-BF16 the kernel maps eq+'s keys on tiles (walshkv.attention.cpu.amx_key_map): the same
 # eq+ presets with that off (WALSHKV_CPU_AMX=0, the fp32 multiply-adds every other CPU runs), in a run of their own
 if python -c "import sys; from walshkv.attention.cpu import amx_key_map; sys.exit(not amx_key_map())"; then

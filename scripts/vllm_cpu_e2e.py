@@ -3,7 +3,7 @@
 
 Run it with the plugin environment's Python (docs/serving.md, "vLLM"):
 
-    /tmp/vllmenv/bin/python scripts/vllm_cpu_e2e.py --dtype walshkv_q8_0 --dtype auto
+    .venv-vllm/bin/python scripts/vllm_cpu_e2e.py --dtype walshkv_q8_0 --dtype auto
 
 Each dtype runs in its own subprocess (vLLM keeps global state), greedy, on a fixed prompt set, and the script
 writes docs/results/vllm/cpu-e2e.{json,md}: the KV capacity vLLM reports, the greedy texts, the top-5 logprobs of
@@ -96,7 +96,10 @@ def main() -> int:
         _child(args.child, args.tokens, args.model)
         return 0
     if not Path(args.model).is_dir():
-        raise SystemExit(f"{args.model} is not a model folder: run `walshkv eval --windows 1` once to write it")
+        raise SystemExit(
+            f"{args.model} is not a model folder: run `walshkv models fetch smollm2-135m --float` (in walshkv's "
+            "environment) once to write it"
+        )
     runs = {}
     for dtype in args.dtype or ["walshkv_q8_0", "auto"]:
         t0 = time.perf_counter()

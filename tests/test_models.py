@@ -57,3 +57,21 @@ def test_loaded_model_shape_is_its_info_typed(tiny_llama, toy_tokenizer):
     assert LoadedModel(tiny_llama, toy_tokenizer, "tiny-llama", "test").info == lm.info  # read off the model
     with pytest.raises(ValueError, match="model info lacks head_dim"):
         ModelShape.from_info({k: v for k, v in lm.info.items() if k != "head_dim"})
+
+
+def test_float_copy_is_for_registry_models_only():
+    from walshkv.models import float_copy
+
+    with pytest.raises(ValueError, match=r"no float copy of 'nope'.*smollm2-135m"):
+        float_copy("nope")
+
+
+def test_float_copy_of_a_cached_model_loads_nothing(tmp_path, monkeypatch):
+    from walshkv import models
+
+    monkeypatch.setenv("WALSHKV_HOME", str(tmp_path))
+    folder = tmp_path / "float" / "smollm2-135m"
+    folder.mkdir(parents=True)
+    (folder / "walshkv.json").write_text("{}")
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    assert models.float_copy("smollm2-135m") == folder

@@ -37,6 +37,7 @@ __all__ = [
     "ModelInfo",
     "ModelShape",
     "ensure_gguf",
+    "float_copy",
     "layout_config",
     "load_model",
     "recording_queries",
@@ -373,6 +374,28 @@ def _save_float_copy(model: Any, tokenizer: Any, info: ModelInfo) -> None:
     (tmp / "walshkv.json").write_text(json.dumps({"name": info.name, "gguf_sha256": info.sha256}))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.replace(folder)
+
+
+def float_copy(name: str, progress: bool = True) -> Path:
+    """A registry model as a Hugging Face folder (config, safetensors, tokenizer): its float copy, written once.
+
+    The folder :func:`load_model` caches after dequantizing the model's GGUF (``$WALSHKV_HOME/float/NAME``); it
+    loads offline, in transformers or in a serving engine (vLLM: ``vllm serve FOLDER``). Written on first use, so
+    the first call downloads and converts the model as :func:`load_model` does.
+
+    Args:
+        name: a registry name (``walshkv models list``).
+        progress: show download/assembly progress.
+
+    Raises:
+        ValueError: not a registry name.
+    """
+    if name not in MODELS:
+        raise ValueError(f"no float copy of {name!r}: it is written for the offline models only ({', '.join(MODELS)})")
+    folder = _float_dir(MODELS[name])
+    if not (folder / "walshkv.json").exists():
+        load_model(name, progress=progress)  # writes the copy
+    return folder
 
 
 def _hub_reachable() -> bool:

@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from walshkv.bench import bench_attention, bench_generation, copy_bandwidth, crossover, machine_description
+from walshkv.bench import (
+    GenerationBenchConfig,
+    bench_attention,
+    bench_generation,
+    copy_bandwidth,
+    crossover,
+    machine_description,
+)
 from walshkv.cli import main
 
 
@@ -88,9 +95,10 @@ def test_cli_attention(tmp_path, capsys):
 
 @pytest.mark.model
 def test_generation_rows(smollm2):
-    rows = bench_generation(
-        "smollm2-135m", [96], "rot+int4", dynamic_dtypes=["float32"], new_tokens=2, prefill_chunk=64, progress=False
+    config = GenerationBenchConfig(
+        "smollm2-135m", [96], ["rot+int4"], dynamic_dtypes=["float32"], new_tokens=2, prefill_chunk=64, progress=False
     )
+    rows = bench_generation(config)
     assert [r["cache"] for r in rows] == ["dynamic", "fused"]
     dyn, fused = rows
     assert dyn["speedup_vs_dynamic"] == 1.0 and fused["decode_tokens_per_s"] > 0
@@ -206,3 +214,33 @@ def test_cli_attention_runs_presets_side_by_side_with_their_shipped_files(tmp_pa
     rows = {r["method"]: r for r in json.loads((out / "bench.json").read_text())["attention"]}
     for name in ("walshkv:3.5", "walshkv:4.5"):
         assert rows[name]["spec"] == resolve_preset(name, model="smollm2-135m").spec, name
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-1.5b", "gemma3-270m"])
+def test_cli_attention_takes_the_models_shapes_and_presets(tmp_path, model):
+    # --model sets head_dim, kv and query heads from the model's config (no weights loaded) and the presets take
+    # the files this checkout ships for that model: qwen2.5-1.5b's GQA 6 at head_dim 128, gemma3-270m's 256
+    from walshkv.bench import attention_shapes
+    from walshkv.models import MODELS
+    from walshkv.presets import resolve_preset
+
+    info = MODELS[model]
+    shapes = attention_shapes(model)
+    assert shapes == {"head_dim": info.head_dim, "kv_heads": info.kv_heads, "q_heads": info.q_heads}
+    out = tmp_path / "b"
+    argv = ["bench", "attention", "--model", model, "--kv-len", "40", "--codec", "walshkv:3.5", "--codec", "int4"]
+    assert main([*argv, "--repeats", "1", "--out", str(out), "--quiet", "--no-plot"]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert result["meta"]["attention_model"] == {"model": model, **shapes}
+    rows = {r["method"]: r for r in result["attention"]}
+    assert rows["walshkv:3.5"]["spec"] == resolve_preset("walshkv:3.5", model=model).spec
+    per_token = 2 * shapes["kv_heads"] * shapes["head_dim"] * 2  # K and V in fp16
+    assert rows["sdpa-fp16"]["cache_bytes"] == 40 * per_token
+    assert f"head_dim {shapes['head_dim']}" in (out / "bench.md").read_text()
+
+
+def test_attention_shapes_refuses_what_it_cannot_read_without_loading():
+    from walshkv.bench import attention_shapes
+
+    with pytest.raises(ValueError, match="registry name"):
+        attention_shapes("some/hub-id")

@@ -11,6 +11,7 @@ import pytest
 
 import walshkv.bench.generation
 from walshkv.bench import (
+    GenerationBenchConfig,
     GenerationCodec,
     bench_generation,
     bench_markdown,
@@ -189,8 +190,8 @@ def test_cli_generation_presets_take_the_checkouts_files(monkeypatch):
     shipped = shipped_preset_file("smollm2-135m", "walshkv:3.5")
     assert shipped is not None and seen["codecs"] == [("walshkv:3.5", str(shipped)), "rot+int4"]
     assert seen["kw"]["kv_mean_center"] is None
-    with pytest.raises(ValueError, match="choose from float32, bfloat16"):
-        bench_generation("smollm2-135m", [8], "rot+int4", dynamic_dtypes=["float16"], progress=False)
+    with pytest.raises(ValueError, match=r"dynamic dtype 'float16' \(--dynamic-dtype\): choose from float32, bfloat16"):
+        GenerationBenchConfig("smollm2-135m", [8], ["rot+int4"], dynamic_dtypes=["float16"], progress=False)
 
 
 def test_file_for_another_model_or_preset_and_calib_text_on_the_bench_text(tiny_model_dir, tiny_preset_file):
@@ -262,7 +263,51 @@ def test_default_table_has_the_shipped_presets(tmp_path, monkeypatch):
 
 def test_bench_generation_refuses_mixed_codec_kinds():
     with pytest.raises(TypeError, match="not both"):
-        bench_generation("smollm2-135m", [8], [GenerationCodec("int4"), "int8"], progress=False)
+        GenerationBenchConfig("smollm2-135m", [8], [GenerationCodec("int4"), "int8"], progress=False)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"codecs": "int4"}, "codecs is a list of cache specs or presets: give ['int4'], not 'int4'"),
+        (
+            {"codecs": [GenerationCodec("int4")], "kv_mean_center": "f.gguf"},
+            "kv_mean_center and calib_text calibrate codecs given as specs or presets; GenerationCodec objects carry "
+            "their own calibration (resolve_generation_codecs)",
+        ),
+        ({"contexts": []}, "contexts (--ctx) must be token counts of at least 1, got []"),
+        ({"contexts": [8, 0]}, "contexts (--ctx) must be token counts of at least 1, got [8, 0]"),
+        ({"prefill": "lazy"}, "--prefill must be one of quantized, exact, got 'lazy'"),
+        ({"calib_tokens": 0}, "--calib-tokens must be at least 1 token, got 0"),
+        ({"new_tokens": 0}, "--new-tokens must be at least 1 token, got 0"),
+        ({"prefill_chunk": 0}, "--prefill-chunk must be at least 1 token, got 0"),
+        ({"decoded_max_ctx": 0}, "decoded_max_ctx must be at least 1 token, got 0"),
+        ({"runs": True}, "runs (--gen-runs) must be a whole number >= 1, got True"),
+        ({"runs": 1.5}, "runs (--gen-runs) must be a whole number >= 1, got 1.5"),
+        (
+            {"malloc_mmap_threshold": -1},
+            "--malloc-mmap-threshold must be at least 0 bytes (0: glibc's default), got -1",
+        ),
+    ],
+)
+def test_generation_bench_config_refuses_bad_settings(settings, message):
+    with pytest.raises(ValueError) as err:
+        GenerationBenchConfig(**settings)
+    assert str(err.value) == message
+
+
+def test_generation_bench_config_defaults_and_tuples():
+    config = GenerationBenchConfig(contexts=[8, 16], codecs=["int4"], dynamic_dtypes=["float32"])
+    assert (config.contexts, config.codecs, config.dynamic_dtypes) == ((8, 16), ("int4",), ("float32",))
+    assert not config.resolved and GenerationBenchConfig(codecs=[]).resolved
+    assert GenerationBenchConfig(codecs=[GenerationCodec("int4")]).resolved
+    default = GenerationBenchConfig()
+    assert (default.model, default.contexts, default.codecs, default.runs) == (
+        "smollm2-135m",
+        (1024, 8192, 32768),
+        None,
+        1,
+    )
 
 
 def _row(ctx, cache, x, *, codec=None, preset=None, dtype="float32", **extra):
@@ -371,7 +416,7 @@ def test_rows_of_several_runs_report_their_medians_and_spread():
 
 
 def test_runs_must_be_a_whole_number(capsys):
-    with pytest.raises(ValueError, match="runs must be a whole number >= 1, got 0"):
-        bench_generation("smollm2-135m", [8], ["int4"], runs=0, progress=False)
+    with pytest.raises(ValueError, match=r"runs \(--gen-runs\) must be a whole number >= 1, got 0"):
+        bench_generation(GenerationBenchConfig("smollm2-135m", [8], ["int4"], runs=0, progress=False))
     assert main(["bench", "generation", "--gen-runs", "0", "--quiet"]) == 2
-    assert "--gen-runs must be at least 1, got 0" in capsys.readouterr().err
+    assert "runs (--gen-runs) must be a whole number >= 1, got 0" in capsys.readouterr().err

@@ -147,22 +147,23 @@ def test_hf_cache_errors(tiny_lm, tiny_gemma3, monkeypatch):
 
 def test_sweep_runs_hf_rows_and_leaves_out_what_cannot_run(tmp_path, tiny_lm, tiny_gemma3, toy_tokenizer, monkeypatch):
     import walshkv.eval.sweep.run
-    from walshkv.eval.sweep import run_sweep
+    from walshkv.eval.sweep import SweepConfig, run_sweep
 
     monkeypatch.setattr(walshkv.eval.sweep.run, "plot_pareto", lambda rows, path, title: None)
-    rows = run_sweep(tiny_lm, TEXT, ["int8", "hf-fp8"], tmp_path / "a", ctx=32, windows=1, progress=False)
+    fast = {"ctx": 32, "windows": 1, "progress": False}
+    rows = run_sweep(tiny_lm, TEXT, SweepConfig(["int8", "hf-fp8"], **fast), tmp_path / "a")
     assert {r["codec"]: r["feed"] for r in rows} == {"int8": "window", "hf-fp8": "decode"}
     md = (tmp_path / "a" / "results.md").read_text()
     assert "hf-fp8 †" in md and "† fed as in generation" in md
 
     gemma = LoadedModel(tiny_gemma3, toy_tokenizer, "tiny-gemma3", "test", _describe(tiny_gemma3))
-    rows = run_sweep(gemma, TEXT, ["int8", "hf-fp8", "kivi2"], tmp_path / "b", ctx=32, windows=1, progress=False)
+    rows = run_sweep(gemma, TEXT, SweepConfig(["int8", "hf-fp8", "kivi2"], **fast), tmp_path / "b")
     assert [r["codec"] for r in rows] == ["int8", "kivi2"]  # KIVI holds gemma3's sliding layers
     md = (tmp_path / "b" / "results.md").read_text()
     assert "Left out: `hf-fp8` (hf-fp8 cannot hold this model's 'sliding_attention' layers (2 of 3)" in md
     assert "`kivi2` (" not in md
     with pytest.raises(ValueError, match="no runnable cache specs"):
-        run_sweep(gemma, TEXT, ["hf-fp8"], tmp_path / "c", ctx=32, windows=1, progress=False)
+        run_sweep(gemma, TEXT, SweepConfig(["hf-fp8"], **fast), tmp_path / "c")
 
 
 def test_decode_chunks_report_the_extra_full_precision_context(tiny_lm):

@@ -39,6 +39,15 @@ def test_models_list(capsys):
         assert name in out
 
 
+def test_models_fetch_float_prints_the_folder(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("WALSHKV_HOME", str(tmp_path))
+    folder = tmp_path / "float" / "smollm2-135m"
+    folder.mkdir(parents=True)
+    (folder / "walshkv.json").write_text("{}")  # already written: nothing to load
+    assert main(["models", "fetch", "smollm2-135m", "--float"]) == 0
+    assert capsys.readouterr().out.strip() == str(folder)
+
+
 def test_codecs_list(capsys):
     assert main(["codecs", "--head-dim", "128"]) == 0
     out = capsys.readouterr().out

@@ -22,9 +22,8 @@ from test_cli_errors import no_load  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("no_load")
 
-ATTENTION = ("--kv-len", "--codec", "--layer", "--repeats", "--device")
+ATTENTION = ("--kv-len", "--codec", "--layer", "--repeats", "--threads", "--device")
 GENERATION = (
-    "--model",
     "--ctx",
     "--gen-codec",
     "--dynamic-dtype",
@@ -38,7 +37,7 @@ GENERATION = (
     "--calib-text",
     "--calib-tokens",
 )
-SHARED = ("--kv-mean-center", "--out", "--no-plot", "--quiet")
+SHARED = ("--model", "--kv-mean-center", "--out", "--no-plot", "--quiet")
 
 
 def _parsed(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> dict[str, Any]:

@@ -108,6 +108,7 @@ def test_fixable_inputs_fail_in_one_line_before_any_work(capsys, no_load) -> Non
         ("codecs", "--head-dim", "-4"): "--head-dim must be a positive number",
         ("recommend", "--bits", "4.5", "--calib-tokens", "0"): "--calib-tokens must be at least 1",
         ("bench", "attention", "--repeats", "0"): "--repeats must be at least 1",
+        ("bench", "attention", "--threads", "0"): "--threads must be at least 1",
         # sizes and counts from a small argument: refused before anything is allocated (issue 39)
         ("eval", "--codec", "layers:int4@0-99999999999;int3"): "past any model",
         ("eval", "--codec", "rot+" * 2500 + "int4"): "chains 2500 wrappers",

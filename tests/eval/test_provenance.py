@@ -18,7 +18,7 @@ from walshkv.data import Text
 from walshkv.eval import evaluate, provenance
 from walshkv.eval.provenance import CPU_FLAGS, code_commit, code_version, cpu_meta
 from walshkv.eval.report import library_versions
-from walshkv.eval.sweep import row_path, run_sweep
+from walshkv.eval.sweep import SweepConfig, row_path, run_sweep
 from walshkv.models import LoadedModel, _describe
 
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(2000)))
@@ -97,7 +97,7 @@ def test_a_sweep_reruns_rows_of_other_code_and_says_so(tmp_path, tiny_lm, monkey
     monkeypatch.setattr(walshkv.eval.sweep.run, "plot_pareto", lambda rows, path, title: None)
     out = tmp_path / "sw"
     specs = ["int8", "int4", "int2"]
-    run_sweep(tiny_lm, TEXT, specs, out, ctx=32, windows=1, progress=False)
+    run_sweep(tiny_lm, TEXT, SweepConfig(specs, ctx=32, windows=1, progress=False), out)
     assert json.loads(row_path(out, "int8").read_text())["meta"]["sweep"]["code"] == code_version()
     for spec, code in (("int8", {"walshkv": "0.0.9", "commit": "abc1234"}), ("int4", None)):
         record = json.loads(row_path(out, spec).read_text())
@@ -112,7 +112,7 @@ def test_a_sweep_reruns_rows_of_other_code_and_says_so(tmp_path, tiny_lm, monkey
     monkeypatch.setattr(
         walshkv.eval.sweep.run, "evaluate", lambda lm, t, c, **kw: calls.append(list(c)) or real(lm, t, c, **kw)
     )
-    run_sweep(tiny_lm, TEXT, specs, out, ctx=32, windows=1, progress=True)
+    run_sweep(tiny_lm, TEXT, SweepConfig(specs, ctx=32, windows=1, progress=True), out)
     assert calls == [["int8", "int4"]]
     err = capsys.readouterr().err
     now = f"walshkv {__version__} at {code_commit()}"

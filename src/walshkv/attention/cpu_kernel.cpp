@@ -42,13 +42,17 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
       idot(K, b, h, tb, nt, iq, G, nch, sc);
     } else {
       const bool pairs = decode_k_tile(K, kdec, kp, b, h, tb, nt, ktile, LKD, rsk, abf);
-      const float* kscore = ktile;
-      if (kp.on) {  // keys before RoPE: to the model's basis and rotated to their positions (row factor folded)
-        transform_keys(kp, h, tb, nt, ktile, LKD, rsk, ztile, abf, pairs);
-        for (int i = 0; i < nt; ++i) rsk[i] = 1.0f;
-        kscore = ztile;
+      if (kp.on && had_fused(kp) && !pairs) {  // Hadamard form: each key scored in registers where it is made
+        had_score_tile(kp, h, tb, nt, ktile, LKD, rsk, q, G, LK, sc);
+      } else {
+        const float* kscore = ktile;
+        if (kp.on) {  // keys before RoPE: to the model's basis and rotated to their positions (row factor folded)
+          transform_keys(kp, h, tb, nt, ktile, LKD, rsk, ztile, abf, pairs);
+          for (int i = 0; i < nt; ++i) rsk[i] = 1.0f;
+          kscore = ztile;
+        }
+        score_tile(kscore, q, G, LK, nk, nt, rsk, sc);
       }
-      score_tile(kscore, q, G, LK, nk, nt, rsk, sc);
     }
     softmax_tile(sc, nt, G, first, m, l, acc, LV, nv);
     first = false;

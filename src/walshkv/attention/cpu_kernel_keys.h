@@ -1,8 +1,9 @@
 // walshkv's CPU kernel (a header of cpu_kernel.cpp): keys stored before RoPE (prerope+, walshkv/attention/keys.py).
 // Each decoded K row is mapped to the pre-RoPE key by one matrix per kv head and rotated to its position: a dense
 // matrix in fp32 multiply-adds (key_rows) or as bf16x3 products on AMX tiles (amx_tiles), or a fast Walsh-Hadamard
-// transform where the matrix is one (had_key, fwht_row). KPost is the map's descriptor; decode_k_tile decodes a K tile
-// for it.
+// transform where the matrix is one (had_core; decode attention scores each such key in registers where it is made,
+// had_scores, and never writes it; decode_rows writes it, had_key, fwht_row). KPost is the map's descriptor;
+// decode_k_tile decodes a K tile for it.
 #pragma once
 
 #include "cpu_kernel_decode.h"
@@ -32,6 +33,7 @@ struct KPost {
   const float* sn = nullptr;
   const float* r = nullptr;
   const float* c = nullptr;
+  bool r_one = false;  // Hadamard form with every r == 1 (tq's own rotation without sign flips): no multiply
   int64_t pos0 = 0, npos = 0;
   int d = 0, L = 0;
   int64_t ld = 0;
@@ -60,6 +62,8 @@ static KPost make_kpost(const std::vector<int64_t>& a, int64_t H, int64_t T) {
     k.c = reinterpret_cast<const float*>(a[9]);
     if (k.L != k.d || (k.d & (k.d - 1)))
       throw std::invalid_argument("walshkv decode attention: a Hadamard prerope transform needs L = d, a power of 2");
+    k.r_one = true;
+    for (int64_t j = 0; j < H * k.ld && k.r_one; ++j) k.r_one = k.r[j] == 1.0f || (j % k.ld) >= k.d;
   }
   if (a.size() == 11) {
     k.amx = true;
@@ -256,15 +260,18 @@ static inline void key_rows(const KPost& kp, const float* __restrict M, const fl
   }
 }
 
-// One key, NV vectors, in registers: z = rope_p(fwht(b * r) * (c * f) + mu) (Hadamard form of KPost).
-template <int NV>
-static inline void had_key(const float* __restrict b, const vf* __restrict r, const vf* __restrict c,
-                           const vf* __restrict mu, float f, const float* __restrict cs, const float* __restrict sn,
-                           float* __restrict z) {
-  vf x[NV];
-  for (int v = 0; v < NV; ++v) x[v] = fwht_lanes(((const vf*)b)[v] * r[v]);
+// One key, NV vectors, in registers: x = rope_p(fwht(b * r) * (c * f) + mu) (Hadamard form of KPost); R_ONE: r == 1.
+template <int NV, bool R_ONE>
+static inline void had_core(const float* __restrict b, const vf* __restrict r, const vf* __restrict c,
+                            const vf* __restrict mu, float f, const float* __restrict cs, const float* __restrict sn,
+                            vf* __restrict x) {
+  for (int v = 0; v < NV; ++v) x[v] = fwht_lanes(R_ONE ? ((const vf*)b)[v] : ((const vf*)b)[v] * r[v]);
+  // butterflies between whole vectors, fully unrolled (a loop here kept x on the stack)
+#pragma GCC unroll 8
   for (int len = 1; len < NV; len <<= 1)
+#pragma GCC unroll 16
     for (int i = 0; i < NV; i += 2 * len)
+#pragma GCC unroll 16
       for (int j = i; j < i + len; ++j) {
         const vf a = x[j], bb = x[j + len];
         x[j] = a + bb;
@@ -278,7 +285,114 @@ static inline void had_key(const float* __restrict b, const vf* __restrict r, co
     x[v] = a * cc - bb * ss;
     x[v + NV / 2] = bb * cc + a * ss;
   }
+}
+
+// One key to z (kp.ld = d floats): had_core, stored.
+template <int NV, bool R_ONE>
+static inline void had_key(const float* __restrict b, const vf* __restrict r, const vf* __restrict c,
+                           const vf* __restrict mu, float f, const float* __restrict cs, const float* __restrict sn,
+                           float* __restrict z) {
+  vf x[NV];
+  had_core<NV, R_ONE>(b, r, c, mu, f, cs, sn, x);
   for (int v = 0; v < NV; ++v) ((vf*)z)[v] = x[v];
+}
+
+// NB query heads (rows of q, stride LK) against two keys x, y of NV vectors in registers: sx[c], sy[c].
+template <int NV, int NB>
+static inline void score_pair(const vf* __restrict x, const vf* __restrict y, const float* __restrict q, int64_t LK,
+                              float* __restrict sx, float* __restrict sy) {
+  static_assert(NB == 1 || NB == 2, "one or two heads against two keys");
+  vf ax0 = vf{}, ax1 = vf{}, ay0 = vf{}, ay1 = vf{};  // named sums: an array here stayed on the stack
+  const vf* q0 = (const vf*)q;
+  const vf* q1 = (const vf*)(q + (NB == 2 ? LK : 0));
+  for (int v = 0; v < NV; ++v) {
+    ax0 += x[v] * q0[v];
+    ay0 += y[v] * q0[v];
+    if constexpr (NB == 2) {
+      ax1 += x[v] * q1[v];
+      ay1 += y[v] * q1[v];
+    }
+  }
+  float s4[4];
+  hsum4(ax0, ax1, ay0, ay1, s4);
+  sx[0] = s4[0], sy[0] = s4[2];
+  if constexpr (NB == 2) sx[1] = s4[1], sy[1] = s4[3];
+}
+
+// NB query heads against one key x in registers: s[c].
+template <int NV, int NB>
+static inline void score_one(const vf* __restrict x, const float* __restrict q, int64_t LK, float* __restrict s) {
+  vf a[4] = {vf{}, vf{}, vf{}, vf{}};
+  for (int c = 0; c < NB; ++c) {
+    const vf* qv = (const vf*)(q + c * LK);
+    for (int v = 0; v < NV; ++v) a[c] += x[v] * qv[v];
+  }
+  float s4[4];
+  hsum4(a[0], a[1], a[2], a[3], s4);
+  for (int c = 0; c < NB; ++c) s[c] = s4[c];
+}
+
+// Hadamard form, scored where the key is made: each of nt decoded rows (ktile, ld_in floats) becomes its key in
+// registers (had_core) and meets the G query rows (q, stride LK = d) there, two keys and two heads at a time (every
+// bound known to the compiler, so the sums stay in registers); the key is never written. sc[j * TILE + i]: head j's
+// score of row i, as score_tile over transform_keys' rows gives it.
+template <int NV, bool R_ONE>
+static void had_scores(const KPost& kp, int64_t h, int64_t t, int nt, const float* __restrict ktile, int64_t ld_in,
+                       const float* __restrict rs, const float* __restrict q, int64_t G, int64_t LK,
+                       float* __restrict sc) {
+  const vf* r = (const vf*)(kp.r + h * kp.ld);
+  const vf* c = (const vf*)(kp.c + h * kp.ld);
+  const vf* m = (const vf*)(kp.mu + h * kp.ld);
+  const int half = kp.d / 2;
+  float sx[2], sy[2];
+  int i = 0;
+  // two keys at a time (two independent chains of shuffles and adds in flight) where both keys, four sums and the
+  // query's vectors fit in the registers (32 vector registers with AVX-512, 16 with AVX2)
+  constexpr bool PAIRS = 2 * NV + 6 <= (VW == 16 ? 32 : 16);
+  for (; PAIRS && i + 2 <= nt; i += 2) {
+    const int64_t pos = kp.pos0 + t + i;
+    vf x[NV], y[NV];
+    had_core<NV, R_ONE>(ktile + i * ld_in, r, c, m, rs[i], kp.cs + pos * half, kp.sn + pos * half, x);
+    had_core<NV, R_ONE>(ktile + (i + 1) * ld_in, r, c, m, rs[i + 1], kp.cs + (pos + 1) * half,
+                        kp.sn + (pos + 1) * half, y);
+    int64_t j = 0;
+    for (; j + 2 <= G; j += 2) {
+      score_pair<NV, 2>(x, y, q + j * LK, LK, sx, sy);
+      sc[j * TILE + i] = sx[0], sc[(j + 1) * TILE + i] = sx[1];
+      sc[j * TILE + i + 1] = sy[0], sc[(j + 1) * TILE + i + 1] = sy[1];
+    }
+    if (j < G) {
+      score_pair<NV, 1>(x, y, q + j * LK, LK, sx, sy);
+      sc[j * TILE + i] = sx[0], sc[j * TILE + i + 1] = sy[0];
+    }
+  }
+  for (; i < nt; ++i) {
+    const int64_t pos = kp.pos0 + t + i;
+    vf x[NV];
+    had_core<NV, R_ONE>(ktile + i * ld_in, r, c, m, rs[i], kp.cs + pos * half, kp.sn + pos * half, x);
+    for (int64_t j = 0; j < G; ++j) score_one<NV, 1>(x, q + j * LK, LK, sc + j * TILE + i);
+  }
+}
+
+// Whether the Hadamard form scores in registers (had_scores): ld = d of 2 to 16 whole vectors.
+static inline bool had_fused(const KPost& kp) {
+  const int nv = kp.d / VW;
+  return kp.had && kp.ld == kp.d && (nv == 2 || nv == 4 || nv == 8 || nv == 16);
+}
+
+// had_scores for this key map's vector count and r.
+static void had_score_tile(const KPost& kp, int64_t h, int64_t t, int nt, const float* __restrict ktile,
+                           int64_t ld_in, const float* __restrict rs, const float* __restrict q, int64_t G, int64_t LK,
+                           float* __restrict sc) {
+  const bool one = kp.r_one;
+  switch (kp.d / VW) {
+    case 2: (one ? had_scores<2, true> : had_scores<2, false>)(kp, h, t, nt, ktile, ld_in, rs, q, G, LK, sc); break;
+    case 4: (one ? had_scores<4, true> : had_scores<4, false>)(kp, h, t, nt, ktile, ld_in, rs, q, G, LK, sc); break;
+    case 8: (one ? had_scores<8, true> : had_scores<8, false>)(kp, h, t, nt, ktile, ld_in, rs, q, G, LK, sc); break;
+    default:
+      (one ? had_scores<16, true> : had_scores<16, false>)(kp, h, t, nt, ktile, ld_in, rs, q, G, LK, sc);
+      break;
+  }
 }
 
 // ktile rows (ld_in floats, L used) -> ztile rows (kp.ld floats): the pre-RoPE key, then RoPE at pos0 + t + i.
@@ -289,7 +403,7 @@ static void transform_keys(const KPost& kp, int64_t h, int64_t t, int nt, const 
   const float* __restrict mu = kp.mu + h * kp.ld;
   float* __restrict z = ztile;
   const int nv = kp.d / VW;
-  if (kp.had && kp.ld == kp.d && (nv == 2 || nv == 4 || nv == 8 || nv == 16)) {  // all in registers, RoPE included
+  if (had_fused(kp)) {  // all in registers, RoPE included
     const vf* r = (const vf*)(kp.r + h * kp.ld);
     const vf* c = (const vf*)(kp.c + h * kp.ld);
     const vf* m = (const vf*)mu;
@@ -299,11 +413,11 @@ static void transform_keys(const KPost& kp, int64_t h, int64_t t, int nt, const 
       const float* sn = kp.sn + pos * (kp.d / 2);
       const float* b = ktile + i * ld_in;
       float* zi = z + i * kp.ld;
-      switch (nv) {
-        case 2: had_key<2>(b, r, c, m, rs[i], cs, sn, zi); break;
-        case 4: had_key<4>(b, r, c, m, rs[i], cs, sn, zi); break;
-        case 8: had_key<8>(b, r, c, m, rs[i], cs, sn, zi); break;
-        default: had_key<16>(b, r, c, m, rs[i], cs, sn, zi); break;
+      switch (nv) {  // (decode_rows: the keys themselves; decode attention scores them in had_scores)
+        case 2: had_key<2, false>(b, r, c, m, rs[i], cs, sn, zi); break;
+        case 4: had_key<4, false>(b, r, c, m, rs[i], cs, sn, zi); break;
+        case 8: had_key<8, false>(b, r, c, m, rs[i], cs, sn, zi); break;
+        default: had_key<16, false>(b, r, c, m, rs[i], cs, sn, zi); break;
       }
     }
     return;

@@ -49,11 +49,18 @@ Outputs in ``--out``: ``bench.json``, ``bench.csv``, ``bench.md`` and ``bench.pn
 # (machine description, copy bandwidth, timers), attention, generation, report (tables, targets, markdown,
 # plot).
 
-from walshkv.bench.attention import DEFAULT_ATTENTION_CODECS, DEFAULT_KV_LENS, SDPA_DTYPES, bench_attention
+from walshkv.bench.attention import (
+    DEFAULT_ATTENTION_CODECS,
+    DEFAULT_KV_LENS,
+    SDPA_DTYPES,
+    attention_shapes,
+    bench_attention,
+)
 from walshkv.bench.generation import (
     DEFAULT_CONTEXTS,
     DEFAULT_GENERATION_CODECS,
     DYNAMIC_DTYPES,
+    GenerationBenchConfig,
     GenerationCodec,
     bench_generation,
     combine_runs,
@@ -80,7 +87,9 @@ __all__ = [
     "DEFAULT_KV_LENS",
     "DYNAMIC_DTYPES",
     "SDPA_DTYPES",
+    "GenerationBenchConfig",
     "GenerationCodec",
+    "attention_shapes",
     "bench_attention",
     "bench_generation",
     "bench_markdown",

@@ -15,12 +15,21 @@ from walshkv.attention.keys import split_prerope
 from walshkv.bench.machine import available_memory, interleaved_seconds, median_seconds
 from walshkv.codecs import CacheSpec, Packed, parse_cache_spec
 from walshkv.constants import Backend
+from walshkv.identity import head_dim_of
+from walshkv.models import layout_config
 from walshkv.presets import resolve_specs
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
 
-__all__ = ["DEFAULT_ATTENTION_CODECS", "DEFAULT_KV_LENS", "SDPA_DTYPES", "TRANSFORM_SUFFIX", "bench_attention"]
+__all__ = [
+    "DEFAULT_ATTENTION_CODECS",
+    "DEFAULT_KV_LENS",
+    "SDPA_DTYPES",
+    "TRANSFORM_SUFFIX",
+    "attention_shapes",
+    "bench_attention",
+]
 
 DEFAULT_ATTENTION_CODECS: tuple[str, ...] = (
     "rot+int4",
@@ -38,6 +47,29 @@ SDPA_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.floa
 REFERENCE_SUFFIX = " (reference)"
 #: The suffix of the timings of a ``prerope+`` row's K transform done by torch alone (never a row of its own).
 TRANSFORM_SUFFIX = " [K transform as a torch matmul]"
+
+
+def attention_shapes(model: str) -> dict[str, int]:
+    """The attention shapes of ``model`` as :func:`bench_attention` takes them, read from its config (no weights).
+
+    Args:
+        model: a registry name (``walshkv models list``) or a local model folder.
+
+    Returns:
+        ``{"head_dim", "kv_heads", "q_heads"}``.
+
+    Raises:
+        ValueError: the config cannot be read without loading the model (a ``.gguf`` path or a hub id).
+    """
+    config = layout_config(model)
+    if config is None:
+        raise ValueError(
+            f"--model {model!r}: its attention shapes cannot be read without loading it; pass a registry name "
+            "(walshkv models list) or a local folder with a config.json"
+        )
+    q_heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or q_heads)
+    return {"head_dim": head_dim_of(config), "kv_heads": kv_heads, "q_heads": q_heads}
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ Each run is a fresh subprocess (:func:`_generation_child`), so its peak resident
 (``walshkv:3.5``); :func:`resolve_generation_codecs` turns presets into the spec their calibration file chose
 and gets the calibration a spec needs (a ``walshkv calibrate --preset`` / ``recommend`` file, or statistics of
 a calibration text), with the functions ``walshkv eval`` uses
-(:func:`walshkv.eval.calibrated.calibration_for`, :func:`walshkv.presets.resolve_specs`).
+(:func:`walshkv.eval.calibrated.calibration_for`, :func:`walshkv.presets.resolve_specs`). A run's settings are
+one :class:`GenerationBenchConfig`, which :func:`bench_generation` takes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 from tqdm.auto import tqdm
@@ -50,6 +51,7 @@ __all__ = [
     "DEFAULT_GENERATION_CODECS",
     "DYNAMIC_DTYPES",
     "CodecRequest",
+    "GenerationBenchConfig",
     "GenerationCodec",
     "bench_generation",
     "crossover",
@@ -420,39 +422,23 @@ def _label(row: dict[str, Any]) -> str:
     return f"{row['cache']} {name}"
 
 
-def bench_generation(
-    model: str = DEFAULT_MODEL,
-    contexts: Sequence[int] = DEFAULT_CONTEXTS,
-    codecs: str | Sequence[CodecRequest | GenerationCodec] | None = None,
-    *,
-    kv_mean_center: str | Path | None = None,
-    calib_text: str | None = None,
-    calib_tokens: int = CALIB_TOKENS,
-    dynamic_dtypes: Sequence[str] = DYNAMIC_DTYPES,
-    text: str = DEFAULT_TEXT,
-    new_tokens: int = 16,
-    prefill_chunk: int = 1024,
-    decoded: bool = False,
-    decoded_max_ctx: int = 8192,
-    reserve: bool = True,
-    malloc_mmap_threshold: int = 65536,
-    prefill: Prefill = "quantized",
-    runs: int = 1,
-    progress: bool = True,
-) -> list[dict[str, Any]]:
-    """Decode speed, per-step time split and peak memory of compressed caches against DynamicCache, per context.
+@dataclass(frozen=True)
+class GenerationBenchConfig:
+    """What :func:`bench_generation` runs: the model and text (by name: each run loads them in a fresh process), the
+    contexts, the compressed caches with their calibration inputs, and how each run generates.
 
-    Args:
+    Attributes:
         model: registry name or path.
-        contexts: context lengths (tokens read before generating).
-        codecs: the compressed caches: specs, preset names (``walshkv:3.5``), ``(codec, file)`` pairs, or
-            :class:`GenerationCodec` from :func:`resolve_generation_codecs`; one string for one cache. ``None``:
-            the default table (``rot+int4``, ``q4_0`` and the model's shipped presets; a note on stderr names
-            the presets without a file).
+        contexts: context lengths (tokens read before generating). Kept as a tuple.
+        codecs: the compressed caches: specs, preset names (``walshkv:3.5``) or ``(codec, file)`` pairs, resolved
+            by :func:`bench_generation` (:func:`resolve_generation_codecs`); or :class:`GenerationCodec` objects
+            resolved already. ``None``: the default table (``rot+int4``, ``q4_0`` and the model's shipped presets; a
+            note on stderr names the presets without a file); empty: the DynamicCache rows alone. Kept as a tuple.
         kv_mean_center: calibration file for the codecs given without one (see :func:`resolve_generation_codecs`).
         calib_text: text to calibrate on in this run (not the bench text).
         calib_tokens: tokens of ``calib_text``.
-        dynamic_dtypes: a DynamicCache row per dtype (:data:`DYNAMIC_DTYPES`), the model loaded in it.
+        dynamic_dtypes: a DynamicCache row per dtype (:data:`DYNAMIC_DTYPES`), the model loaded in it. Kept as a
+            tuple.
         text: text the context is cut from (repeated if shorter).
         new_tokens: tokens generated one at a time (the median step is reported).
         prefill_chunk: tokens per prefill forward.
@@ -468,78 +454,176 @@ def bench_generation(
             identical runs, so one run cannot decide a memory target).
         progress: show a progress bar.
 
+    Raises:
+        ValueError: ``codecs`` a single string; ``kv_mean_center`` or ``calib_text`` with :class:`GenerationCodec`
+            objects (they carry their calibration); ``contexts`` empty or below 1; a dtype not one of
+            :data:`DYNAMIC_DTYPES`; ``prefill`` not one of ``quantized``, ``exact``; ``calib_tokens``,
+            ``new_tokens``, ``prefill_chunk``, ``decoded_max_ctx`` or ``runs`` below 1 (``runs`` a whole number);
+            ``malloc_mmap_threshold`` below 0.
+        TypeError: ``codecs`` mixing :class:`GenerationCodec` objects with specs or presets.
+    """
+
+    model: str = DEFAULT_MODEL
+    contexts: Sequence[int] = DEFAULT_CONTEXTS
+    codecs: Sequence[CodecRequest | GenerationCodec] | None = None
+    kv_mean_center: str | Path | None = None
+    calib_text: str | None = None
+    calib_tokens: int = CALIB_TOKENS
+    dynamic_dtypes: Sequence[str] = DYNAMIC_DTYPES
+    text: str = DEFAULT_TEXT
+    new_tokens: int = 16
+    prefill_chunk: int = 1024
+    decoded: bool = False
+    decoded_max_ctx: int = 8192
+    reserve: bool = True
+    malloc_mmap_threshold: int = 65536
+    prefill: Prefill = "quantized"
+    runs: int = 1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_codecs()
+        if not self.contexts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.contexts):
+            raise ValueError(f"contexts (--ctx) must be token counts of at least 1, got {list(self.contexts)}")
+        for d in self.dynamic_dtypes:
+            if d not in _DTYPES:
+                raise ValueError(f"dynamic dtype {d!r} (--dynamic-dtype): choose from {', '.join(_DTYPES)}")
+        if self.prefill not in get_args(Prefill):
+            raise ValueError(f"--prefill must be one of {', '.join(get_args(Prefill))}, got {self.prefill!r}")
+        for flag, value in (
+            ("--calib-tokens", self.calib_tokens),
+            ("--new-tokens", self.new_tokens),
+            ("--prefill-chunk", self.prefill_chunk),
+            ("decoded_max_ctx", self.decoded_max_ctx),
+        ):
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1 token, got {value}")
+        if isinstance(self.runs, bool) or not isinstance(self.runs, int) or self.runs < 1:
+            raise ValueError(f"runs (--gen-runs) must be a whole number >= 1, got {self.runs!r}")
+        if self.malloc_mmap_threshold < 0:
+            raise ValueError(
+                "--malloc-mmap-threshold must be at least 0 bytes (0: glibc's default), got "
+                f"{self.malloc_mmap_threshold}"
+            )
+        object.__setattr__(self, "contexts", tuple(self.contexts))
+        object.__setattr__(self, "dynamic_dtypes", tuple(self.dynamic_dtypes))
+
+    def _check_codecs(self) -> None:
+        """Refuse a single string, a mix of resolved and unresolved codecs, and calibration inputs for codecs that
+        carry their own; keep ``codecs`` as a tuple."""
+        if self.codecs is None:
+            return
+        if isinstance(self.codecs, str):
+            raise ValueError(f"codecs is a list of cache specs or presets: give [{self.codecs!r}], not {self.codecs!r}")
+        kinds = {isinstance(c, GenerationCodec) for c in self.codecs}
+        if len(kinds) > 1:
+            raise TypeError("pass either GenerationCodec objects or specs/presets, not both")
+        if kinds == {True} and (self.kv_mean_center is not None or self.calib_text):
+            raise ValueError(
+                "kv_mean_center and calib_text calibrate codecs given as specs or presets; GenerationCodec objects "
+                "carry their own calibration (resolve_generation_codecs)"
+            )
+        object.__setattr__(self, "codecs", tuple(self.codecs))
+
+    @property
+    def resolved(self) -> bool:
+        """Whether ``codecs`` are :class:`GenerationCodec` objects already (an empty tuple counts as resolved)."""
+        return self.codecs is not None and all(isinstance(c, GenerationCodec) for c in self.codecs)
+
+
+def bench_generation(config: GenerationBenchConfig | None = None) -> list[dict[str, Any]]:
+    """Decode speed, per-step time split and peak memory of compressed caches against DynamicCache, per context.
+
+    The compressed caches that are not resolved yet are resolved first (:func:`resolve_generation_codecs`, with the
+    config's calibration inputs); each run is then a fresh process (:func:`_generation_child`).
+
+    Args:
+        config: the model, contexts, caches and how each run generates (default ``GenerationBenchConfig()``: the
+            default table on :data:`~walshkv.defaults.DEFAULT_MODEL` at :data:`DEFAULT_CONTEXTS`).
+
     Returns:
         One row per (context, cache) with the fields of :mod:`walshkv.bench`'s docstring.
 
     Raises:
-        ValueError: as :func:`resolve_generation_codecs`, a dtype not in :data:`DYNAMIC_DTYPES`, or ``runs < 1``.
+        ValueError: as :func:`resolve_generation_codecs`.
     """
-    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
-        raise ValueError(f"runs must be a whole number >= 1, got {runs!r}")
-    for d in dynamic_dtypes:
-        if d not in _DTYPES:
-            raise ValueError(f"dynamic dtype {d!r}: choose from {', '.join(_DTYPES)}")
-    if isinstance(codecs, str):
-        codecs = [codecs]
-    if codecs is not None and all(isinstance(c, GenerationCodec) for c in codecs):
-        resolved = [c for c in codecs if isinstance(c, GenerationCodec)]
+    config = GenerationBenchConfig() if config is None else config
+    if config.resolved:
+        resolved = [c for c in config.codecs or () if isinstance(c, GenerationCodec)]
     else:
-        if codecs is not None and any(isinstance(c, GenerationCodec) for c in codecs):
-            raise TypeError("pass either GenerationCodec objects or specs/presets, not both")
-        requests = None if codecs is None else [c for c in codecs if not isinstance(c, GenerationCodec)]
+        requests = None if config.codecs is None else [c for c in config.codecs if not isinstance(c, GenerationCodec)]
         resolved, notes = resolve_generation_codecs(
-            model,
+            config.model,
             requests,
-            kv_mean_center=kv_mean_center,
-            calib_text=calib_text,
-            calib_tokens=calib_tokens,
-            text=text,
-            progress=progress,
+            kv_mean_center=config.kv_mean_center,
+            calib_text=config.calib_text,
+            calib_tokens=config.calib_tokens,
+            text=config.text,
+            progress=config.progress,
         )
         for line in notes:
             print(line, file=sys.stderr)
-    base = {
-        "model": model,
-        "text": text,
-        "new_tokens": new_tokens,
-        "prefill_chunk": prefill_chunk,
-        "malloc_mmap_threshold": malloc_mmap_threshold,
-        "prefill": prefill,
-    }
     with tempfile.TemporaryDirectory(prefix="walshkv-bench-") as tmp:
-        files: dict[int, str] = {}
+        rows = _run_jobs(config, _jobs(config, resolved, Path(tmp)))
+    _add_ratios(config.contexts, rows)
+    return rows
+
+
+def _jobs(config: GenerationBenchConfig, resolved: Sequence[GenerationCodec], tmp: Path) -> list[dict[str, Any]]:
+    """One job per row, context by context: the DynamicCache rows, then each codec's fused (and decoded) row; the
+    codecs' calibrations saved under ``tmp`` for the child processes to load."""
+    base = {
+        "model": config.model,
+        "text": config.text,
+        "new_tokens": config.new_tokens,
+        "prefill_chunk": config.prefill_chunk,
+        "malloc_mmap_threshold": config.malloc_mmap_threshold,
+        "prefill": config.prefill,
+    }
+    files: dict[int, str] = {}
+    for i, c in enumerate(resolved):
+        if c.calibration is not None:
+            files[i] = str(tmp / f"calibration-{i}.pt")
+            torch.save(c.calibration, files[i])
+    jobs = []
+    for ctx in config.contexts:
+        for d in config.dynamic_dtypes:
+            jobs.append({**base, "ctx": ctx, "cache": "dynamic", "dtype": d, "codec": None, "reserve": False})
         for i, c in enumerate(resolved):
-            if c.calibration is not None:
-                files[i] = str(Path(tmp) / f"calibration-{i}.pt")
-                torch.save(c.calibration, files[i])
-        jobs = []
-        for ctx in contexts:
-            for d in dynamic_dtypes:
-                jobs.append({**base, "ctx": ctx, "cache": "dynamic", "dtype": d, "codec": None, "reserve": False})
-            for i, c in enumerate(resolved):
-                for kind in ("fused", "decoded") if decoded else ("fused",):
-                    if kind == "decoded" and ctx > decoded_max_ctx:
-                        continue
-                    jobs.append(
-                        {
-                            **base,
-                            "ctx": ctx,
-                            "cache": kind,
-                            "dtype": "float32",
-                            "codec": c.spec,
-                            "preset": c.preset,
-                            "calibration": c.calibration_source,
-                            "calibration_file": files.get(i),
-                            "reserve": reserve,
-                        }
-                    )
-        done: list[list[dict[str, Any]]] = [[] for _ in jobs]
-        with tqdm(total=len(jobs) * runs, desc="bench generation", unit="run", disable=not progress) as bar:
-            for _ in range(runs):  # in turn, so that a slow spell of the machine falls on every row alike
-                for i, job in enumerate(jobs):
-                    done[i].append(_run_child(job, malloc_mmap_threshold))
-                    bar.update()
-        rows = [combine_runs(r) for r in done]
+            for kind in ("fused", "decoded") if config.decoded else ("fused",):
+                if kind == "decoded" and ctx > config.decoded_max_ctx:
+                    continue
+                jobs.append(
+                    {
+                        **base,
+                        "ctx": ctx,
+                        "cache": kind,
+                        "dtype": "float32",
+                        "codec": c.spec,
+                        "preset": c.preset,
+                        "calibration": c.calibration_source,
+                        "calibration_file": files.get(i),
+                        "reserve": config.reserve,
+                    }
+                )
+    return jobs
+
+
+def _run_jobs(config: GenerationBenchConfig, jobs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every job ``config.runs`` times, each run a fresh process, the jobs taking turns; a row per job
+    (:func:`combine_runs`)."""
+    done: list[list[dict[str, Any]]] = [[] for _ in jobs]
+    total = len(jobs) * config.runs
+    with tqdm(total=total, desc="bench generation", unit="run", disable=not config.progress) as bar:
+        for _ in range(config.runs):  # in turn, so that a slow spell of the machine falls on every row alike
+            for i, job in enumerate(jobs):
+                done[i].append(_run_child(job, config.malloc_mmap_threshold))
+                bar.update()
+    return [combine_runs(r) for r in done]
+
+
+def _add_ratios(contexts: Sequence[int], rows: list[dict[str, Any]]) -> None:
+    """Label every row and add its ratios against the DynamicCache rows of its context (``None`` without one)."""
     for ctx in contexts:
         here = [r for r in rows if r["ctx"] == ctx]
         refs = {r.get("dtype", "float32"): r for r in here if r["cache"] == "dynamic"}
@@ -550,7 +634,6 @@ def bench_generation(
                 r[key] = None if ref is None else r["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
             ref = refs.get("float32")
             r["prefill_vs_dynamic"] = None if ref is None else r["prefill_seconds"] / ref["prefill_seconds"]
-    return rows
 
 
 #: The fields of a row that :func:`combine_runs` takes the median of (the rest are the same in every run).

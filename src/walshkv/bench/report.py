@@ -383,6 +383,13 @@ def bench_markdown(result: dict[str, Any]) -> list[str]:
     if result.get("attention"):
         bw = meta["copy_bandwidth_gb_per_s"]
         lines += [f"## Decode attention (copy bandwidth {bw:.1f} GB/s)", ""]
+        if shapes := meta.get("attention_model"):
+            lines += [
+                f"Attention shapes of {shapes['model']}: head_dim {shapes['head_dim']}, {shapes['kv_heads']} kv "
+                f"heads, {shapes['q_heads']} query heads (GQA {shapes['q_heads'] // shapes['kv_heads']}); presets "
+                "with that model's shipped calibration.",
+                "",
+            ]
         lines += [format_attention_table(result["attention"], bw, "github"), ""]
     if result.get("generation"):
         gen = result["generation"]

@@ -13,6 +13,7 @@ import copy
 import functools
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, get_args
 
@@ -42,19 +43,20 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _check(args: argparse.Namespace) -> tuple[list[bench.GenerationCodec], list[str]] | None:
-    """Refuse counts below 1, a CUDA device that is not there and generation codecs that cannot run, before
-    anything runs.
+def _check(
+    args: argparse.Namespace,
+) -> tuple[bench.GenerationBenchConfig, list[bench.GenerationCodec], list[str]] | None:
+    """Refuse counts below 1, a CUDA device that is not there and generation settings or codecs that cannot run,
+    before anything runs.
 
     Returns:
-        The resolved generation codecs (presets resolved, calibration in hand) and the notes to print (presets the
-        default table leaves out); ``None`` without a generation part.
+        Without a generation part ``None``; else its config with the codecs resolved (presets resolved,
+        calibration in hand), those codecs, and the notes to print (presets the default table leaves out).
     """
-    for flag, value in (("--repeats", args.repeats), ("--new-tokens", args.new_tokens), ("--gen-runs", args.gen_runs)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
-    if args.prefill_chunk < 1:
-        raise ValueError(f"--prefill-chunk must be at least 1 token, got {args.prefill_chunk}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.part in ("all", "attention") and args.device.startswith("cuda"):
         index = torch.device(args.device).index or 0
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -82,15 +84,39 @@ def _check(args: argparse.Namespace) -> tuple[list[bench.GenerationCodec], list[
                 "(e.g. --codec walshkv:3.5)"
             )
         return None
+    config = _generation_config(args)  # every setting checked before the codecs load anything
     gen_codecs: list[Any] | None = args.gen_codec
     if gen_codecs and not args.kv_mean_center and not args.calib_text:  # presets with their shipped files
         gen_codecs = [(c, f) if (f := _shipped_file(args.model, c)) else c for c in gen_codecs]
-    return bench.resolve_generation_codecs(
-        args.model,
+    resolved, notes = bench.resolve_generation_codecs(
+        config.model,
         gen_codecs,
+        kv_mean_center=config.kv_mean_center,
+        calib_text=config.calib_text,
+        calib_tokens=config.calib_tokens,
+        text=config.text,
+        progress=config.progress,
+    )
+    return replace(config, codecs=resolved, kv_mean_center=None, calib_text=None), resolved, notes
+
+
+def _generation_config(args: argparse.Namespace) -> bench.GenerationBenchConfig:
+    """The generation part's settings from the command line (its codecs as given, not resolved yet)."""
+    return bench.GenerationBenchConfig(
+        args.model,
+        args.ctx,
+        args.gen_codec,
         kv_mean_center=args.kv_mean_center,
         calib_text=args.calib_text,
         calib_tokens=args.calib_tokens,
+        dynamic_dtypes=args.dynamic_dtype or bench.DYNAMIC_DTYPES,
+        new_tokens=args.new_tokens,
+        prefill_chunk=args.prefill_chunk,
+        decoded=args.decoded,
+        reserve=not args.no_reserve,
+        malloc_mmap_threshold=args.malloc_mmap_threshold,
+        prefill=args.prefill,
+        runs=args.gen_runs,
         progress=not args.quiet,
     )
 
@@ -123,39 +149,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.device.startswith("cuda") and torch.cuda.is_available():
             meta["machine"]["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
         meta["copy_bandwidth_gb_per_s"] = bench.copy_bandwidth(device=args.device)
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+            meta["machine"] = bench.machine_description()  # records the threads the rows ran with
         calibration = read_kv_mean_center(args.kv_mean_center) if args.kv_mean_center and args.codec else None
+        shapes = bench.attention_shapes(args.model)
+        meta["attention_model"] = {"model": args.model, **shapes}
         att = bench.bench_attention(
             args.kv_len,
             args.codec or bench.DEFAULT_ATTENTION_CODECS,
+            **shapes,
             repeats=args.repeats,
             device=args.device,
             calibration=calibration,
-            # the attention bench has smollm2-135m's shapes (3 kv heads, head_dim 64): presets take its files
-            calibrations=None if calibration is not None else _shipped_calibrations(DEFAULT_MODEL, args.codec or ()),
+            # presets take the files this checkout ships for --model, whose attention shapes these are
+            calibrations=None if calibration is not None else _shipped_calibrations(args.model, args.codec or ()),
             layer=args.layer,
-            model=DEFAULT_MODEL,
+            model=args.model,
             progress=not args.quiet,
         )
         result["attention"] = att
         print(bench.format_attention_table(att, meta["copy_bandwidth_gb_per_s"]))
     if generation is not None:
-        gen_codecs, notes = generation
+        config, gen_codecs, notes = generation
         for line in notes:
             print(line)
-        gen = bench.bench_generation(
-            args.model,
-            args.ctx,
-            gen_codecs,
-            dynamic_dtypes=args.dynamic_dtype or bench.DYNAMIC_DTYPES,
-            new_tokens=args.new_tokens,
-            prefill_chunk=args.prefill_chunk,
-            decoded=args.decoded,
-            reserve=not args.no_reserve,
-            malloc_mmap_threshold=args.malloc_mmap_threshold,
-            prefill=args.prefill,
-            runs=args.gen_runs,
-            progress=not args.quiet,
-        )
+        gen = bench.bench_generation(config)
         result["generation"] = gen
         meta["crossover_context"] = {c.name: bench.crossover(gen, "fused", c.spec) for c in gen_codecs}
         meta["notes"] = [*notes, *bench.position_notes(gen)]
@@ -224,6 +243,12 @@ def _add_options(parser: argparse.ArgumentParser, part: str | None) -> argparse.
     """Add the options of ``walshkv bench PART`` (``part`` None: both parts', for ``walshkv bench``) to
     ``parser``, which has the calibration options already unless ``part`` is attention. A subcommand lists its
     part's options as its own; ``walshkv bench`` lists each part's in a group of its own."""
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model: the generation part runs it; the attention part takes its attention shapes (head_dim, kv and "
+        "query heads) and the preset files this checkout ships for it",
+    )
     if part in (None, "attention"):
         group = parser.add_argument_group("attention (walshkv bench attention)") if part is None else parser
         group.add_argument("--kv-len", type=_ints, default=list(bench.DEFAULT_KV_LENS), help="cached tokens")
@@ -232,12 +257,19 @@ def _add_options(parser: argparse.ArgumentParser, part: str | None) -> argparse.
             action="append",
             metavar="SPEC",
             help="codec (repeatable): a spec, or a preset or calibrated spec with --kv-mean-center FILE (bound to "
-            "--layer's calibration; the file's kv heads and head_dim must be the bench's 3 and 64); without "
-            f"--kv-mean-center each preset takes the calibration walshkv ships for {DEFAULT_MODEL}, whose attention "
-            f"shapes these are (walshkv/calibrations/{DEFAULT_MODEL}/)",
+            "--layer's calibration; the file's kv heads and head_dim must be --model's); without --kv-mean-center "
+            "each preset takes the calibration walshkv ships for --model (walshkv/calibrations/MODEL/)",
         )
         group.add_argument("--layer", type=int, default=3, help="the layer whose calibration a calibrated codec uses")
         group.add_argument("--repeats", type=int, default=7, help="timed repeats per case (median)")
+        group.add_argument(
+            "--threads",
+            type=int,
+            default=None,
+            metavar="N",
+            help="torch threads for SDPA and the kernel alike (default: torch's, one per core); 1 compares both "
+            "on one core, which a machine shared with other work disturbs least",
+        )
         group.add_argument(
             "--device",
             default="cpu",
@@ -252,7 +284,6 @@ def _add_options(parser: argparse.ArgumentParser, part: str | None) -> argparse.
         )
     if part in (None, "generation"):
         group = parser.add_argument_group("generation (walshkv bench generation)") if part is None else parser
-        group.add_argument("--model", default=DEFAULT_MODEL, help="model")
         group.add_argument("--ctx", type=_ints, default=list(bench.DEFAULT_CONTEXTS), help="context lengths")
         group.add_argument(
             "--gen-codec",

@@ -7,7 +7,7 @@ import json
 
 from tabulate import tabulate
 
-from walshkv.models import MODELS, ensure_gguf, is_cached
+from walshkv.models import MODELS, ensure_gguf, float_copy, is_cached
 
 __all__ = ["add_parsers"]
 
@@ -17,7 +17,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
         for name in args.names or [next(iter(MODELS))]:
             if name not in MODELS:
                 raise ValueError(f"unknown model {name!r}; offline models: {', '.join(MODELS)}")
-            print(ensure_gguf(MODELS[name]))
+            print(float_copy(name) if args.float else ensure_gguf(MODELS[name]))
         return 0
     rows = [
         {
@@ -50,4 +50,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     mo.add_argument("action", nargs="?", choices=["list", "fetch"], default="list")
     mo.add_argument("names", nargs="*", help="models to fetch")
     mo.add_argument("--json", action="store_true", help="print JSON")
+    mo.add_argument(
+        "--float",
+        action="store_true",
+        help="fetch: write the model's float copy, a Hugging Face folder (what vLLM loads), and print its path",
+    )
     mo.set_defaults(func=_cmd_models)

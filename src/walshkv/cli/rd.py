@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from walshkv import data, models
@@ -29,13 +30,12 @@ def _slug(text: str) -> str:
 
 
 def _cmd_rd(args: argparse.Namespace) -> int:
-    if args.tokens < 1 or args.ctx < 4:
-        raise ValueError(f"--tokens must be positive and --ctx at least 4, got {args.tokens} and {args.ctx}")
-    if args.tokens < args.ctx:
-        raise ValueError(f"--tokens ({args.tokens}) must be at least --ctx ({args.ctx}): rd captures whole windows")
     explicit = bool(args.codec)
     raw = list(args.codec or rd.DEFAULT_RD_CODECS)
     specs, skipped = rd.resolve_specs(raw, strict=explicit)  # the grammar, before loading anything
+    config = rd.RDConfig(  # every setting, before loading anything
+        specs, tokens=args.tokens, ctx=args.ctx, command=command_line(args), progress=not args.quiet
+    )
     text = data.load_text(args.text)
     lm = models.load_model(args.model, progress=not args.quiet)
     specs, late = rd.resolve_specs(specs, lm.shape.head_dim, strict=explicit)
@@ -43,17 +43,8 @@ def _cmd_rd(args: argparse.Namespace) -> int:
     for s in skipped:
         print(f"rd: skipped {s['codec']}: {s['reason']}", file=sys.stderr)
     calibration = calibration_from_args(lm, specs, args, text)
-    result = rd.measure_rd(
-        lm,
-        text,
-        specs,
-        tokens=args.tokens,
-        ctx=args.ctx,
-        calibration=calibration,
-        progress=not args.quiet,
-        skipped=skipped,
-        command=command_line(args),
-    )
+    config = replace(config, codecs=specs, skipped=skipped, calibration=calibration)
+    result = rd.measure_rd(lm, text, config)
     out = Path(args.out or f"rd-{_slug(lm.name)}")
     print(rd.describe_rd(result.meta))
     print(rd.format_rd_table(result.rows))

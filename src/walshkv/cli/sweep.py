@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import get_args
 
@@ -28,6 +29,7 @@ from walshkv.eval.report import command_line, format_table
 from walshkv.eval.sweep import (
     PRESETS,
     Executor,
+    SweepConfig,
     canonical_specs,
     grid_files_hint,
     load_grid,
@@ -121,14 +123,25 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         return 0
     if not args.grid:
         raise ValueError(f"give --grid PRESET|FILE (see walshkv sweep --list-grids); {grid_files_hint()}")
-    if args.chunk < 1:
-        raise ValueError(f"--chunk must be at least 1, got {args.chunk}")
-    windows = 2 if args.ci else args.windows
 
     name, description, raw_specs = load_grid(args.grid)
     hint = _head_dim_hint(args.model)
-    # fail before loading anything: the grammar always, head_dim fit when the head_dim is known
+    # fail before loading anything: the grammar always, head_dim fit when the head_dim is known, every setting
     early = canonical_specs([substitute_head_dim(s, hint or 64) for s in raw_specs], hint)
+    config = SweepConfig(
+        early,
+        ctx=args.ctx,
+        windows=2 if args.ci else args.windows,
+        score=args.score,
+        residual=args.residual,
+        chunk=args.chunk,
+        decode_chunk=args.decode_chunk,
+        reuse_rows=args.reuse_rows,
+        title=name,
+        description=description,
+        command=command_line(args),
+        progress=not args.quiet,
+    )
     calibrated = [s for s in early if needs_calibration(s)]
     bias_is_enough = bool(getattr(args, "kv_mean_center", None)) and all(
         only_centering(parse_cache_spec(s)) for s in calibrated
@@ -149,27 +162,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     calibration = calibration_from_args(lm, specs, args, text)
     specs, preset_of = resolve_specs(specs, calibration, model=lm)  # a preset file or the model may choose
     print_presets(preset_of, calibration, lm, quiet=args.quiet)
+    config = replace(config, codecs=specs, calibration=calibration)
     out = Path(args.out or f"sweep-{slug(name)}-{slug(lm.name)}")
     with executor as runner:
-        rows = run_sweep(
-            lm,
-            text,
-            specs,
-            out,
-            ctx=args.ctx,
-            windows=windows,
-            score=args.score,
-            residual=args.residual,
-            progress=not args.quiet,
-            command=command_line(args),
-            calibration=calibration,
-            chunk=args.chunk,
-            title=name,
-            description=description,
-            decode_chunk=args.decode_chunk,
-            executor=runner,
-            reuse_rows=args.reuse_rows,
-        )
+        rows = run_sweep(lm, text, config, out, executor=runner)
     print(format_table(rows))
     print("Pareto front: " + ", ".join(r["codec"] for r in pareto_front(rows)))
     written = ["results.csv", "results.md"]

@@ -15,7 +15,7 @@ forwarded to the driver.
 
 Example:
     >>> with RayExecutor("local", cpus=2) as ex:  # doctest: +SKIP
-    ...     rows = run_sweep(lm, text, specs, "sweeps/x", executor=ex)
+    ...     rows = run_sweep(lm, text, SweepConfig(specs), "sweeps/x", executor=ex)
 """
 
 from __future__ import annotations

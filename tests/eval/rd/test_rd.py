@@ -15,7 +15,7 @@ import walshkv.eval.rd.report as rd_report
 import walshkv.models
 from walshkv.cli import main
 from walshkv.data import Text
-from walshkv.eval.rd import capture_window, lloyd_max_points, measure_rd, resolve_specs, shannon_bound
+from walshkv.eval.rd import RDConfig, capture_window, lloyd_max_points, measure_rd, resolve_specs, shannon_bound
 from walshkv.models import LoadedModel, _describe
 
 TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(2000)))
@@ -70,7 +70,7 @@ def test_resolve_specs():
 
 def test_measure_rd_on_tiny_model(tiny_lm):
     specs = ["fp32", "int8", "int4", "int2", "tq:2", "tqprod:3", "int4/tq:3"]
-    res = measure_rd(tiny_lm, TEXT, specs, tokens=128, ctx=64, progress=False)
+    res = measure_rd(tiny_lm, TEXT, RDConfig(specs, tokens=128, ctx=64, progress=False))
     rows = {r["codec"]: r for r in res.rows}
     assert list(rows) == sorted(rows, key=lambda c: (rows[c]["bits_per_element"], c))
     assert rows["fp32"]["nmse_k"] == 0.0 and rows["fp32"]["logit_rel_mse"] == 0.0
@@ -92,14 +92,35 @@ def test_measure_rd_on_tiny_model(tiny_lm):
 
 
 def test_measure_rd_errors(tiny_lm):
-    with pytest.raises(ValueError, match="at least --ctx"):
-        measure_rd(tiny_lm, TEXT, ["int4"], tokens=32, ctx=64, progress=False)
-    with pytest.raises(ValueError, match="unknown codec"):
-        measure_rd(tiny_lm, TEXT, ["int4", "nope"], tokens=64, ctx=64, progress=False)
     with pytest.raises(ValueError, match="power-of-two"):
         resolve_specs(["rot+int4"], head_dim=12)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 32"):  # the fit, before any forward
+        measure_rd(tiny_lm, TEXT, RDConfig(["int4", "q4_0"], tokens=64, ctx=64, progress=False))
     with pytest.raises(ValueError, match="window"):
-        measure_rd(tiny_lm, Text("short", "x", "abc" * 10), ["int4"], tokens=64, ctx=64, progress=False)
+        measure_rd(tiny_lm, Text("short", "x", "abc" * 10), RDConfig(["int4"], tokens=64, ctx=64, progress=False))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"codecs": "int4"}, "codecs is a list of cache specs: give ['int4'], not 'int4'"),
+        ({"codecs": []}, "no codec specs to measure"),
+        ({"codecs": ["int4", "nope"]}, "--codec 'nope': unknown codec"),
+        ({"ctx": 3}, "--ctx must be at least 4 tokens, got 3"),
+        ({"tokens": 32, "ctx": 64}, "--tokens (32) must be at least --ctx (64): rd captures whole windows"),
+        ({"tokens": 0}, "--tokens (0) must be at least --ctx (512): rd captures whole windows"),
+    ],
+)
+def test_rd_config_refuses_bad_settings(settings, message):
+    with pytest.raises(ValueError) as err:
+        RDConfig(**{"codecs": ["int4"], **settings})
+    assert str(err.value).startswith(message)
+
+
+def test_rd_config_keeps_tuples():
+    config = RDConfig(["int4", "tq:3"], skipped=[{"codec": "x", "reason": "y"}])
+    assert config.codecs == ("int4", "tq:3") and config.skipped == ({"codec": "x", "reason": "y"},)
+    assert (config.tokens, config.ctx, config.calibration, config.command) == (4096, 512, None, None)
 
 
 def test_codec_failing_on_the_data_is_reported_not_fatal(tiny_lm, monkeypatch):
@@ -110,7 +131,7 @@ def test_codec_failing_on_the_data_is_reported_not_fatal(tiny_lm, monkeypatch):
         return [k * 1e5 for k in ks], vs, qs  # K norms beyond fp16
 
     monkeypatch.setattr(rd_measure, "capture_window", huge)
-    res = measure_rd(tiny_lm, TEXT, ["fp32", "tq:3"], tokens=64, ctx=64, progress=False)
+    res = measure_rd(tiny_lm, TEXT, RDConfig(["fp32", "tq:3"], tokens=64, ctx=64, progress=False))
     rows = {r["codec"]: r for r in res.rows}
     assert rows["fp32"]["error"] is None
     assert "fp16" in rows["tq:3"]["error"] and math.isnan(rows["tq:3"]["nmse_k"])
@@ -171,7 +192,7 @@ def test_plot_skipped_without_matplotlib(tmp_path, tiny_lm, monkeypatch, capsys)
         raise ImportError("no matplotlib")
 
     monkeypatch.setattr(rd_report, "plot_rd", no_mpl)
-    res = measure_rd(tiny_lm, TEXT, ["int4"], tokens=64, ctx=64, progress=False)
+    res = measure_rd(tiny_lm, TEXT, RDConfig(["int4"], tokens=64, ctx=64, progress=False))
     written = rd.write_rd_outputs(res, tmp_path)
     assert [p.name for p in written] == ["rd.json", "rd.csv", "rd.md"]
     assert "rd plots skipped: matplotlib is not installed" in capsys.readouterr().err

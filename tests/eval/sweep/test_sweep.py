@@ -18,6 +18,7 @@ from walshkv.data import Text
 from walshkv.eval.harness import DEFAULT_CODECS
 from walshkv.eval.sweep import (
     PRESETS,
+    SweepConfig,
     canonical_specs,
     load_grid,
     pareto_front,
@@ -207,7 +208,9 @@ def test_pareto_front_on_hand_made_rows():
 def test_run_sweep_writes_rows_and_outputs_then_resumes(tmp_path, tiny_lm, count_evaluate, monkeypatch):
     specs = ["fp32", "int8", "int4", "rot+int3/int2", "int2"]
     out = tmp_path / "sw"
-    rows = run_sweep(tiny_lm, TEXT, specs, out, chunk=2, command="walshkv sweep --grid x", title="x", **FAST)
+    rows = run_sweep(
+        tiny_lm, TEXT, SweepConfig(specs, chunk=2, command="walshkv sweep --grid x", title="x", **FAST), out
+    )
     assert count_evaluate == [["fp32", "int8"], ["int4", "rot+int3/int2"], ["int2"]]
     assert [r["bits_per_element"] for r in rows] == sorted(r["bits_per_element"] for r in rows)
     assert {r["codec"] for r in rows} == set(specs)
@@ -231,19 +234,19 @@ def test_run_sweep_writes_rows_and_outputs_then_resumes(tmp_path, tiny_lm, count
     # second run: everything finished, nothing evaluated, same rows
     monkeypatch.setattr(walshkv.eval.sweep.run, "plot_pareto", lambda rows, path, title: None)
     count_evaluate.clear()
-    again = run_sweep(tiny_lm, TEXT, specs, out, chunk=2, **FAST)
+    again = run_sweep(tiny_lm, TEXT, SweepConfig(specs, chunk=2, **FAST), out)
     assert count_evaluate == []
     assert [r["kld_mean"] for r in again] == [r["kld_mean"] for r in rows]
 
     # a missing row and a corrupt row are rerun, together
     row_path(out, "int4").unlink()
     row_path(out, "int2").write_text("{truncated")
-    run_sweep(tiny_lm, TEXT, specs, out, chunk=4, **FAST)
+    run_sweep(tiny_lm, TEXT, SweepConfig(specs, chunk=4, **FAST), out)
     assert count_evaluate == [["int4", "int2"]]
 
     # different settings: every row is rerun
     count_evaluate.clear()
-    run_sweep(tiny_lm, TEXT, specs[:2], out, chunk=4, residual=4, **FAST)
+    run_sweep(tiny_lm, TEXT, SweepConfig(specs[:2], chunk=4, residual=4, **FAST), out)
     assert count_evaluate == [["fp32", "int8"]]
     assert json.loads(row_path(out, "int8").read_text())["meta"]["sweep"]["residual"] == 4
     # ... and the combined outputs cover only the specs of that run
@@ -252,51 +255,78 @@ def test_run_sweep_writes_rows_and_outputs_then_resumes(tmp_path, tiny_lm, count
 
 def test_run_sweep_meta_mismatch_reruns(tmp_path, tiny_lm, count_evaluate, stub_plot):
     out = tmp_path / "sw"
-    run_sweep(tiny_lm, TEXT, ["int4", "int8"], out, **FAST)
+    run_sweep(tiny_lm, TEXT, SweepConfig(["int4", "int8"], **FAST), out)
     record = json.loads(row_path(out, "int8").read_text())
     record["meta"]["sweep"]["ctx"] = 64
     row_path(out, "int8").write_text(json.dumps(record))
     count_evaluate.clear()
-    run_sweep(tiny_lm, TEXT, ["int4", "int8"], out, **FAST)
+    run_sweep(tiny_lm, TEXT, SweepConfig(["int4", "int8"], **FAST), out)
     assert count_evaluate == [["int8"]]
     other_text = Text("toy", "generated", TEXT.content[::-1])  # same name, other content
     count_evaluate.clear()
-    run_sweep(tiny_lm, other_text, ["int4"], out, **FAST)
+    run_sweep(tiny_lm, other_text, SweepConfig(["int4"], **FAST), out)
     assert count_evaluate == [["int4"]]
 
 
 def test_run_sweep_rows_of_other_code_rerun_unless_reused(tmp_path, tiny_lm, count_evaluate, stub_plot, capsys):
     out = tmp_path / "sw"
-    run_sweep(tiny_lm, TEXT, ["int4", "int8"], out, **FAST)
+    run_sweep(tiny_lm, TEXT, SweepConfig(["int4", "int8"], **FAST), out)
     record = json.loads(row_path(out, "int8").read_text())
     record["meta"]["sweep"]["code"] = {"walshkv": "0.0.9", "commit": "abc1234"}
     row_path(out, "int8").write_text(json.dumps(record))
     count_evaluate.clear()
     # --reuse-rows: kept, said so, and results.md names both versions
-    run_sweep(tiny_lm, TEXT, ["int4", "int8"], out, reuse_rows=True, **{**FAST, "progress": True})
+    run_sweep(tiny_lm, TEXT, SweepConfig(["int4", "int8"], reuse_rows=True, **{**FAST, "progress": True}), out)
     assert count_evaluate == []
     assert "keeping them (--reuse-rows) int8" in capsys.readouterr().err
     md = (out / "results.md").read_text()
     assert "more than one version of the code" in md and "walshkv 0.0.9 at abc1234: `int8`" in md
     # the default: re-run, said so
-    run_sweep(tiny_lm, TEXT, ["int4", "int8"], out, **{**FAST, "progress": True})
+    run_sweep(tiny_lm, TEXT, SweepConfig(["int4", "int8"], **{**FAST, "progress": True}), out)
     assert count_evaluate == [["int8"]]
     assert "re-running int8" in capsys.readouterr().err
     assert "more than one version" not in (out / "results.md").read_text()
 
 
 def test_run_sweep_bad_spec_fails_before_running(tmp_path, tiny_lm, count_evaluate):
-    with pytest.raises(ValueError, match="unknown codec"):
-        run_sweep(tiny_lm, TEXT, ["int4", "nope"], tmp_path / "sw", **FAST)
+    with pytest.raises(ValueError, match="grid spec 'nope': unknown codec"):
+        SweepConfig(["int4", "nope"], **FAST)  # the grammar: when the config is built
+    with pytest.raises(ValueError, match="grid spec 'q4_0': head_dim must be a multiple of 32"):
+        run_sweep(tiny_lm, TEXT, SweepConfig(["int4", "q4_0"], **FAST), tmp_path / "sw")  # the fit, before any work
     assert count_evaluate == []
     assert not (tmp_path / "sw").exists()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"codecs": "int4"}, "codecs is a list of cache specs: give ['int4'], not 'int4'"),
+        ({"codecs": []}, "the grid has no cache specs"),
+        ({"ctx": 3}, "--ctx must be at least 4 tokens, got 3"),
+        ({"windows": 0}, "--windows must be at least 1 (None: every full window), got 0"),
+        ({"score": "first"}, "--score must be one of half, all, got 'first'"),
+        ({"residual": -1}, "--residual must be at least 0 tokens, got -1"),
+        ({"chunk": 0}, "--chunk must be at least 1 spec, got 0"),
+        ({"decode_chunk": 0}, "--decode-chunk must be at least 1 token, got 0"),
+    ],
+)
+def test_sweep_config_refuses_bad_settings(settings, message):
+    with pytest.raises(ValueError) as err:
+        SweepConfig(**{"codecs": ["int4"], **settings})
+    assert str(err.value) == message
+
+
+def test_sweep_config_keeps_its_specs_as_a_tuple():
+    config = SweepConfig(["int4", "int8"])
+    assert config.codecs == ("int4", "int8") and (config.ctx, config.windows, config.chunk) == (512, 8, 4)
+    assert SweepConfig(["int4"], windows=None).windows is None
 
 
 def test_run_sweep_without_matplotlib(tmp_path, tiny_lm, monkeypatch, capsys):
     for mod in ("matplotlib", "matplotlib.figure", "matplotlib.backends", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(__import__("sys").modules, mod, None)
     out = tmp_path / "sw"
-    run_sweep(tiny_lm, TEXT, ["int8", "int2"], out, **FAST)
+    run_sweep(tiny_lm, TEXT, SweepConfig(["int8", "int2"], **FAST), out)
     err = capsys.readouterr().err
     assert "pareto.png skipped" in err and "walshkv[plot]" in err
     assert not (out / "pareto.png").exists()
@@ -322,9 +352,9 @@ class _BackwardsExecutor:
 
 def test_run_sweep_and_evaluate_specs_through_another_executor(tmp_path, tiny_lm, stub_plot):
     specs = ["int8", "int4", "rot+int3/int2"]
-    here = run_sweep(tiny_lm, TEXT, specs, tmp_path / "here", chunk=1, **FAST)
+    here = run_sweep(tiny_lm, TEXT, SweepConfig(specs, chunk=1, **FAST), tmp_path / "here")
     backwards = _BackwardsExecutor()
-    there = run_sweep(tiny_lm, TEXT, specs, tmp_path / "there", chunk=1, executor=backwards, **FAST)
+    there = run_sweep(tiny_lm, TEXT, SweepConfig(specs, chunk=1, **FAST), tmp_path / "there", executor=backwards)
     assert [job.specs for job in backwards.jobs] == [(s,) for s in specs]
     assert [{**r, "seconds": 0} for r in there] == [{**r, "seconds": 0} for r in here]
     assert json.loads(row_path(tmp_path / "there", "int4").read_text())["meta"]["executor"] == {"kind": "backwards"}
@@ -338,7 +368,8 @@ def test_run_sweep_and_evaluate_specs_through_another_executor(tmp_path, tiny_lm
 
 
 def test_run_sweep_progress_lines(tmp_path, tiny_lm, capsys, stub_plot):
-    run_sweep(tiny_lm, TEXT, ["int8", "int4", "int2"], tmp_path / "sw", ctx=32, windows=1, chunk=2, progress=True)
+    config = SweepConfig(["int8", "int4", "int2"], ctx=32, windows=1, chunk=2, progress=True)
+    run_sweep(tiny_lm, TEXT, config, tmp_path / "sw")
     err = capsys.readouterr().err
     assert "3 rows, 0 already finished" in err and "[1-2/3] int8, int4" in err and "[3/3] int2" in err
 
@@ -353,11 +384,11 @@ def test_run_sweep_calibrated_specs(tmp_path, tiny_lm, count_evaluate, stub_plot
     specs = ["int4", "vht2:4,3:order=variance"]
     out = tmp_path / "sw"
     with pytest.raises(ValueError, match="calibration"):
-        run_sweep(tiny_lm, TEXT, specs, out, **FAST)
+        run_sweep(tiny_lm, TEXT, SweepConfig(specs, **FAST), out)
     assert count_evaluate == []
     other = Text("other", "generated", TEXT.content[::-1])
     calib = collect_kv_stats(tiny_lm, other, tokens=64, ctx=32, progress=False)
-    run_sweep(tiny_lm, TEXT, specs, out, calibration=calib, **FAST)
+    run_sweep(tiny_lm, TEXT, SweepConfig(specs, calibration=calib, **FAST), out)
     assert count_evaluate == [specs]
     assert json.loads(row_path(out, "int4").read_text())["meta"]["sweep"]["calibration"] is None
     stored = json.loads(row_path(out, specs[1]).read_text())["meta"]["sweep"]["calibration"]
@@ -365,14 +396,8 @@ def test_run_sweep_calibrated_specs(tmp_path, tiny_lm, count_evaluate, stub_plot
     assert "Calibrated specs" in (out / "results.md").read_text()
     # other calibration: only the calibrated row is rerun
     count_evaluate.clear()
-    run_sweep(
-        tiny_lm,
-        TEXT,
-        specs,
-        out,
-        calibration=collect_kv_stats(tiny_lm, other, tokens=32, ctx=32, progress=False),
-        **FAST,
-    )
+    calib = collect_kv_stats(tiny_lm, other, tokens=32, ctx=32, progress=False)
+    run_sweep(tiny_lm, TEXT, SweepConfig(specs, calibration=calib, **FAST), out)
     assert count_evaluate == [specs[1:]]
 
 

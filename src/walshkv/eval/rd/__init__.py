@@ -2,10 +2,10 @@
 
 :mod:`~walshkv.eval.rd.report` holds what a run returns (:class:`RDResult`) and how it is shown (tables, the
 Shannon bound, Lloyd-Max points, the plot, result files); :mod:`~walshkv.eval.rd.measure` captures K/V and
-measures each codec (:func:`measure_rd`). Their public names are re-exported here.
+measures each codec (:class:`RDConfig`, :func:`measure_rd`). Their public names are re-exported here.
 """
 
-from walshkv.eval.rd.measure import DEFAULT_RD_CODECS, capture_window, measure_rd, resolve_specs
+from walshkv.eval.rd.measure import DEFAULT_RD_CODECS, RDConfig, capture_window, measure_rd, resolve_specs
 from walshkv.eval.rd.report import (
     RDResult,
     describe_rd,
@@ -18,6 +18,7 @@ from walshkv.eval.rd.report import (
 
 __all__ = [
     "DEFAULT_RD_CODECS",
+    "RDConfig",
     "RDResult",
     "capture_window",
     "describe_rd",

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_RD_CODECS",
+    "RDConfig",
     "RDResult",
     "capture_window",
     "describe_rd",
@@ -198,82 +199,159 @@ def _logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return s[..., mask].to(torch.float64)
 
 
+@dataclass(frozen=True)
+class RDConfig:
+    """What :func:`measure_rd` measures: the codecs, how many K/V vectors, and what the meta records.
+
+    Attributes:
+        codecs: cache specs (``SPEC`` or ``KSPEC/VSPEC``); they must parse (checked here) and fit the model's
+            head_dim (checked by :func:`measure_rd`). Kept as a tuple; each canonical spec is measured once.
+        tokens: tokens to capture, cut into ``tokens // ctx`` windows of ``ctx`` (at least one).
+        ctx: tokens per forward pass.
+        calibration: what calibrated specs need (from other text than the measured one), or ``None``.
+        skipped: specs the caller dropped already (``{"codec", "reason"}``, :func:`resolve_specs`), recorded in the
+            meta. Kept as a tuple.
+        command: the command line, recorded in the meta.
+        progress: show a progress bar.
+
+    Raises:
+        ValueError: ``codecs`` a single string, empty, or with a spec that does not parse; ``ctx`` below 4;
+            ``tokens`` below ``ctx``.
+    """
+
+    codecs: Sequence[str]
+    tokens: int = 4096
+    ctx: int = CTX
+    calibration: CalibrationLike | None = None
+    skipped: Sequence[dict[str, str]] = ()
+    command: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.codecs, str):
+            raise ValueError(f"codecs is a list of cache specs: give [{self.codecs!r}], not {self.codecs!r}")
+        if self.ctx < 4:
+            raise ValueError(f"--ctx must be at least 4 tokens, got {self.ctx}")
+        if self.tokens < self.ctx:
+            raise ValueError(f"--tokens ({self.tokens}) must be at least --ctx ({self.ctx}): rd captures whole windows")
+        if not resolve_specs(self.codecs, strict=True)[0]:  # the grammar: raises naming the spec
+            raise ValueError("no codec specs to measure")
+        object.__setattr__(self, "codecs", tuple(self.codecs))
+        object.__setattr__(self, "skipped", tuple(self.skipped))
+
+
 @torch.inference_mode()
-def measure_rd(
-    lm: LoadedModel,
-    text: Text,
-    specs: Sequence[str],
-    *,
-    tokens: int = 4096,
-    ctx: int = CTX,
-    calibration: CalibrationLike | None = None,
-    progress: bool = True,
-    skipped: Sequence[dict[str, str]] = (),
-    command: str | None = None,
-) -> RDResult:
-    """Rate-distortion rows for ``specs`` on the K/V of ``tokens`` tokens of ``text``.
+def measure_rd(lm: LoadedModel, text: Text, config: RDConfig) -> RDResult:
+    """Rate-distortion rows for ``config.codecs`` on the K/V of ``config.tokens`` tokens of ``text``.
 
     Args:
         lm: a :class:`walshkv.models.LoadedModel`.
         text: a :class:`walshkv.data.Text`.
-        specs: cache specs (``SPEC`` or ``KSPEC/VSPEC``); they must parse and fit the head_dim.
-        tokens: tokens to capture, cut into ``tokens // ctx`` windows of ``ctx`` (at least one).
-        ctx: tokens per forward pass.
-        calibration: statistics for calibrated specs (from other text), or ``None``.
-        progress: show a progress bar.
-        skipped: specs already dropped by the caller, recorded in the meta.
-        command: the command line, recorded in the meta.
+        config: the codecs and the run's settings (:class:`RDConfig`).
+
+    Returns:
+        An :class:`~walshkv.eval.rd.report.RDResult`: the meta and one row per canonical spec, sorted by bits per
+        element.
 
     Raises:
-        ValueError: ``tokens < ctx``, a text too short, a spec that does not parse or fit.
+        ValueError: a spec that does not fit the head_dim, a text too short for the windows.
     """
     started = time.perf_counter()
-    if ctx < 4:
-        raise ValueError(f"--ctx must be at least 4 tokens, got {ctx}")
-    if tokens < ctx:
-        raise ValueError(f"--tokens ({tokens}) must be at least --ctx ({ctx}): rd captures whole windows")
     head_dim = lm.shape.head_dim
-    canon, _ = resolve_specs(specs, head_dim, strict=True)
-    if not canon:
-        raise ValueError("no codec specs to measure")
+    canon, _ = resolve_specs(config.codecs, head_dim, strict=True)
     parsed = {s: parse_cache_spec(s) for s in canon}
-    n_win = tokens // ctx
-    win = make_windows(lm.tokenizer, text.content, ctx, n_win)
+    n_win = config.tokens // config.ctx
+    win = make_windows(lm.tokenizer, text.content, config.ctx, n_win)
+    sums = _measure(lm, win.ids, parsed, config.calibration, desc=f"rd on {text.name}", progress=config.progress)
+    rows = sorted(
+        (_row(spec, cs, head_dim, sums) for spec, cs in parsed.items()),
+        key=lambda r: (r["bits_per_element"], r["codec"]),
+    )
+    meta = run_meta(
+        lm,
+        text,
+        text_tokens=win.text_tokens,
+        text_chars=False,
+        ctx=config.ctx,
+        windows=n_win,
+        tokens_captured=n_win * config.ctx,
+        bos_first_token=win.bos,
+        what="K (post-RoPE, as Cache.update receives it) and V of every layer; each codec encodes and "
+        "decodes them; per-layer values are averaged with equal weight over layers",
+        nmse="per layer: sum (x_hat - x)^2 / sum x^2 over the layer's elements (relative distortion)",
+        logits=(
+            "per layer: real post-RoPE queries, every causal (query, key) pair of a window; logit_rel_mse = "
+            "sum (<q,k_hat> - <q,k>)^2 / sum <q,k>^2; logit_slope = sum <q,k_hat><q,k> / sum <q,k>^2"
+            if sums.queries_seen
+            else "not measured: the queries could not be captured with this transformers version"
+        ),
+        gap_db="10 log10(nmse / 2^(-2 bits)): dB above the Gaussian distortion-rate bound at the stored bits",
+        reference={
+            "shannon_gaussian": "D(R) = 2^(-2R), memoryless unit-variance Gaussian source",
+            "lloyd_max_gaussian": {str(b): m for b, m in lloyd_max_points(4)},
+        },
+        skipped=list(config.skipped),
+        calibration=calibration_meta(config.calibration),
+        command=config.command,
+        started=started,
+    )
+    return RDResult(meta, rows)
 
+
+@dataclass
+class _Sums:
+    """What :func:`_measure` adds up over the windows: per codec its errors (:class:`_Acc`), per layer the
+    reference's sums of squares (K, V, the attention logits), and whether every window's queries were captured."""
+
+    accs: dict[str, _Acc] = field(default_factory=dict)
+    ssq_k: list[float] = field(default_factory=list)
+    ssq_v: list[float] = field(default_factory=list)
+    ssq_s: list[float] = field(default_factory=list)
+    queries_seen: bool = True
+
+
+def _measure(
+    lm: LoadedModel,
+    windows: torch.Tensor,
+    parsed: dict[str, Any],
+    calibration: CalibrationLike | None,
+    *,
+    desc: str,
+    progress: bool,
+) -> _Sums:
+    """Capture every window's K, V and queries and add up each codec's errors on them (a codec that raises on the
+    data keeps its error and is measured no further)."""
     bound: dict[tuple[str, int], Any] = {}
-    accs: dict[str, _Acc] = {}
-    ssq_k: list[float] = []
-    ssq_v: list[float] = []
-    ssq_s: list[float] = []
-    queries_seen = True
-    bar = tqdm(total=n_win * len(canon), desc=f"rd on {text.name}", unit="codec", disable=not progress)
+    sums = _Sums()
+    n_win = windows.shape[0]
+    bar = tqdm(total=n_win * len(parsed), desc=desc, unit="codec", disable=not progress)
     for w in range(n_win):
-        ks, vs, qs = capture_window(lm, win.ids[w])
+        ks, vs, qs = capture_window(lm, windows[w])
         layers = len(ks)
-        if not accs:
-            accs = {s: _Acc(layers) for s in canon}
-            ssq_k, ssq_v, ssq_s = [0.0] * layers, [0.0] * layers, [0.0] * layers
-        queries_seen = queries_seen and qs is not None
+        if not sums.accs:
+            sums.accs = {s: _Acc(layers) for s in parsed}
+            sums.ssq_k, sums.ssq_v, sums.ssq_s = [0.0] * layers, [0.0] * layers, [0.0] * layers
+        sums.queries_seen = sums.queries_seen and qs is not None
         t = ks[0].shape[2]
         mask = torch.ones(t, t, dtype=torch.bool).tril()
         ref_logits: list[torch.Tensor] = []
         for i in range(layers):
-            ssq_k[i] += float(ks[i].double().square().sum())
-            ssq_v[i] += float(vs[i].double().square().sum())
+            sums.ssq_k[i] += float(ks[i].double().square().sum())
+            sums.ssq_v[i] += float(vs[i].double().square().sum())
             if qs is not None:
                 ref_logits.append(_logits(qs[i], ks[i], mask))
-                ssq_s[i] += float(ref_logits[i].square().sum())
-        for spec in canon:
-            acc = accs[spec]
+                sums.ssq_s[i] += float(ref_logits[i].square().sum())
+        for spec, cs in parsed.items():
+            acc = sums.accs[spec]
             if acc.error is None:
                 try:
                     for i in range(layers):
                         key = (spec, i)
                         if key not in bound:
-                            bound[key] = parsed[spec].bind(i, calibration)
-                        cs = bound[key]
-                        k_hat = cs.k.decode(cs.k.encode(ks[i])).to(torch.float32)
-                        v_hat = cs.v.decode(cs.v.encode(vs[i])).to(torch.float32)
+                            bound[key] = cs.bind(i, calibration)
+                        layer = bound[key]
+                        k_hat = layer.k.decode(layer.k.encode(ks[i])).to(torch.float32)
+                        v_hat = layer.v.decode(layer.v.encode(vs[i])).to(torch.float32)
                         acc.sse_k[i] += float((k_hat.double() - ks[i].double()).square().sum())
                         acc.sse_v[i] += float((v_hat.double() - vs[i].double()).square().sum())
                         if qs is not None:
@@ -285,71 +363,41 @@ def measure_rd(
                     print(f"rd: {spec} failed on window {w + 1}: {err}", file=sys.stderr)
             bar.update(1)
     bar.close()
+    return sums
 
-    rows = []
-    for spec in canon:
-        acc, cs = accs[spec], parsed[spec]
-        bits_k, bits_v = cs.k.bits_per_element(head_dim), cs.v.bits_per_element(head_dim)
-        row: dict[str, Any] = {
-            "codec": spec,
-            "bits_k": bits_k,
-            "bits_v": bits_v,
-            "bits_per_element": (bits_k + bits_v) / 2,
+
+def _row(spec: str, cs: Any, head_dim: int, sums: _Sums) -> dict[str, Any]:
+    """The result row of ``spec`` (parsed: ``cs``): bits, the means over layers, the per-layer values."""
+    acc = sums.accs[spec]
+    bits_k, bits_v = cs.k.bits_per_element(head_dim), cs.v.bits_per_element(head_dim)
+    row: dict[str, Any] = {
+        "codec": spec,
+        "bits_k": bits_k,
+        "bits_v": bits_v,
+        "bits_per_element": (bits_k + bits_v) / 2,
+    }
+    if acc.error is not None:
+        row.update({"nmse_k": float("nan"), "nmse_v": float("nan"), "error": acc.error})
+        return row
+    nk = [_ratio(a, b) for a, b in zip(acc.sse_k, sums.ssq_k, strict=True)]
+    nv = [_ratio(a, b) for a, b in zip(acc.sse_v, sums.ssq_v, strict=True)]
+    row.update(
+        {
+            "nmse_k": _mean(nk),
+            "nmse_v": _mean(nv),
+            "nmse": (_mean(nk) + _mean(nv)) / 2,
+            "gap_db_k": _gap_db(_mean(nk), bits_k),
+            "gap_db_v": _gap_db(_mean(nv), bits_v),
         }
-        if acc.error is not None:
-            row.update({"nmse_k": float("nan"), "nmse_v": float("nan"), "error": acc.error})
-            rows.append(row)
-            continue
-        nk = [_ratio(a, b) for a, b in zip(acc.sse_k, ssq_k, strict=True)]
-        nv = [_ratio(a, b) for a, b in zip(acc.sse_v, ssq_v, strict=True)]
-        row.update(
-            {
-                "nmse_k": _mean(nk),
-                "nmse_v": _mean(nv),
-                "nmse": (_mean(nk) + _mean(nv)) / 2,
-                "gap_db_k": _gap_db(_mean(nk), bits_k),
-                "gap_db_v": _gap_db(_mean(nv), bits_v),
-            }
-        )
-        if queries_seen:
-            lr = [_ratio(a, b) for a, b in zip(acc.ip_err, ssq_s, strict=True)]
-            sl = [_ratio(a, b) for a, b in zip(acc.ip_cross, ssq_s, strict=True)]
-            row.update({"logit_rel_mse": _mean(lr), "logit_slope": _mean(sl)})
-        row["nmse_k_layers"] = nk
-        row["nmse_v_layers"] = nv
-        if queries_seen:
-            row["logit_rel_mse_layers"] = lr
-            row["logit_slope_layers"] = sl
-        row["error"] = None
-        rows.append(row)
-    rows.sort(key=lambda r: (r["bits_per_element"], r["codec"]))
-
-    meta = run_meta(
-        lm,
-        text,
-        text_tokens=win.text_tokens,
-        text_chars=False,
-        ctx=ctx,
-        windows=n_win,
-        tokens_captured=n_win * ctx,
-        bos_first_token=win.bos,
-        what="K (post-RoPE, as Cache.update receives it) and V of every layer; each codec encodes and "
-        "decodes them; per-layer values are averaged with equal weight over layers",
-        nmse="per layer: sum (x_hat - x)^2 / sum x^2 over the layer's elements (relative distortion)",
-        logits=(
-            "per layer: real post-RoPE queries, every causal (query, key) pair of a window; logit_rel_mse = "
-            "sum (<q,k_hat> - <q,k>)^2 / sum <q,k>^2; logit_slope = sum <q,k_hat><q,k> / sum <q,k>^2"
-            if queries_seen
-            else "not measured: the queries could not be captured with this transformers version"
-        ),
-        gap_db="10 log10(nmse / 2^(-2 bits)): dB above the Gaussian distortion-rate bound at the stored bits",
-        reference={
-            "shannon_gaussian": "D(R) = 2^(-2R), memoryless unit-variance Gaussian source",
-            "lloyd_max_gaussian": {str(b): m for b, m in lloyd_max_points(4)},
-        },
-        skipped=list(skipped),
-        calibration=calibration_meta(calibration),
-        command=command,
-        started=started,
     )
-    return RDResult(meta, rows)
+    if sums.queries_seen:
+        lr = [_ratio(a, b) for a, b in zip(acc.ip_err, sums.ssq_s, strict=True)]
+        sl = [_ratio(a, b) for a, b in zip(acc.ip_cross, sums.ssq_s, strict=True)]
+        row.update({"logit_rel_mse": _mean(lr), "logit_slope": _mean(sl)})
+    row["nmse_k_layers"] = nk
+    row["nmse_v_layers"] = nv
+    if sums.queries_seen:
+        row["logit_rel_mse_layers"] = lr
+        row["logit_slope_layers"] = sl
+    row["error"] = None
+    return row

@@ -2,8 +2,8 @@
 
 Modules, bottom up: :mod:`~walshkv.eval.sweep.grids` (the named grids and how a spec list is resolved and
 checked against the model), :mod:`~walshkv.eval.sweep.pareto` (the front and its plot),
-:mod:`~walshkv.eval.sweep.run` (jobs, executors, rows on disk, :func:`run_sweep`). The public names of ``run``
-are re-exported here (``from walshkv.eval.sweep import run_sweep``).
+:mod:`~walshkv.eval.sweep.run` (jobs, executors, rows on disk, :class:`SweepConfig`, :func:`run_sweep`). The
+public names of ``run`` are re-exported here (``from walshkv.eval.sweep import run_sweep``).
 """
 
 from walshkv.eval.sweep.run import (
@@ -13,6 +13,7 @@ from walshkv.eval.sweep.run import (
     EvalJob,
     Executor,
     InProcess,
+    SweepConfig,
     canonical_specs,
     evaluate_specs,
     grid_files_hint,
@@ -36,6 +37,7 @@ __all__ = [
     "EvalJob",
     "Executor",
     "InProcess",
+    "SweepConfig",
     "canonical_specs",
     "evaluate_specs",
     "grid_files_hint",

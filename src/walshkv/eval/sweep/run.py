@@ -19,9 +19,9 @@ import re
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, get_args
 
 from walshkv.constants import Score
 from walshkv.defaults import CTX, WINDOWS
@@ -66,6 +66,7 @@ __all__ = [
     "EvalJob",
     "Executor",
     "InProcess",
+    "SweepConfig",
     "canonical_specs",
     "evaluate_specs",
     "grid_files_hint",
@@ -300,174 +301,276 @@ def _say(progress: bool, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class SweepConfig:
+    """How :func:`run_sweep` measures a grid: its specs, the eval protocol's settings, and the report's words.
+
+    Attributes:
+        codecs: cache specs (placeholders already substituted: :func:`substitute_head_dim`; presets resolved:
+            :func:`walshkv.presets.resolve_specs`); their grammar is checked here, their fit to the model by
+            :func:`run_sweep`, which measures each canonical spec once. Kept as a tuple.
+        ctx: tokens per window.
+        windows: number of windows (``None``: every full window of the text).
+        score: ``"half"`` (the second half of each window) or ``"all"``.
+        residual: full-precision window of recent tokens (0: every token compressed).
+        calibration: what calibrated specs need (``order=variance``, ``auto@BITS``, ``center+``): a
+            :class:`walshkv.calibration.KVStats` from other text than the evaluation text, or a K mean file; sent
+            with the chunks that hold such a spec.
+        chunk: specs per :func:`~walshkv.eval.evaluate` call (one reference forward per window per chunk).
+        decode_chunk: scored tokens per forward for Hugging Face ``hf-*`` rows (fed as in generation; see
+            :func:`walshkv.eval.evaluate`); part of those rows' settings.
+        reuse_rows: keep finished rows that another version or commit of walshkv measured (same settings
+            otherwise) instead of re-running them: for long runs resumed across commits that do not change what
+            is measured. Off by default: a row belongs to the code that measured it.
+        title: heading of ``results.md`` and of the plot (e.g. the grid name).
+        description: one paragraph under the heading of ``results.md``.
+        command: the command line, recorded in each row and in ``results.md``.
+        progress: progress bars, and one ``[i-j/n]`` line per chunk on stderr.
+
+    Raises:
+        ValueError: ``codecs`` a single string, empty, or with a spec that does not parse; ``ctx`` below 4;
+            ``windows`` below 1 (``None`` reads every full window); ``score`` not one of ``half``, ``all``;
+            ``residual`` below 0; ``chunk`` or ``decode_chunk`` below 1.
+    """
+
+    codecs: Sequence[str]
+    ctx: int = CTX
+    windows: int | None = WINDOWS
+    score: Score = "half"
+    residual: int = 0
+    calibration: CalibrationLike | None = None
+    chunk: int = 4
+    decode_chunk: int = 1
+    reuse_rows: bool = False
+    title: str = "sweep"
+    description: str = ""
+    command: str = ""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.codecs, str):
+            raise ValueError(f"codecs is a list of cache specs: give [{self.codecs!r}], not {self.codecs!r}")
+        if self.ctx < 4:
+            raise ValueError(f"--ctx must be at least 4 tokens, got {self.ctx}")
+        if self.windows is not None and self.windows < 1:
+            raise ValueError(f"--windows must be at least 1 (None: every full window), got {self.windows}")
+        if self.score not in get_args(Score):
+            raise ValueError(f"--score must be one of {', '.join(get_args(Score))}, got {self.score!r}")
+        if self.residual < 0:
+            raise ValueError(f"--residual must be at least 0 tokens, got {self.residual}")
+        if self.chunk < 1:
+            raise ValueError(f"--chunk must be at least 1 spec, got {self.chunk}")
+        if self.decode_chunk < 1:
+            raise ValueError(f"--decode-chunk must be at least 1 token, got {self.decode_chunk}")
+        canonical_specs(self.codecs, None)  # the grammar: raises naming the spec, or an empty grid
+        object.__setattr__(self, "codecs", tuple(self.codecs))
+
+
 def run_sweep(
-    lm: LoadedModel,
-    text: Text,
-    specs: Sequence[str],
-    out_dir: str | Path,
-    *,
-    ctx: int = CTX,
-    windows: int | None = WINDOWS,
-    score: Score = "half",
-    residual: int = 0,
-    progress: bool = True,
-    command: str = "",
-    calibration: CalibrationLike | None = None,
-    chunk: int = 4,
-    title: str = "sweep",
-    description: str = "",
-    decode_chunk: int = 1,
-    executor: Executor | None = None,
-    reuse_rows: bool = False,
+    lm: LoadedModel, text: Text, config: SweepConfig, out_dir: str | Path, *, executor: Executor | None = None
 ) -> list[ResultRow]:
-    """Evaluate every spec not already finished in ``out_dir``, then write the combined outputs.
+    """Evaluate every spec of ``config`` not already finished in ``out_dir``, then write the combined outputs.
 
     A row is finished when ``OUT/rows/<slug>-<hash>.json`` exists and its ``meta["sweep"]`` matches this
     run's settings (model, text name and content hash, ctx, windows, score, residual, the code's version and
     commit, and for calibrated specs the calibration's model, text and token count); anything else is
-    (re)run, a row measured by other code with a line that says so (``reuse_rows``: kept, with a line that says
-    so; each row records the commit that measured it, and ``results.md`` lists them). Pending specs go
-    through :func:`walshkv.eval.evaluate` ``chunk`` at a time (one reference forward per window per
+    (re)run, a row measured by other code with a line that says so (``config.reuse_rows``: kept, with a line
+    that says so; each row records the commit that measured it, and ``results.md`` lists them). Pending specs
+    go through :func:`walshkv.eval.evaluate` ``config.chunk`` at a time (one reference forward per window per
     chunk), and each row's JSON is written as soon as its chunk finishes.
 
     Afterwards ``OUT/results.csv``, ``OUT/results.md`` and (with matplotlib) ``OUT/pareto.png`` hold every
-    row of ``specs``, sorted by ``bits_per_element``.
+    row of ``config.codecs``, sorted by ``bits_per_element``.
 
     Args:
         lm: the loaded model (:class:`walshkv.models.LoadedModel`).
         text: evaluation text (:class:`walshkv.data.Text`).
-        specs: cache specs (placeholders already substituted); parsed and de-duplicated here.
+        config: the specs and every setting of the run (:class:`SweepConfig`).
         out_dir: output folder, created if needed.
-        ctx: tokens per window.
-        windows: number of windows (``None``: every full window).
-        score: ``"half"`` or ``"all"``.
-        residual: full-precision window of recent tokens.
-        progress: progress bars and one ``[i-j/n]`` line per chunk on stderr.
-        command: the command line, recorded in each row and in ``results.md``.
-        calibration: :class:`walshkv.calibration.KVStats` from other text than ``text``, for calibrated
-            specs (``order=variance``, ``auto@BITS``); passed to ``evaluate`` for chunks that need it.
-        chunk: specs per :func:`~walshkv.eval.evaluate` call (at least 1).
-        title: heading of ``results.md`` and of the plot (e.g. the grid name).
-        description: one paragraph under the heading of ``results.md``.
-        decode_chunk: scored tokens per forward for Hugging Face ``hf-*`` rows (fed as in generation; see
-            :func:`walshkv.eval.evaluate`); part of those rows' settings.
         executor: where the chunks run (:class:`Executor`); ``None``: here, one after another. Whatever runs
             them, this process decides what is pending and writes each row's file as soon as its chunk
             comes back (``walshkv.integrations.ray.RayExecutor``: chunks as Ray tasks, in parallel).
-        reuse_rows: keep finished rows that another version or commit of walshkv measured (same settings
-            otherwise) instead of re-running them: for long runs resumed across commits that do not change
-            what is measured. Off by default: a row belongs to the code that measured it.
 
     Returns:
         The result rows (``evaluate``'s metric dicts), sorted by ``bits_per_element``.
 
     Raises:
-        ValueError: a spec that does not parse or fit the model's head_dim (before anything runs),
-            ``chunk < 1``, or any error of :func:`~walshkv.eval.evaluate`.
+        ValueError: a spec that does not fit the model's head_dim (before anything runs), calibrated specs
+            without ``config.calibration``, no runnable spec left, or any error of :func:`~walshkv.eval.evaluate`.
     """
-    if chunk < 1:
-        raise ValueError(f"chunk must be at least 1, got {chunk}")
-    canon = canonical_specs(specs, lm.shape.head_dim)
+    plan = _runnable_specs(lm, config)
+    out = Path(out_dir)
+    (out / "rows").mkdir(parents=True, exist_ok=True)
+    code = code_version()
+    plan.settings = _row_settings(lm, text, config, plan, code)
+    _find_finished_rows(out, plan, code, config)
+    done, todo = len(plan.records), len(plan.pending)
+    _say(config.progress, f"sweep: {len(plan.specs)} rows, {done} already finished in {out}, {todo} to run")
+    _run_pending(lm, text, config, out, plan, executor)
+    rows: list[ResultRow] = sorted(
+        (plan.records[s]["result"] for s in plan.specs),
+        key=lambda r: (r["bits_per_element"], r["kld_mean"] if is_finite_number(r["kld_mean"]) else math.inf),
+    )
+    _write_outputs(out, rows, plan.records[plan.specs[0]]["meta"], config, _notes(plan))
+    return rows
+
+
+@dataclass
+class _Plan:
+    """A sweep's rows as :func:`run_sweep` works through them.
+
+    Attributes:
+        specs: the canonical specs this model runs, in grid order.
+        skipped: the specs it cannot run, with the reason.
+        calibrated: those of ``specs`` that need calibration.
+        settings: per spec, the settings its row records (``meta["sweep"]``) and a finished row must match.
+        records: per spec, its finished row (``{"meta", "result"}``), read from disk or just measured.
+        pending: the specs still to run, in grid order.
+    """
+
+    specs: list[str]
+    skipped: dict[str, str]
+    calibrated: set[str]
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pending: list[str] = field(default_factory=list)
+
+
+# Step 1: the specs against the model -------------------------------------------------------------------------
+
+
+def _runnable_specs(lm: LoadedModel, config: SweepConfig) -> _Plan:
+    """The canonical specs this model runs, those it cannot (with the reason, each said on stderr) and the
+    calibrated ones among the first; refuses a spec that does not fit the head size, no runnable spec, and
+    calibrated specs without calibration."""
+    canon = canonical_specs(config.codecs, lm.shape.head_dim)
     skipped = unrunnable_specs(canon, lm)
     for spec in skipped:
-        _say(progress, f"sweep: skipping {spec}: {skipped[spec]}")
+        _say(config.progress, f"sweep: skipping {spec}: {skipped[spec]}")
     canon = [s for s in canon if s not in skipped]
     if not canon:
         raise ValueError("no runnable cache specs left: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     calibrated = {s for s in canon if needs_calibration(s)}
-    if calibrated and calibration is None:
+    if calibrated and config.calibration is None:
         raise ValueError(
             f"{', '.join(sorted(calibrated))} need calibration statistics: pass calibration=collect_kv_stats(...) "
             "on other text than the evaluation text (CLI: --calib-text TEXT)"
         )
-    out = Path(out_dir)
-    (out / "rows").mkdir(parents=True, exist_ok=True)
-    base = {**run_settings(lm, text, ctx, windows, score, residual), "code": code_version()}
-    settings = {s: {**base, "calibration": _calibration_key(calibration) if s in calibrated else None} for s in canon}
-    for s in canon:  # Hugging Face caches are fed token by token, decode_chunk tokens per forward
+    return _Plan(canon, skipped, calibrated)
+
+
+# Step 2: the rows finished already ---------------------------------------------------------------------------
+
+
+def _row_settings(
+    lm: LoadedModel, text: Text, config: SweepConfig, plan: _Plan, code: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """Per spec, the settings its row records (``meta["sweep"]``) and a finished row must match."""
+    base = {**run_settings(lm, text, config.ctx, config.windows, config.score, config.residual), "code": code}
+    key = _calibration_key(config.calibration) if plan.calibrated else None
+    settings = {s: {**base, "calibration": key if s in plan.calibrated else None} for s in plan.specs}
+    for s in plan.specs:  # Hugging Face caches are fed token by token, decode_chunk tokens per forward
         if s.startswith("hf-"):
-            settings[s]["decode_chunk"] = decode_chunk
+            settings[s]["decode_chunk"] = config.decode_chunk
+    return settings
 
-    records: dict[str, dict[str, Any]] = {}
-    pending: list[str] = []
+
+def _find_finished_rows(out: Path, plan: _Plan, code: dict[str, Any], config: SweepConfig) -> None:
+    """Fill ``plan.records`` with the finished rows of ``out`` that this run keeps and ``plan.pending`` with the
+    specs still to run; a line on stderr for rows that other code measured."""
     other_code: dict[str, list[str]] = {}  # rows measured by other code, by what measured them
-    for spec in canon:
-        record = _finished_row(row_path(out, spec), spec, settings[spec])
-        if record is not None and (stored := record["meta"]["sweep"].get("code")) != base["code"]:
+    for spec in plan.specs:
+        record = _finished_row(row_path(out, spec), spec, plan.settings[spec])
+        if record is not None and (stored := record["meta"]["sweep"].get("code")) != code:
             other_code.setdefault(_describe_code(stored), []).append(spec)
-            record = record if reuse_rows else None
+            record = record if config.reuse_rows else None
         if record is None:
-            pending.append(spec)
+            plan.pending.append(spec)
         else:
-            records[spec] = record
+            plan.records[spec] = record
     for old, specs_of in other_code.items():
-        now = _describe_code(base["code"])
-        verb = "keeping them (--reuse-rows)" if reuse_rows else "re-running"
-        _say(progress, f"sweep: {len(specs_of)} rows were measured by {old}, not {now}: {verb} {', '.join(specs_of)}")
-    total = len(canon)
-    _say(progress, f"sweep: {total} rows, {len(records)} already finished in {out}, {len(pending)} to run")
+        now = _describe_code(code)
+        verb = "keeping them (--reuse-rows)" if config.reuse_rows else "re-running"
+        _say(
+            config.progress,
+            f"sweep: {len(specs_of)} rows were measured by {old}, not {now}: {verb} {', '.join(specs_of)}",
+        )
 
-    starts = range(0, len(pending), chunk)
-    parts = [pending[start : start + chunk] for start in starts]
+
+# Step 3: the pending rows ------------------------------------------------------------------------------------
+
+
+def _run_pending(
+    lm: LoadedModel, text: Text, config: SweepConfig, out: Path, plan: _Plan, executor: Executor | None
+) -> None:
+    """Run ``plan.pending``, ``config.chunk`` specs per job, through ``executor`` and write each row's file as soon
+    as its job comes back; the rows join ``plan.records``."""
+    total, done = len(plan.specs), len(plan.records)
+    starts = range(0, len(plan.pending), config.chunk)
+    parts = [plan.pending[start : start + config.chunk] for start in starts]
 
     def jobs() -> Iterator[EvalJob]:  # read lazily: in process, each line comes as its chunk starts
-        done = len(records)
         for start, part in zip(starts, parts, strict=True):
             first, last = done + start + 1, done + start + len(part)
-            _say(progress, f"[{first}{'' if last == first else f'-{last}'}/{total}] {', '.join(part)}")
-            job_calibration = calibration if calibrated.intersection(part) else None
-            yield EvalJob(tuple(part), text, ctx, windows, score, residual, decode_chunk, job_calibration)
+            _say(config.progress, f"[{first}{'' if last == first else f'-{last}'}/{total}] {', '.join(part)}")
+            job_calibration = config.calibration if plan.calibrated.intersection(part) else None
+            yield EvalJob(
+                tuple(part),
+                text,
+                config.ctx,
+                config.windows,
+                config.score,
+                config.residual,
+                config.decode_chunk,
+                job_calibration,
+            )
 
     runner = executor or IN_PROCESS
-    for i, result in runner.map(lm, jobs(), progress=progress):
+    for i, result in runner.map(lm, jobs(), progress=config.progress):
         part = parts[i]
-        result.meta["command"] = command
+        result.meta["command"] = config.command
         if not isinstance(runner, InProcess):
             result.meta["executor"] = runner.describe()
         for spec, row in zip(part, result.results, strict=True):
-            meta = {**result.meta, "sweep": {**settings[spec], "spec": spec, "evaluated_with": part}}
+            meta = {**result.meta, "sweep": {**plan.settings[spec], "spec": spec, "evaluated_with": part}}
             record = {"meta": meta, "result": row}
             write_json_atomic(row_path(out, spec), record)  # an interrupted sweep leaves no half-written row
-            records[spec] = record
+            plan.records[spec] = record
 
-    rows: list[ResultRow] = sorted(
-        (records[s]["result"] for s in canon),
-        key=lambda r: (r["bits_per_element"], r["kld_mean"] if is_finite_number(r["kld_mean"]) else math.inf),
-    )
-    meta = records[canon[0]]["meta"]
+
+# Step 4: the combined outputs --------------------------------------------------------------------------------
+
+
+def _notes(plan: _Plan) -> list[str]:
+    """The paragraphs of ``results.md`` after the run's description: the calibration calibrated specs used, the
+    specs left out, the code versions when rows were measured by more than one."""
     notes = []
-    if calibrated:
-        used = {json.dumps(records[s]["meta"]["sweep"]["calibration"], sort_keys=True) for s in calibrated}
+    if plan.calibrated:
+        used = {json.dumps(plan.records[s]["meta"]["sweep"]["calibration"], sort_keys=True) for s in plan.calibrated}
         notes.append(
-            f"Calibrated specs ({', '.join(f'`{s}`' for s in sorted(calibrated))}) used "
+            f"Calibrated specs ({', '.join(f'`{s}`' for s in sorted(plan.calibrated))}) used "
             + "; ".join(describe_calibration(c) for c in map(json.loads, sorted(used)))
             + " (never the evaluation text)."
         )
-    if skipped:
-        notes.append("Left out: " + "; ".join(f"`{k}` ({v})" for k, v in skipped.items()) + ".")
+    if plan.skipped:
+        notes.append("Left out: " + "; ".join(f"`{k}` ({v})" for k, v in plan.skipped.items()) + ".")
     measured_by: dict[str, list[str]] = {}
-    for s in canon:
-        measured_by.setdefault(_describe_code(records[s]["meta"]["sweep"].get("code")), []).append(s)
+    for s in plan.specs:
+        measured_by.setdefault(_describe_code(plan.records[s]["meta"]["sweep"].get("code")), []).append(s)
     if len(measured_by) > 1:  # rows kept with --reuse-rows
         notes.append(
             "Rows measured by more than one version of the code: "
             + "; ".join(f"{who}: {', '.join(f'`{s}`' for s in specs_of)}" for who, specs_of in measured_by.items())
             + "."
         )
-    _write_outputs(out, rows, meta, command, title, description, notes)
-    return rows
+    return notes
 
 
 def _write_outputs(
-    out: Path,
-    rows: list[ResultRow],
-    meta: dict[str, Any],
-    command: str,
-    title: str,
-    description: str,
-    notes: list[str],
+    out: Path, rows: list[ResultRow], meta: dict[str, Any], config: SweepConfig, notes: list[str]
 ) -> None:
     """``results.csv``, ``pareto.png`` (with matplotlib) and ``results.md`` of every row."""
+    title, description, command = config.title, config.description, config.command
     write_csv(out / "results.csv", rows)
     front = pareto_front(rows)
     plot_title = (
