@@ -32,7 +32,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from walshkv.attention import kernel_available
 from walshkv.cache import CompressedCache, enable_fused_attention, footprint
-from walshkv.codecs import parse_cache_spec
+from walshkv.codecs import check_spec_list, parse_cache_spec
 from walshkv.constants import Keys, Prefill
 from walshkv.data import load_text
 from walshkv.defaults import CALIB_TOKENS, DEFAULT_MODEL, DEFAULT_TEXT
@@ -513,8 +513,7 @@ class GenerationBenchConfig:
         carry their own; keep ``codecs`` as a tuple."""
         if self.codecs is None:
             return
-        if isinstance(self.codecs, str):
-            raise ValueError(f"codecs is a list of cache specs or presets: give [{self.codecs!r}], not {self.codecs!r}")
+        check_spec_list(self.codecs, "cache specs or presets")
         kinds = {isinstance(c, GenerationCodec) for c in self.codecs}
         if len(kinds) > 1:
             raise TypeError("pass either GenerationCodec objects or specs/presets, not both")

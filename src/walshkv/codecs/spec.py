@@ -51,6 +51,7 @@ __all__ = [
     "LayeredCacheSpec",
     "WrapperFactory",
     "available_codecs",
+    "check_spec_list",
     "codec_example",
     "parse_cache_spec",
     "parse_codec",
@@ -310,6 +311,20 @@ def parse_sink_spec(spec: str) -> CacheSpec:
     if isinstance(inner.k, KiviCodec):
         raise ValueError(f"{spec!r}: KIVI specs keep their own full-precision window; sink:N: does not apply")
     return replace(inner, sink=n)
+
+
+def check_spec_list(codecs: object, what: str = "cache specs") -> None:
+    """Refuse a bare string where a list of specs is wanted (a string is iterable: ``"int4"`` would read as four).
+
+    Args:
+        codecs: what a config's ``codecs`` field was given.
+        what: how the message names the items (``"cache specs"``, ``"cache specs or presets"``).
+
+    Raises:
+        ValueError: ``codecs`` is a string; the message shows the list to write instead.
+    """
+    if isinstance(codecs, str):
+        raise ValueError(f"codecs is a list of {what}: give [{codecs!r}], not {codecs!r}")
 
 
 def parse_cache_spec(spec: str | CacheSpec | HFCacheSpec) -> CacheSpec | HFCacheSpec:

@@ -27,7 +27,7 @@ from walshkv.cache import (
     make_cache,
 )
 from walshkv.codecs.kivi import KiviCodec
-from walshkv.codecs.spec import CacheSpec, HFCacheSpec, parse_cache_spec
+from walshkv.codecs.spec import CacheSpec, HFCacheSpec, check_spec_list, parse_cache_spec
 from walshkv.constants import Prefill
 from walshkv.eval.needle.cells import BASELINE, MIN_BASELINE, NeedleResult
 from walshkv.eval.needle.scoring import complete_numbers, score_answer
@@ -92,8 +92,7 @@ class NeedleConfig:
     specs: tuple[CacheSpec | HFCacheSpec, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.codecs, str):
-            raise ValueError(f"codecs is a list of cache specs: give [{self.codecs!r}], not {self.codecs!r}")
+        check_spec_list(self.codecs)
         if self.prefill not in get_args(Prefill):
             raise ValueError(f"prefill must be one of {', '.join(get_args(Prefill))}, got {self.prefill!r}")
         if self.prefill_chunk < 1:

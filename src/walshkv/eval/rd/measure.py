@@ -34,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from walshkv.cache.recording import RecordingCache
-from walshkv.codecs import parse_cache_spec
+from walshkv.codecs import check_spec_list, parse_cache_spec
 from walshkv.data import make_windows
 from walshkv.defaults import CTX
 from walshkv.eval.rd.report import (
@@ -228,8 +228,7 @@ class RDConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.codecs, str):
-            raise ValueError(f"codecs is a list of cache specs: give [{self.codecs!r}], not {self.codecs!r}")
+        check_spec_list(self.codecs)
         if self.ctx < 4:
             raise ValueError(f"--ctx must be at least 4 tokens, got {self.ctx}")
         if self.tokens < self.ctx:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, get_args
 
+from walshkv.codecs import check_spec_list
 from walshkv.constants import Score
 from walshkv.defaults import CTX, WINDOWS
 from walshkv.eval.harness import EvalResult, evaluate
@@ -348,8 +349,7 @@ class SweepConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.codecs, str):
-            raise ValueError(f"codecs is a list of cache specs: give [{self.codecs!r}], not {self.codecs!r}")
+        check_spec_list(self.codecs)
         if self.ctx < 4:
             raise ValueError(f"--ctx must be at least 4 tokens, got {self.ctx}")
         if self.windows is not None and self.windows < 1:
