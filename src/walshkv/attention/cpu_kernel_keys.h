@@ -319,17 +319,13 @@ static inline void score_pair(const vf* __restrict x, const vf* __restrict y, co
   if constexpr (NB == 2) sx[1] = s4[1], sy[1] = s4[3];
 }
 
-// NB query heads against one key x in registers: s[c].
-template <int NV, int NB>
-static inline void score_one(const vf* __restrict x, const float* __restrict q, int64_t LK, float* __restrict s) {
-  vf a[4] = {vf{}, vf{}, vf{}, vf{}};
-  for (int c = 0; c < NB; ++c) {
-    const vf* qv = (const vf*)(q + c * LK);
-    for (int v = 0; v < NV; ++v) a[c] += x[v] * qv[v];
-  }
-  float s4[4];
-  hsum4(a[0], a[1], a[2], a[3], s4);
-  for (int c = 0; c < NB; ++c) s[c] = s4[c];
+// One query head against one key x in registers.
+template <int NV>
+static inline float score_one(const vf* __restrict x, const float* __restrict q) {
+  const vf* qv = (const vf*)q;
+  vf a = vf{};
+  for (int v = 0; v < NV; ++v) a += x[v] * qv[v];
+  return hsum(a);
 }
 
 // Hadamard form, scored where the key is made: each of nt decoded rows (ktile, ld_in floats) becomes its key in
@@ -370,7 +366,7 @@ static void had_scores(const KPost& kp, int64_t h, int64_t t, int nt, const floa
     const int64_t pos = kp.pos0 + t + i;
     vf x[NV];
     had_core<NV, R_ONE>(ktile + i * ld_in, r, c, m, rs[i], kp.cs + pos * half, kp.sn + pos * half, x);
-    for (int64_t j = 0; j < G; ++j) score_one<NV, 1>(x, q + j * LK, LK, sc + j * TILE + i);
+    for (int64_t j = 0; j < G; ++j) sc[j * TILE + i] = score_one<NV>(x, q + j * LK);
   }
 }
 

@@ -138,6 +138,11 @@ def _shipped_calibrations(model: str, codecs: Sequence[str]) -> dict[str, Any]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     _resolve_part(args)
     generation = _check(args)
+    bandwidth = None
+    if args.part in ("all", "attention"):
+        bandwidth = bench.copy_bandwidth(device=args.device)  # the machine's, on all its threads
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)  # before the machine line, which records the threads the rows ran with
     meta: dict[str, Any] = {
         "machine": bench.machine_description(),
         "command": command_line(args),
@@ -148,10 +153,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         meta["device"] = args.device
         if args.device.startswith("cuda") and torch.cuda.is_available():
             meta["machine"]["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
-        meta["copy_bandwidth_gb_per_s"] = bench.copy_bandwidth(device=args.device)
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-            meta["machine"] = bench.machine_description()  # records the threads the rows ran with
+        meta["copy_bandwidth_gb_per_s"] = bandwidth
         calibration = read_kv_mean_center(args.kv_mean_center) if args.kv_mean_center and args.codec else None
         shapes = bench.attention_shapes(args.model)
         meta["attention_model"] = {"model": args.model, **shapes}
