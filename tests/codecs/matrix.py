@@ -88,6 +88,10 @@ MATRIX: tuple[Entry, ...] = (
     Entry("tq:4:codebook=beta", 0.12, bad_head_dim=_ODD),
     Entry("tqprod:3", 0.53, bad_head_dim=_ODD),
     Entry("tqprod:1", 1.6),  # the QJL sketch alone takes any head size
+    # trellis codes
+    Entry("tcq:3", 0.2, bad_head_dim=_ODD),
+    Entry("tcq:2.5", 0.28, bad_head_dim=_ODD),
+    Entry("tcq:4:L=10", 0.1, kind="v", bad_head_dim=_ODD),
     # KIVI: K in groups of g tokens, V per token
     Entry("kivi2:g=4:r=4", 0.19, tokens=8),
     Entry("kivi2:g=4:r=4", 0.19, kind="v", tokens=6),
@@ -111,6 +115,7 @@ MATRIX: tuple[Entry, ...] = (
     Entry("center+eqd+tq:3.5", 0.18, calibrated=True, bad_head_dim=_ODD),
     Entry("eqd+tq:3", 0.23, kind="v", calibrated=True, bad_head_dim=_ODD),
     Entry("prerope+center+eqd+rot+iq4_nl", 0.15, calibrated=True, positional=True, bad_head_dim=_ODD),
+    Entry("prerope+center+eqd+tcq:3.5", 0.17, calibrated=True, positional=True, bad_head_dim=_ODD),
 )
 
 

@@ -63,6 +63,7 @@ from walshkv.codecs.kivi import KiviCodec
 from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.registry import parse_codec
 from walshkv.codecs.rotation import Rotated
+from walshkv.codecs.trellis import TrellisQuant
 from walshkv.codecs.turbo import TurboQuant, TurboQuantProd
 from walshkv.codecs.vht2 import SqfreeCodec, VHT2Codec, VZCCodec
 from walshkv.ops.hadamard import hadamard_transform
@@ -222,6 +223,15 @@ def _tq(codec: TurboQuant, z: torch.Tensor) -> torch.Tensor:
     return scale.squeeze(-1) * torch.linalg.vector_norm(torch.cat(parts, -1), dim=-1)
 
 
+def _tcq(codec: TrellisQuant, z: torch.Tensor) -> torch.Tensor:
+    # the trellis decodes every value to an entry of its table: |t_i - table[s_i]| <= |t_i| + max |table|
+    d = z.shape[-1]
+    scale = torch.linalg.vector_norm(z.double(), dim=-1, keepdim=True).to(torch.float16).float() / math.sqrt(d)
+    t = codec.rotation.rotate(z) / torch.where(scale > 0, scale, torch.ones_like(scale))
+    top = float(codec.table().abs().max())
+    return scale.squeeze(-1) * torch.linalg.vector_norm(t.abs() + top, dim=-1) * (1 + 2.0**-10)
+
+
 def _kivi(codec: KiviCodec, z: torch.Tensor) -> torch.Tensor:
     b, h, t, d = z.shape
     levels = (1 << codec.bits) - 1
@@ -256,6 +266,8 @@ def _store_bound(codec: Codec, z: torch.Tensor, packed: Packed) -> torch.Tensor:
         return _ggml(codec, z, packed)
     if isinstance(codec, TurboQuant):
         return _tq(codec, z)
+    if isinstance(codec, TrellisQuant):
+        return _tcq(codec, z)
     if isinstance(codec, TurboQuantProd):
         residual = norm if codec.stage is None else _tq(codec.stage, z)
         sigma = float(torch.linalg.matrix_norm(codec.projection(d).double(), ord=2))

@@ -20,6 +20,7 @@ from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.kivi import parse_kivi_args
 from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.rotation import Rotated
+from walshkv.codecs.trellis import parse_tcq_args
 from walshkv.codecs.turbo import parse_tq_args, parse_tqprod_args
 from walshkv.codecs.vht2 import SqfreeCodec, VZCCodec, parse_vht2_args
 from walshkv.constants import MAX_WRAPPERS
@@ -261,6 +262,13 @@ register_codec(
     "TurboQuant-prod: tq:(B-1) plus a 1-bit QJL sketch of the residual and its fp16 norm; unbiased inner "
     "products (tqprod:B, B in 1..8 or 2.5..7.5)",
     example="tqprod:3",
+)
+register_codec(
+    "tcq",
+    parse_tcq_args,
+    "tq's rotation and fp16 norm with a tail-biting bitshift trellis code of 2**L states in place of the scalar "
+    "quantizer (tcq:B, B in 1..4 or a half width like 2.5; [:L=8|10][:seed=N])",
+    example="tcq:3",
 )
 for _bits in (2, 4):
     register_codec(
