@@ -3,7 +3,7 @@
 The kernel is built with ``-march=native`` (walshkv.attention.cpu.load_kernel), so one machine tests one ISA's code;
 the machines here differ (AVX2 only, AVX-512, AVX-512 with AMX). These builds run the other paths on the same
 machine: AVX2 only (``-march=haswell``) and AVX-512 without AMX (``-march=skylake-avx512``), each where the CPU can
-run it. The presets' parts, rot+int4 and q4_0 (their K scored by byte dot products), decode attention and a
+run it. The presets' parts (tq and tcq), rot+int4 and q4_0 (their K scored by byte dot products), decode attention and a
 prefill tile's decode.
 """
 
@@ -33,6 +33,7 @@ PAIRS = [
     ("rot+int4", "int4"),
     ("q4_0", "q8_0"),
     ("rot+int3", "int2"),
+    ("prerope+center+eqd+tcq:3.5", "tcq:2.5"),  # the trellis path: gathers through its table
 ]
 ISAS = {"avx2": ("-march=haswell", ("avx2", "fma")), "avx512": ("-march=skylake-avx512", ("avx512f", "avx512bw"))}
 

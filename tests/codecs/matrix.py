@@ -91,7 +91,7 @@ MATRIX: tuple[Entry, ...] = (
     # trellis codes
     Entry("tcq:3", 0.2, bad_head_dim=_ODD),
     Entry("tcq:2.5", 0.28, bad_head_dim=_ODD),
-    Entry("tcq:4:L=10", 0.1, kind="v", bad_head_dim=_ODD),
+    Entry("tcq:4", 0.1, kind="v", bad_head_dim=_ODD),
     # KIVI: K in groups of g tokens, V per token
     Entry("kivi2:g=4:r=4", 0.19, tokens=8),
     Entry("kivi2:g=4:r=4", 0.19, kind="v", tokens=6),

@@ -12,7 +12,7 @@ from walshkv.ops import trellis
 from walshkv.ops.lloyd_max import lloyd_max
 
 
-@pytest.mark.parametrize(("bits", "state_bits"), [(3, 8), (2.5, 8), (1, 8), (1.5, 10), (4, 10)])
+@pytest.mark.parametrize(("bits", "state_bits"), [(3, 8), (2.5, 8), (1, 8), (1.5, 8), (4, 8)])
 def test_codes_give_back_the_viterbi_states(bits: float, state_bits: int) -> None:
     widths = trellis.step_widths(bits, 32)
     tab = trellis.table(bits, state_bits)
@@ -38,21 +38,18 @@ def _cost(x: torch.Tensor, tab: torch.Tensor, codes: torch.Tensor, widths: tuple
     return float(((x - tab[states]) ** 2).sum())
 
 
-def test_the_search_finds_the_best_wrapped_stream_or_close() -> None:
-    # every stream of 4 values x 2 bits with a 4-bit state, against the two-pass search
-    widths, state_bits = (2, 2, 2, 2), 4
+def test_the_search_finds_the_best_wrapped_stream() -> None:
+    # every stream of 8 values x 2 bits with a 4-bit state (65,536), against the two-pass search
+    widths, state_bits = (2,) * 8, 4
     tab = trellis.gaussian_table(state_bits)
-    streams = torch.tensor(list(itertools.product(range(4), repeat=4)))
+    streams = torch.tensor(list(itertools.product(range(4), repeat=8)))
+    values = tab[trellis.codes_to_states(streams, widths, state_bits)]
     gen = torch.Generator().manual_seed(1)
-    exact = 0
-    for _ in range(40):
-        x = torch.randn(1, 4, generator=gen)
-        best = min(_cost(x, tab, s[None], widths, state_bits) for s in streams)
+    for _ in range(30):
+        x = torch.randn(1, 8, generator=gen)
+        best = float(((values - x) ** 2).sum(1).min())
         got = _cost(x, tab, trellis.encode(x, tab, widths, state_bits), widths, state_bits)
-        assert got >= best - 1e-5
-        assert got <= 1.5 * best + 1e-4
-        exact += got <= best + 1e-5
-    assert exact >= 30
+        assert best - 1e-5 <= got <= best + 1e-5
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -77,7 +74,7 @@ def test_every_table_ships() -> None:
 
 
 def test_a_missing_table_names_the_ones_that_ship() -> None:
-    with pytest.raises(ValueError, match=r"tables ship for bits 1, 1\.5, 2.* and L in 8, 10"):
+    with pytest.raises(ValueError, match=r"tables ship for bits 1, 1\.5, 2.* and L in 8"):
         trellis.table(5, 8)
 
 

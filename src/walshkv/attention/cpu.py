@@ -54,6 +54,12 @@ the last one must be contiguous):
   AVX-512, a gather otherwise); the row factor is ``norm / sqrt(d)``. The basis is the codec's inverse
   rotation (sign flips, then the WHT), so the query is rotated once and the V sum unrotated once.
 
+* ``tcq`` (:class:`walshkv.codecs.trellis.TrellisQuant`): tq's fields, unpacked the same way as raw codes; then each
+  row is one wrapped trellis stream: value ``i``'s state is the OR of the codes ending at it, each shifted by the
+  widths after it (a per-position shift table, ``[taps, d]``), masked to ``L`` bits, and the value is the table
+  entry at that state (one gather of 16 lanes with AVX-512, 8 with AVX2, a scalar loop otherwise). Row factor and
+  basis are tq's.
+
 4-bit K codes (``int4``, ``q4_0``; not ``prerope+``) are scored without unpacking them to floats: the query of each
 head is split into three int8 parts (``x ~ s (q1 + q2/128 + q3/16384)``, ``s = max|x| / 127``) and the codes' byte dot
 products with them are summed exactly in int32 (VNNI ``vpdpbusd``, else ``vpmaddubsw`` + ``vpmaddwd``), the codes'
@@ -390,6 +396,10 @@ def _desc(
                 raise ValueError(f"packed {what} fields {f.codes_field!r} and {name!r} hold different token counts")
             keep += [seg, levels]
             desc += [seg_ptr, seg_st[0], seg_st[1], seg_st[2], seg_end, start, size, bits, levels.data_ptr()]
+    if f.trellis is not None:
+        table, shifts, taps, state_bits = f.trellis
+        keep += [table, shifts]
+        desc += [table.data_ptr(), shifts.data_ptr(), taps, state_bits]
     return desc, keep
 
 

@@ -21,6 +21,7 @@ from walshkv.codecs.base import Codec
 from walshkv.codecs.ggml import QK, GGMLCodec
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.rotation import Rotated
+from walshkv.codecs.trellis import TrellisQuant
 from walshkv.codecs.turbo import TurboQuant
 from walshkv.codecs.vht2 import VHT2Codec
 from walshkv.ops.packing import packed_nbytes
@@ -38,11 +39,12 @@ __all__ = [
 ]
 
 #: Human-readable list of the (inner) codecs the fused CPU kernel reads.
-CPU_SUPPORTED = "int2..int8, q4_0, q8_0, iq4_nl, vht2, tq (each also under rot+, rrot+, center+, eq+ and prerope+)"
+CPU_SUPPORTED = "int2..int8, q4_0, q8_0, iq4_nl, vht2, tq, tcq (each also under rot+, rrot+, center+, eq+ and prerope+)"
 
 #: The kernel's decode paths, by the names of its ``FORMATS`` (``int_generic``: int3, int5, int6, int7;
-#: ``banded``: vht2; ``tq``: Lloyd-Max codes in one or two segments, own tensors, one fp16 norm).
-FormatName = Literal["int4", "int8", "int_generic", "q4_0", "q8_0", "int2", "banded", "tq", "iq4_nl"]
+#: ``banded``: vht2; ``tq``: Lloyd-Max codes in one or two segments, own tensors, one fp16 norm; ``tcq``: tq's
+#: fields, the codes one wrapped trellis stream read through a table).
+FormatName = Literal["int4", "int8", "int_generic", "q4_0", "q8_0", "int2", "banded", "tq", "iq4_nl", "tcq"]
 FORMAT_NAMES: tuple[FormatName, ...] = get_args(FormatName)
 #: Most vht2 bands one row may have; the compiled module's ``MAX_BANDS`` (checked when it loads).
 MAX_BANDS = 32
@@ -68,6 +70,9 @@ class KernelFormat:
     bands: tuple[int, ...] = ()  # banded: (first byte, first buffer position, size, bits) per band
     # tq: (field, first buffer position, size, bits, levels) per segment; levels float32, >= 32 entries
     segments: tuple[tuple[str, int, int, int, torch.Tensor], ...] = ()
+    # tcq: (table float32 [2**L], shifts int32 [taps, head_dim], taps, L): value i decodes to
+    # table[(sum_t code[(i - t) mod d] << shifts[t, i]) mod 2**L] (a shift of 32 adds nothing)
+    trellis: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
 
 
 _FORMATS: dict[tuple[str, str, int], KernelFormat | None] = {}
@@ -117,6 +122,46 @@ def _tq_format(core: TurboQuant, head_dim: int) -> KernelFormat | None:
     return KernelFormat("tq", 0, row_bytes, head_dim, 0, first[0], "norm", basis, segments=tuple(segments))
 
 
+def _tcq_format(core: TrellisQuant, head_dim: int) -> KernelFormat | None:
+    """tcq: tq's segments as raw codes, each value through the trellis table at its state."""
+    try:
+        core.check_head_dim(head_dim)
+    except ValueError:
+        return None
+    table = core.table().contiguous()
+    widths = core.widths(head_dim)
+    taps: list[list[int]] = []
+    for i in range(head_dim):  # the shifts of codes i, i-1, ... in value i's state, until L bits are covered
+        row, shift, j = [], 0, i
+        while shift < core.state_bits:
+            row.append(shift)
+            shift += widths[j]
+            j = (j - 1) % head_dim
+        taps.append(row)
+    depth = max(len(row) for row in taps)
+    shifts = torch.full((depth, head_dim), 32, dtype=torch.int32)
+    for i, row in enumerate(taps):
+        shifts[: len(row), i] = torch.tensor(row, dtype=torch.int32)
+    segments = tuple(
+        (name, start, stop - start, bits, table) for name, start, stop, bits in core.rotation.segments(head_dim)
+    )
+    basis = core.rotation.unrotate(torch.eye(head_dim)).T.contiguous()
+    first = segments[0]
+    row_bytes = packed_nbytes(first[2], first[3])
+    return KernelFormat(
+        "tcq",
+        0,
+        row_bytes,
+        head_dim,
+        0,
+        first[0],
+        "norm",
+        basis,
+        segments=segments,
+        trellis=(table, shifts.contiguous(), depth, core.state_bits),
+    )
+
+
 def cpu_format(core: Codec, head_dim: int) -> KernelFormat | None:
     """How the kernel reads ``core``'s packed rows at ``head_dim``, or ``None`` if it cannot."""
     key = (type(core).__qualname__, core.spec, head_dim)
@@ -147,6 +192,8 @@ def cpu_format(core: Codec, head_dim: int) -> KernelFormat | None:
             return fmt
     elif type(core) is TurboQuant:
         fmt = _tq_format(core, head_dim)
+    elif type(core) is TrellisQuant:
+        fmt = _tcq_format(core, head_dim)
     _FORMATS[key] = fmt
     return fmt
 

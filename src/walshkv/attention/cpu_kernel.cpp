@@ -231,6 +231,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   formats["banded"] = (int)FMT_BANDED;
   formats["tq"] = (int)FMT_TQ;
   formats["iq4_nl"] = (int)FMT_IQ4_NL;
+  formats["tcq"] = (int)FMT_TCQ;
   mod.attr("FORMATS") = formats;
   mod.attr("MAX_BANDS") = MAX_BANDS;
   mod.attr("MAX_SEGS") = MAX_SEGS;

@@ -134,6 +134,75 @@ static void decode_tile_tq(const Src& s, int64_t b, int64_t h, int64_t t, int nt
   for (int i = 0; i < nt; ++i) rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
 }
 
+// tcq: one row whose codes sit (as floats) at their buffer positions 0..L-1 to its trellis values, in place: each
+// value's state from the codes that end at it (the stream wraps: ext holds the last taps-1 codes before code 0),
+// then one table lookup (a gather) per value.
+static inline void tcq_row(const Src& s, float* __restrict row) {
+  const int L = s.L, P = s.tcq_taps - 1;
+  alignas(64) int32_t ext[MAX_TCQ_D + MAX_TCQ_TAPS];
+  for (int i = 0; i < L; ++i) ext[P + i] = (int32_t)row[i];
+  for (int j = 0; j < P; ++j) ext[j] = ext[L + j];  // code L - P + j
+  const int32_t* sh = s.tcq_shift;
+  const float* tab = s.tcq_table;
+  int i = 0;
+#if defined(__AVX512F__)
+  const __m512i m = _mm512_set1_epi32((int)s.tcq_mask);
+  for (; i + 16 <= L; i += 16) {
+    __m512i st = _mm512_setzero_si512();
+    for (int t = 0; t <= P; ++t)
+      st = _mm512_or_si512(st, _mm512_sllv_epi32(_mm512_loadu_si512(ext + P + i - t), _mm512_loadu_si512(sh + t * L + i)));
+    _mm512_storeu_ps(row + i, _mm512_i32gather_ps(_mm512_and_si512(st, m), tab, 4));
+  }
+#elif defined(__AVX2__)
+  const __m256i m = _mm256_set1_epi32((int)s.tcq_mask);
+  for (; i + 8 <= L; i += 8) {
+    __m256i st = _mm256_setzero_si256();
+    for (int t = 0; t <= P; ++t)
+      st = _mm256_or_si256(st, _mm256_sllv_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ext + P + i - t)),
+                                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sh + t * L + i))));
+    _mm256_storeu_ps(row + i, _mm256_i32gather_ps(tab, _mm256_and_si256(st, m), 4));
+  }
+#endif
+  for (; i < L; ++i) {
+    uint32_t st = 0;
+    for (int t = 0; t <= P; ++t) {
+      const int32_t k = sh[t * L + i];
+      if (k < 32) st |= (uint32_t)ext[P + i - t] << k;
+    }
+    row[i] = tab[st & s.tcq_mask];
+  }
+}
+
+// tcq: tq's segments unpacked to their buffer positions as codes, then each row through its trellis; the row factor
+// is norm / sqrt(d), as tq's.
+static void decode_tile_tcq(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
+                            float* rs) {
+  const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
+  for (int g = 0; g < s.nseg; ++g) {
+    const uint8_t* r = s.seg_codes[g] + b * s.seg_s0[g] + h * s.seg_s1[g] + t * s.seg_s2[g];
+    const int64_t st = s.seg_s2[g];
+    const int n = s.seg_size[g];
+    const uint8_t* end = s.seg_end[g];
+    float* dst = tile + s.seg_start[g];
+    for (int i = 0; i < nt; ++i) {
+      switch (s.seg_bits[g]) {
+        case 1: unpack_generic<1>(r + i * st, n, 0.0f, end, dst + i * ld); break;
+        case 2: unpack_generic<2>(r + i * st, n, 0.0f, end, dst + i * ld); break;
+        case 3: unpack_generic<3>(r + i * st, n, 0.0f, end, dst + i * ld); break;
+        case 4: unpack_generic<4>(r + i * st, n, 0.0f, end, dst + i * ld); break;
+        case 5: unpack_generic<5>(r + i * st, n, 0.0f, end, dst + i * ld); break;
+        case 6: unpack_generic<6>(r + i * st, n, 0.0f, end, dst + i * ld); break;
+        case 7: unpack_generic<7>(r + i * st, n, 0.0f, end, dst + i * ld); break;
+        default: unpack_generic<8>(r + i * st, n, 0.0f, end, dst + i * ld); break;
+      }
+    }
+  }
+  for (int i = 0; i < nt; ++i) {
+    tcq_row(s, tile + i * ld);
+    rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
+  }
+}
+
 #if WK_AMX
 // B-bit codes (B <= 4) of one tq segment straight to the bf16 hi and lo parts of their levels (the AMX key map's
 // split of each decoded row, the same bits as converting the float levels): a lane permute of the integer codes
@@ -200,6 +269,7 @@ static TileFn tile_fn(int fmt) {
     case FMT_Q8_0: return decode_tile<FMT_Q8_0>;
     case FMT_BANDED: return decode_tile<FMT_BANDED>;
     case FMT_TQ: return decode_tile_tq;
+    case FMT_TCQ: return decode_tile_tcq;
     case FMT_IQ4_NL: return decode_tile<FMT_IQ4_NL>;
   }
   throw std::invalid_argument("walshkv decode attention: unknown packed format");

@@ -9,10 +9,12 @@
 
 enum Fmt : int {
   FMT_INT4 = 0, FMT_INT8 = 1, FMT_INT_GENERIC = 2, FMT_Q4_0 = 3, FMT_Q8_0 = 4, FMT_INT2 = 5, FMT_BANDED = 6,
-  FMT_TQ = 7, FMT_IQ4_NL = 8
+  FMT_TQ = 7, FMT_IQ4_NL = 8, FMT_TCQ = 9
 };
 static constexpr int MAX_BANDS = 32;
 static constexpr int MAX_SEGS = 2;
+static constexpr int MAX_TCQ_D = 512;   // FMT_TCQ: longest row (values per trellis stream)
+static constexpr int MAX_TCQ_TAPS = 16;  // FMT_TCQ: most codes one state is made of
 
 struct Src {
   const uint8_t* codes;
@@ -32,7 +34,14 @@ struct Src {
   const float* seg_levels[MAX_SEGS];  // max(2^bits, 32) floats (zero padded: whole-vector permutes)
   // each level as bf16 hi (low half) and lo (high half) parts, the split the AMX key map makes (levels of <= 5 bits)
   alignas(64) int32_t seg_pairs[MAX_SEGS][32];
-  float row_mul;                      // FMT_TQ: the row factor is norm * row_mul (1 / sqrt(d))
+  float row_mul;                      // FMT_TQ, FMT_TCQ: the row factor is norm * row_mul (1 / sqrt(d))
+  // FMT_TCQ (tq's segments, whose codes form one wrapped trellis stream): value i decodes to
+  // tcq_table[(sum over taps t of code[i - t] << tcq_shift[t * L + i]) & tcq_mask], code indices mod L, a shift of
+  // 32 or more contributing nothing
+  const float* tcq_table;
+  const int32_t* tcq_shift;
+  int tcq_taps;
+  uint32_t tcq_mask;
 };
 
 static Src make_src(const std::vector<int64_t>& a) {
@@ -55,10 +64,24 @@ static Src make_src(const std::vector<int64_t>& a) {
   s.nbands = 0;
   s.nseg = 0;
   s.row_mul = 1.0f;
-  if (s.fmt == FMT_TQ) {
+  s.tcq_table = nullptr;
+  s.tcq_shift = nullptr;
+  s.tcq_taps = 0;
+  s.tcq_mask = 0;
+  if (s.fmt == FMT_TQ || s.fmt == FMT_TCQ) {
+    const int64_t extra = s.fmt == FMT_TCQ ? 4 : 0;  // tcq: table, shifts, taps, state bits after the segments
     s.nseg = a.size() > 15 ? (int)a[15] : 0;
-    if (s.nseg < 1 || s.nseg > MAX_SEGS || (int64_t)a.size() != 16 + 9 * (int64_t)s.nseg)
+    if (s.nseg < 1 || s.nseg > MAX_SEGS || (int64_t)a.size() != 16 + 9 * (int64_t)s.nseg + extra)
       throw std::invalid_argument("walshkv decode attention: bad tq segment table");
+    if (extra) {
+      const int64_t* e = a.data() + 16 + 9 * s.nseg;
+      s.tcq_table = reinterpret_cast<const float*>(e[0]);
+      s.tcq_shift = reinterpret_cast<const int32_t*>(e[1]);
+      s.tcq_taps = (int)e[2];
+      if (s.tcq_taps < 1 || s.tcq_taps > MAX_TCQ_TAPS || e[3] < 1 || e[3] > 16 || s.L > MAX_TCQ_D || s.L < s.tcq_taps)
+        throw std::invalid_argument("walshkv decode attention: bad tcq trellis table");
+      s.tcq_mask = (1u << e[3]) - 1u;
+    }
     for (int i = 0; i < s.nseg; ++i) {
       const int64_t* e = a.data() + 16 + 9 * i;
       s.seg_codes[i] = reinterpret_cast<const uint8_t*>(e[0]);

@@ -48,7 +48,7 @@ class TrellisQuant(Codec):
 
     Attributes:
         bits: one of :data:`TCQ_BITS` (a float: ``TrellisQuant(3) == TrellisQuant(3.0)``).
-        state_bits: ``L``, the trellis state in bits, one of :data:`TCQ_STATE_BITS` (8: 256 states, default).
+        state_bits: ``L``, the trellis state in bits, one of :data:`TCQ_STATE_BITS` (8: 256 states, the one shipped).
         seed: seed of the rotation's sign flips (tq's).
         rotation: the ``tq:B`` codec whose rotation, norm and fields this codec shares (derived).
 
@@ -155,8 +155,8 @@ def _table(bits: float, state_bits: int, device: torch.device) -> torch.Tensor:
 
 
 def parse_tcq_args(args: str | None) -> TrellisQuant:
-    """Factory for ``tcq:BITS[:L=8|10][:seed=N]``."""
-    usage = f"tcq takes tcq:BITS[:L=8|10][:seed=N] with BITS one of {_valid(TCQ_BITS)} (e.g. tcq:3)"
+    """Factory for ``tcq:BITS[:L=8][:seed=N]``."""
+    usage = f"tcq takes tcq:BITS[:L=8][:seed=N] with BITS one of {_valid(TCQ_BITS)} (e.g. tcq:3)"
     if not args:
         raise ValueError(f"{usage}; got 'tcq' without a bit width")
     head, *opts = args.split(":")
