@@ -6,6 +6,8 @@ The specs come from the `walshkv recommend` runs under docs/results/presets/MODE
 recommend-B-ctxN.json (``docs/long-context-reproduce.sh`` stage ``select``, at N tokens); selection on python-docs
 only, never on Emma or Persuasion. Where a preset was selected at more than one context, the longest one ships:
 users compress caches for long prompts, and docs/long-context.md shows a 512-token winner degrading with context.
+At the same context, the later run (its meta.date) ships: a re-selection, such as docs/trellis-reproduce.sh's
+(the shipped spec against its tcq twins), replaces the run before it.
 Nothing is typed by hand: rerun this script after a new recommend run and commit both.
 
     python scripts/ship_presets.py            # write the file
@@ -41,7 +43,8 @@ def build() -> dict:
     models: dict[str, dict] = {}
     runs = [(path, json.loads(path.read_text())) for path in sorted(RESULTS.glob("*/recommend-*.json"))]
     runs += [(path, json.loads(path.read_text())) for path in sorted(LONG.glob("*/recommend-*-ctx*.json"))]
-    for path, run in sorted(runs, key=lambda pr: pr[1]["meta"]["ctx"]):  # a longer context's selection wins
+    # a longer context's selection wins; at the same context, the later run
+    for path, run in sorted(runs, key=lambda pr: (pr[1]["meta"]["ctx"], pr[1]["meta"].get("date") or "")):
         meta = run["meta"]
         model = meta["model"]
         name = model["name"]

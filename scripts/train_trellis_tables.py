@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=trellis.STATE_BITS,
         help="train only the tables of this L (repeatable; the file's other tables are kept)",
     )
+    parser.add_argument(
+        "--bits", type=float, action="append", help="train only the tables of this width (repeatable; others kept)"
+    )
     args = parser.parse_args(argv)
     if args.check:
         data = json.loads(OUT.read_text())
@@ -55,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{OUT}: {len(data['tables'])} tables, all present")
         return 0
     torch.manual_seed(0)
-    old = json.loads(OUT.read_text()) if OUT.exists() and args.state_bits else {"tables": {}, "stats": {}}
+    old = json.loads(OUT.read_text()) if OUT.exists() and (args.state_bits or args.bits) else {"tables": {}, "stats": {}}
     tables, stats = old["tables"], old["stats"]
     for state_bits in args.state_bits or trellis.STATE_BITS:
-        for bits in trellis.TRELLIS_BITS:
+        for bits in args.bits or trellis.TRELLIS_BITS:
             key = trellis.table_key(bits, state_bits)
             tab, history = trellis.train_table(bits, state_bits, samples=args.samples, iterations=args.iterations)
             tables[key] = [float(v) for v in tab.tolist()]

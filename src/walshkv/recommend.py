@@ -54,6 +54,18 @@ __all__ = [
 # K lies where the transform, fitted to the typical token, amplifies error). prerope+ (K quantized before
 # RoPE, so that center+ removes a channel's whole offset) joins the eq+ ones.
 CANDIDATES: dict[float, tuple[str, ...]] = {
+    2.5: (
+        "center+tq:3/tq:1.5",
+        "center+tq:2.5/tq:2",
+        "center+tcq:3/tcq:1.5",
+        "center+tcq:2.5/tcq:2",
+        "center+eq+tcq:2.5/tcq:2",
+        "prerope+center+eq+tq:2.5/tq:2",
+        "prerope+center+eq+tcq:2.5/tcq:2",
+        "prerope+center+eq+tcq:3/tcq:1.5",
+        "sink:1:prerope+center+eq+tcq:2.5/tcq:2",
+        "sink:1:prerope+center+eq+tcq:3/tcq:1.5",
+    ),
     3.0: (
         "center+tq:3.5/tq:2",
         "center+tq:3/tq:2.5",
@@ -68,6 +80,10 @@ CANDIDATES: dict[float, tuple[str, ...]] = {
         "prerope+center+eq+tq:3/tq:2.5",
         "sink:1:prerope+center+eq+tq:3.5/tq:2",
         "sink:1:prerope+center+eq+tq:3/tq:2.5",
+        "prerope+center+eq+tcq:3.5/tcq:2",
+        "prerope+center+eq+tcq:3/tcq:2.5",
+        "sink:1:prerope+center+eq+tcq:3.5/tcq:2",
+        "sink:1:prerope+center+eq+tcq:3/tcq:2.5",
     ),
     3.5: (
         "center+tq:4/tq:2.5",
@@ -86,6 +102,10 @@ CANDIDATES: dict[float, tuple[str, ...]] = {
         "prerope+center+eq+tq:3.5/tq:3",
         "sink:1:prerope+center+eq+tq:3.5/tq:3",
         "sink:1:prerope+center+eq+tq:4/tq:2.5",
+        "prerope+center+eq+tcq:4/tcq:2.5",
+        "prerope+center+eq+tcq:3.5/tcq:3",
+        "sink:1:prerope+center+eq+tcq:3.5/tcq:3",
+        "sink:1:prerope+center+eq+tcq:4/tcq:2.5",
     ),
     4.5: (
         "center+tq:5/tq:3.5",
@@ -107,6 +127,10 @@ CANDIDATES: dict[float, tuple[str, ...]] = {
         "prerope+center+eq+tq:4.5/tq:4",
         "sink:1:prerope+center+eq+tq:5/tq:3.5",
         "sink:1:prerope+center+eq+rot+iq4_nl/tq:4",
+        "prerope+center+eq+tcq:5/tcq:3.5",
+        "prerope+center+eq+tcq:4.5/tcq:4",
+        "sink:1:prerope+center+eq+tcq:4/tcq:4",
+        "sink:1:prerope+center+eq+tcq:5/tcq:3.5",
     ),
 }
 
@@ -130,6 +154,7 @@ def candidates_for(
     num_layers: int | None = None,
     ctx: int = CTX,
     fast: bool = False,
+    builtin: bool = True,
 ) -> list[str]:
     """Candidate specs whose bits per element at ``head_dim`` fit ``bits``, most bits first.
 
@@ -138,6 +163,7 @@ def candidates_for(
     spec's fp16 tokens are counted over a context of ``ctx`` tokens (the windows it is measured on).
     With ``fast`` (the ``walshkv:B-fast`` presets), each built-in candidate whose keys the kernels would map by
     a dense matrix per key (:func:`dense_key_map`) takes ``eqd+`` in place of ``eq+`` (:func:`fast_candidate`).
+    With ``builtin=False`` only ``extra`` is ranked (a re-selection between named specs).
 
     Returns:
         Canonical spec strings (what result rows and preset files name).
@@ -154,7 +180,7 @@ def candidates_for(
                 "drop --fast"
             )
     pool: list[str] = [*extra]
-    budgets = [b for b in CANDIDATES if b <= bits + 1e-9]
+    budgets = [b for b in CANDIDATES if b <= bits + 1e-9] if builtin else []
     if budgets:
         budget = max(budgets)
         built_in = [*CANDIDATES[budget], *(spec for name, spec in BUILTIN.items() if PRESET_BUDGETS[name] == budget)]
@@ -229,6 +255,7 @@ def recommend(
     extra: Sequence[str] = (),
     per_layer: bool = False,
     fast: bool = False,
+    builtin: bool = True,
     progress: bool = True,
     executor: Executor | None = None,
 ) -> Recommendation:
@@ -248,12 +275,13 @@ def recommend(
         fast: choose the fast preset (``walshkv:B-fast``): only candidates the fused kernels decode without a
             dense per-key matrix (:func:`candidates_for` with ``fast``; ``eqd+`` in place of
             ``prerope+``'s ``eq+``).
+        builtin: rank the built-in candidates of the budget with ``extra`` (default); ``False``: ``extra`` only.
         progress: progress bars.
         executor: where the candidates run (:class:`walshkv.eval.sweep.Executor`); ``None``: here, all in one
             evaluation. ``walshkv.integrations.ray.RayExecutor`` spreads them (and the per-layer moves) over a
             Ray cluster; the statistics are collected here and the choice is made here, on the same numbers.
     """
-    names = candidates_for(bits, lm.shape.head_dim, extra, lm.shape.layers, ctx=ctx, fast=fast)
+    names = candidates_for(bits, lm.shape.head_dim, extra, lm.shape.layers, ctx=ctx, fast=fast, builtin=builtin)
     specs = {s.spec: s for s in (parse_cache_spec(n) for n in names)}  # canonical string -> spec, in order
     calib, select = split_text(text)
     stats = collect_kv_stats(lm, calib, tokens=calib_tokens, ctx=ctx, progress=progress)

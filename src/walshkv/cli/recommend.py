@@ -34,11 +34,19 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     if args.output is None:  # the default file is named after the model: its folder is checked now
         check_output_dir(Path.cwd(), what="-o (not given: MODEL-walshkv-B.gguf in the current directory)")
     executor = executor_from_args(args)  # --ray errors before loading anything
+    if args.only_candidates and not args.candidate:
+        raise SystemExit("walshkv recommend: error: --only-candidates ranks the --candidate specs: give at least one")
     text = data.load_text(args.text)
     lm = models.load_model(args.model, progress=not args.quiet)
     n = len(
         candidates_for(
-            args.bits, lm.shape.head_dim, args.candidate or (), lm.shape.layers, ctx=args.ctx, fast=args.fast
+            args.bits,
+            lm.shape.head_dim,
+            args.candidate or (),
+            lm.shape.layers,
+            ctx=args.ctx,
+            fast=args.fast,
+            builtin=not args.only_candidates,
         )
     )
     print(
@@ -58,6 +66,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
             extra=args.candidate or (),
             per_layer=args.per_layer,
             fast=args.fast,
+            builtin=not args.only_candidates,
             progress=not args.quiet,
             executor=runner,
         )
@@ -80,7 +89,13 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         f"walshkv eval --model {lm.name} --codec {name} --kv-mean-center {output} --text OTHER"
     )
     if args.json:
-        payload: dict[str, Any] = {"meta": rec.meta, "winner": rec.preset.spec, "preset": name, "results": rec.rows}
+        payload: dict[str, Any] = {
+            "meta": rec.meta,
+            "winner": rec.preset.spec,
+            "preset": name,
+            "pool": "candidates only" if args.only_candidates else "built-in and candidates",
+            "results": rec.rows,
+        }
         if rec.plan is not None:
             payload["per_layer"] = {
                 "base": rec.plan.base,
@@ -118,6 +133,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     re_.add_argument("--bits", type=float, required=True, help="budget in bits per element, e.g. 3, 3.5 or 4.5")
     re_.add_argument("--candidate", action="append", metavar="SPEC", help="an extra candidate spec, repeatable")
+    re_.add_argument(
+        "--only-candidates",
+        action="store_true",
+        help="rank only the --candidate specs, not the budget's built-in ones (a re-selection between named specs, "
+        "e.g. a shipped preset against its tcq twin)",
+    )
     re_.add_argument(
         "--per-layer",
         action="store_true",

@@ -1,4 +1,4 @@
-"""The built-in preset table: ``walshkv:3``, ``walshkv:3.5``, ``walshkv:4.5`` and the spec each stands for.
+"""The built-in preset table: ``walshkv:2.5``, ``walshkv:3``, ``walshkv:3.5``, ``walshkv:4.5`` and their specs.
 
 Each budget also has a *fast* preset, ``walshkv:B-fast``: the best spec among those the fused decode kernels read
 without a dense per-key map (no ``prerope+`` with ``eq+``'s dense transform; ``eqd+``'s diagonal one and every
@@ -25,13 +25,16 @@ __all__ = [
 ]
 
 #: Bits per element (K and V together, every scale and norm counted) of each built-in preset.
-PRESET_BUDGETS: dict[str, float] = {"walshkv:3": 3.0, "walshkv:3.5": 3.5, "walshkv:4.5": 4.5}
+PRESET_BUDGETS: dict[str, float] = {"walshkv:2.5": 2.5, "walshkv:3": 3.0, "walshkv:3.5": 3.5, "walshkv:4.5": 4.5}
 
 # The built-in spec of each preset: the winner on smollm2-135m of `walshkv recommend --text python-docs
 # --windows 8 --bits B` (K mean from the first half of python-docs, 8 windows of its second half);
 # other models may choose another (a preset file records it). With the default 4 windows, 4.5 bits
 # picks center+rot+iq4_nl/rot+iq4_nl by a hair (docs/presets.md shows both on the evaluation text).
+# walshkv:2.5 (the trellis code's preset, issue 37) was set before any run: tcq at the widths that fill 2.5 bits
+# at head_dim 64 with K half a bit wider, centred K; models walshkv has measured ship their own (model_presets.json).
 BUILTIN: dict[str, str] = {
+    "walshkv:2.5": "center+tcq:2.5/tcq:2",
     "walshkv:3": "center+tq:3.5/tq:2",
     "walshkv:3.5": "center+tq:4/tq:2.5",
     "walshkv:4.5": "center+tq:5/tq:3.5",

@@ -267,7 +267,7 @@ register_codec(
     "tcq",
     parse_tcq_args,
     "tq's rotation and fp16 norm with a tail-biting bitshift trellis code of 2**L states in place of the scalar "
-    "quantizer (tcq:B, B in 1..4 or a half width like 2.5; [:L=8][:seed=N])",
+    "quantizer (tcq:B, B in 1..5 or a half width like 2.5; [:L=8][:seed=N])",
     example="tcq:3",
 )
 for _bits in (2, 4):

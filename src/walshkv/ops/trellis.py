@@ -40,8 +40,8 @@ __all__ = [
     "viterbi",
 ]
 
-#: Bit widths with a shipped table: whole widths 1..4 and the half widths between.
-TRELLIS_BITS: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
+#: Bit widths with a shipped table: whole widths 1..5 and the half widths between.
+TRELLIS_BITS: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0)
 #: State sizes (``L``, bits) with shipped tables: 8 (256 states). A larger state codes closer to D(R) (an untrained
 #: L=10 table: 1.49 dB above it at 3 bits, against 2.28 dB untrained and 1.52 dB trained at L=8) but the encoder's
 #: work grows as 2**L; a table for another L is one more line here and a run of scripts/train_trellis_tables.py.

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Every figure of docs/trellis.md (issue 37: the trellis code tcq). Each step is skipped once its output exists;
+# delete an output to rerun it.
+#
+#   bash docs/trellis-reproduce.sh                        # every stage (about two hours on 2 cores)
+#   STAGES="select" bash docs/trellis-reproduce.sh        # one stage
+#
+# Protocol (docs/trellis.md, "The shipping rule", committed before any selection or holdout row existed):
+# selection on python-docs only (recommend: K statistics from its first half, candidates ranked on windows of its
+# second half, at 4,096 tokens as the shipped presets were); Emma is the development text; Persuasion the frozen
+# holdout, measured once, after the winners have shipped, never used to choose.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
+OUT=docs/results/trellis
+SELECT=docs/results/long-context/select
+DATA="${DATA:-../shared/data}"
+EMMA="$DATA/austen_emma.txt"
+PERSUASION="$DATA/austen_persuasion.txt"
+STAGES="${STAGES:-tables rd select ship emma holdout report}"
+MODEL=smollm2-135m
+
+# The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
+# tcq:W), and the twin with K half a bit wider and V half a bit narrower; at 2.5 bits (a new preset) tcq at the
+# two splits of the budget and the sink:1 form that pays with V in the four layers walshkv:3 narrows; at 4.5 bits
+# tcq at 4 bits on both sides and the two splits of the whole budget. The fast presets: the same with eqd+.
+cands() {
+  case "$1" in
+  2.5) printf '%s\n' 'prerope+center+eq+tcq:2.5/tcq:2' 'prerope+center+eq+tcq:3/tcq:1.5' \
+    'sink:1:layers:prerope+center+eq+tcq:2.5/tcq:1.5@5,8,12,14;prerope+center+eq+tcq:2.5/tcq:2' ;;
+  3) printf '%s\n' 'sink:1:layers:prerope+center+eq+tq:3/tq:2@5,8,12,14;prerope+center+eq+tq:3/tq:2.5' \
+    'sink:1:layers:prerope+center+eq+tcq:3/tcq:2@5,8,12,14;prerope+center+eq+tcq:3/tcq:2.5' \
+    'sink:1:layers:prerope+center+eq+tcq:3.5/tcq:1.5@5,8,12,14;prerope+center+eq+tcq:3.5/tcq:2' ;;
+  3.5) printf '%s\n' 'sink:1:layers:prerope+center+eq+tq:3.5/tq:2.5@5,8,12;prerope+center+eq+tq:3.5/tq:3' \
+    'sink:1:layers:prerope+center+eq+tcq:3.5/tcq:2.5@5,8,12;prerope+center+eq+tcq:3.5/tcq:3' \
+    'sink:1:layers:prerope+center+eq+tcq:4/tcq:2@5,8,12;prerope+center+eq+tcq:4/tcq:2.5' ;;
+  4.5) printf '%s\n' 'sink:1:prerope+center+eq+rot+iq4_nl/tq:4' 'sink:1:prerope+center+eq+tcq:4/tcq:4' \
+    'prerope+center+eq+tcq:4.5/tcq:4' 'prerope+center+eq+tcq:5/tcq:3.5' ;;
+  esac
+}
+fast() { sed 's/prerope+center+eq+/prerope+center+eqd+/g'; }
+# the presets as they shipped before this selection (tq), rows beside the new ones (the same calibration)
+before() {
+  for spec in 'sink:1:layers:prerope+center+eq+tq:3/tq:2@5,8,12,14;prerope+center+eq+tq:3/tq:2.5' \
+    'sink:1:layers:prerope+center+eqd+tq:3/tq:2@5,8,12,14;prerope+center+eqd+tq:3/tq:2.5' \
+    'sink:1:layers:prerope+center+eq+tq:3.5/tq:2.5@5,8,12;prerope+center+eq+tq:3.5/tq:3' \
+    'sink:1:layers:prerope+center+eqd+tq:3.5/tq:2.5@5,8,12;prerope+center+eqd+tq:3.5/tq:3' \
+    'sink:1:prerope+center+eq+rot+iq4_nl/tq:4' 'sink:1:prerope+center+eqd+rot+iq4_nl/tq:4'; do
+    printf -- "--codec %s " "$spec"
+  done
+}
+
+for stage in $STAGES; do
+  case "$stage" in
+  tables)
+    # the trellis tables (model-independent; the file is committed, so this only re-checks it)
+    python scripts/train_trellis_tables.py --check
+    ;;
+  rd)
+    # tq against tcq at the same widths on real K/V, against D(R)
+    for model in smollm2-135m qwen2.5-1.5b; do
+      [ -f "$OUT/rd-$model/rd.json" ] || walshkv rd --model "$model" --tokens 2048 --quiet --out "$OUT/rd-$model" \
+        --codec tq:2 --codec tcq:2 --codec tq:2.5 --codec tcq:2.5 --codec tq:3 --codec tcq:3 --codec tq:3.5 \
+        --codec tcq:3.5 --codec tq:4 --codec tcq:4 --codec rot+iq4_nl --codec rot+q4_0
+    done
+    ;;
+  select)
+    mkdir -p "$SELECT/$MODEL"
+    for bits in 3 3.5 2.5 4.5; do
+      for kind in plain fast; do
+        if [ "$kind" = fast ]; then suffix=-fast; flag=--fast; list=$(cands "$bits" | fast); else suffix=; flag=; list=$(cands "$bits"); fi
+        json="$SELECT/$MODEL/recommend-$bits$suffix-tcq-ctx4096.json"
+        [ -f "$json" ] && continue
+        args=()
+        while IFS= read -r spec; do args+=(--candidate "$spec"); done <<< "$list"
+        walshkv recommend --model "$MODEL" --bits "$bits" $flag --only-candidates "${args[@]}" --ctx 4096 --windows 2 \
+          --quiet --json "$json" -o "$SELECT/$MODEL/walshkv-$bits$suffix-tcq-ctx4096.gguf"
+      done
+    done
+    ;;
+  ship)
+    # the winners ship (the later run at the same context wins), then the calibrations they read
+    python scripts/ship_presets.py
+    python scripts/ship_calibrations.py --model "$MODEL"
+    ;;
+  emma)
+    mkdir -p "$OUT/$MODEL"
+    [ -f "$OUT/$MODEL/emma.json" ] || walshkv eval --model "$MODEL" --text "$EMMA" --windows 16 --quiet \
+      --calib-text python-docs $(before) \
+      --codec walshkv:2.5 --codec walshkv:2.5-fast --codec walshkv:3 --codec walshkv:3-fast --codec walshkv:3.5 \
+      --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+iq4_nl --codec rot+q4_0 \
+      --codec rot+q8_0/rot+q4_0 --json "$OUT/$MODEL/emma.json"
+    ;;
+  holdout)
+    [ -f "$OUT/$MODEL/persuasion.json" ] || walshkv eval --model "$MODEL" --text "$PERSUASION" --windows 16 --quiet \
+      --calib-text python-docs $(before) \
+      --codec walshkv:2.5 --codec walshkv:2.5-fast --codec walshkv:3 --codec walshkv:3-fast --codec walshkv:3.5 \
+      --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+iq4_nl --codec rot+q4_0 \
+      --codec rot+q8_0/rot+q4_0 --json "$OUT/$MODEL/persuasion.json"
+    ;;
+  report)
+    python scripts/trellis_report.py
+    ;;
+  *) echo "unknown stage $stage (tables rd select ship emma holdout report)" >&2; exit 2 ;;
+  esac
+done
