@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{OUT}: {len(data['tables'])} tables, all present")
         return 0
     torch.manual_seed(0)
-    old = json.loads(OUT.read_text()) if OUT.exists() and (args.state_bits or args.bits) else {"tables": {}, "stats": {}}
+    partial = OUT.exists() and (args.state_bits or args.bits)
+    old = json.loads(OUT.read_text()) if partial else {"tables": {}, "stats": {}}
     tables, stats = old["tables"], old["stats"]
     for state_bits in args.state_bits or trellis.STATE_BITS:
         for bits in args.bits or trellis.TRELLIS_BITS:
