@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""Write docs/trellis.md's result blocks from docs/results/trellis (docs/trellis-reproduce.sh, stage report).
+
+Blocks (each a file under docs/results/trellis, pasted with scripts/update_readme.py):
+    gaussian   each trained table's gap to D(R) on unit Gaussian vectors against scalar Lloyd-Max (tables file)
+    rd         tq against tcq on real K/V (rd-MODEL/rd.json), dB above D(R) with every stored bit counted
+    select     the selection runs (docs/results/long-context/select/MODEL/recommend-*-tcq-ctx4096.json)
+    emma       the presets and the specs they replaced on Emma (development text)
+    holdout    the same on Persuasion (the frozen holdout), with the issue's targets and paired intervals
+
+A block whose inputs do not exist yet is skipped with a note; nothing is typed by hand.
+
+    python scripts/trellis_report.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from walshkv.eval.metrics import paired_difference
+from walshkv.ops.lloyd_max import lloyd_max
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "results" / "trellis"
+SELECT = ROOT / "docs" / "results" / "long-context" / "select"
+TABLES = ROOT / "src" / "walshkv" / "ops" / "trellis_tables.json"
+PAGE = ROOT / "docs" / "trellis.md"
+MODEL = "smollm2-135m"
+# the specs each preset stood for before the tcq selection (docs/trellis-reproduce.sh, before())
+BEFORE = {
+    "walshkv:3": "sink:1:layers:prerope+center+eq+tq:3/tq:2@5,8,12,14;prerope+center+eq+tq:3/tq:2.5",
+    "walshkv:3-fast": "sink:1:layers:prerope+center+eqd+tq:3/tq:2@5,8,12,14;prerope+center+eqd+tq:3/tq:2.5",
+    "walshkv:3.5": "sink:1:layers:prerope+center+eq+tq:3.5/tq:2.5@5,8,12;prerope+center+eq+tq:3.5/tq:3",
+    "walshkv:3.5-fast": "sink:1:layers:prerope+center+eqd+tq:3.5/tq:2.5@5,8,12;prerope+center+eqd+tq:3.5/tq:3",
+    "walshkv:4.5": "sink:1:prerope+center+eq+rot+iq4_nl/tq:4",
+    "walshkv:4.5-fast": "sink:1:prerope+center+eqd+rot+iq4_nl/tq:4",
+}
+# issue 37's targets: (preset, peer, what the peer is)
+TARGETS = [
+    ("walshkv:3", "rot+iq4_nl", "llama.cpp's best rotated 4.5-bit type"),
+    ("walshkv:3-fast", "rot+iq4_nl", "llama.cpp's best rotated 4.5-bit type"),
+    ("walshkv:4.5", "rot+q8_0/rot+q4_0", "the rotated q8_0/q4_0 pair (6.5 bits)"),
+    ("walshkv:4.5-fast", "rot+q8_0/rot+q4_0", "the rotated q8_0/q4_0 pair (6.5 bits)"),
+    ("walshkv:2.5", "rot+q4_0", "rotated q4_0 (4.5 bits)"),
+    ("walshkv:2.5-fast", "rot+q4_0", "rotated q4_0 (4.5 bits)"),
+]
+
+
+def gaussian() -> str:
+    data = json.loads(TABLES.read_text())
+    meta = data["meta"]
+    lines = [
+        "| bits | tcq (L=8, trained) dB above D(R) | scalar Lloyd-Max dB above D(R) | tcq gain, dB | MSE ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for key, stat in data["stats"].items():
+        bits = float(key.split("/")[0])
+        mse = stat["mse_per_round"][-1]
+        if bits.is_integer():
+            scalar = lloyd_max(int(bits), "gaussian").mse
+            gap = 10 * math.log10(scalar / 2 ** (-2 * bits))
+            lines.append(
+                f"| {bits:g} | {stat['gap_db']:.2f} | {gap:.2f} | {gap - stat['gap_db']:.2f} | {mse / scalar:.3f} |"
+            )
+        else:
+            lines.append(f"| {bits:g} | {stat['gap_db']:.2f} | (half width: no single scalar quantizer) | | |")
+    lines.append("")
+    lines.append(
+        f"Unit Gaussian vectors of {meta['values_per_vector']} values, {meta['samples']} per round, "
+        f"{meta['iterations']} rounds; the last round's MSE, measured before its update. `{meta['command'].strip()}` "
+        f"at {meta['commit']} on {meta['cpu']} (torch {meta['torch']}, {meta['torch_threads']} threads)."
+    )
+    return "\n".join(lines)
+
+
+def rd() -> str | None:
+    blocks = []
+    for model in ("smollm2-135m", "qwen2.5-1.5b"):
+        path = OUT / f"rd-{model}" / "rd.json"
+        if not path.exists():
+            continue
+        run = json.loads(path.read_text())
+        rows = {r["codec"]: r for r in run["results"]}
+        lines = [
+            f"**{model}** ({run['meta'].get('commit', '?')}, {run['meta'].get('cpu', {}).get('model', '?')}):",
+            "",
+            "| width | bits stored | tq K dB | tcq K dB | tq V dB | tcq V dB | tcq gain K / V, dB |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for w in ("2", "2.5", "3", "3.5", "4"):
+            a, b = rows.get(f"tq:{w}"), rows.get(f"tcq:{w}")
+            if a is None or b is None:
+                continue
+            gain_k, gain_v = a["gap_db_k"] - b["gap_db_k"], a["gap_db_v"] - b["gap_db_v"]
+            lines.append(
+                f"| {w} | {a['bits_per_element']:.3f} | {a['gap_db_k']:.2f} | {b['gap_db_k']:.2f} | "
+                f"{a['gap_db_v']:.2f} | {b['gap_db_v']:.2f} | {gain_k:.2f} / {gain_v:.2f} |"
+            )
+        for peer in ("rot+iq4_nl", "rot+q4_0"):
+            r = rows.get(peer)
+            if r is not None:
+                lines.append(
+                    f"| {peer} | {r['bits_per_element']:.3f} | {r['gap_db_k']:.2f} | | {r['gap_db_v']:.2f} | | |"
+                )
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) if blocks else None
+
+
+def select() -> str | None:
+    runs = sorted((SELECT / MODEL).glob("recommend-*-tcq-ctx4096.json"))
+    if not runs:
+        return None
+    lines = ["| preset | candidate | bits | selection KLD (python-docs, 2 x 4k) | |", "|---|---|---|---|---|"]
+    for path in runs:
+        run = json.loads(path.read_text())
+        for r in sorted(run["results"], key=lambda r: r["kld_mean"]):
+            mark = "**ships**" if r["codec"] == run["winner"] else ""
+            lines.append(
+                f"| {run['preset']} | `{r['codec']}` | {r['bits_per_element']:.3f} | {r['kld_mean']:.4f} | {mark} |"
+            )
+    meta = json.loads(runs[0].read_text())["meta"]
+    lines.append("")
+    lines.append(
+        f"`walshkv recommend --only-candidates --ctx 4096 --windows 2` on python-docs (docs/trellis-reproduce.sh, "
+        f"stage select), {meta.get('commit', '?')} on {meta.get('cpu', {}).get('model', '?')}."
+    )
+    return "\n".join(lines)
+
+
+def _eval_block(path: Path, targets: bool) -> str | None:
+    if not path.exists():
+        return None
+    run = json.loads(path.read_text())
+    rows = run["results"]
+    by_preset = {r.get("preset") or r["codec"]: r for r in rows}
+    by_codec = {r["codec"]: r for r in rows}
+    lines = ["| row | spec | bits | mean KLD [95%] | p99 | top-1 |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        name = r.get("preset") or ""
+        lo, hi = r["kld_mean_ci95"]
+        lines.append(
+            f"| {name} | `{r['codec']}` | {r['bits_per_element']:.3f} | {r['kld_mean']:.4f} [{lo:.4f}, {hi:.4f}] | "
+            f"{r['kld_p99']:.3f} | {r['top1_agreement']:.2%} |"
+        )
+    lines += ["", "| preset | against | difference [95%, paired over windows] | |", "|---|---|---|---|"]
+    for preset, old in BEFORE.items():
+        a, b = by_preset.get(preset), by_codec.get(old)
+        if a is None or b is None or a["codec"] == old:
+            continue
+        d = paired_difference(a["window_kld_mean"], b["window_kld_mean"])
+        if d is not None:
+            verdict = "better" if d[1][1] < 0 else "worse" if d[1][0] > 0 else "within the interval"
+            lines.append(
+                f"| {preset} | the tq spec it replaced | {d[0]:+.4f} [{d[1][0]:+.4f}, {d[1][1]:+.4f}] | {verdict} |"
+            )
+    if targets:
+        for preset, peer, what in TARGETS:
+            a, b = by_preset.get(preset), by_codec.get(peer)
+            if a is None or b is None:
+                continue
+            d = paired_difference(a["window_kld_mean"], b["window_kld_mean"])
+            if d is not None:
+                verdict = "**met**" if d[1][0] <= 0 else "missed"
+                lines.append(
+                    f"| {preset} | {what}, `{peer}` (target: no worse) | {d[0]:+.4f} [{d[1][0]:+.4f}, {d[1][1]:+.4f}] "
+                    f"| {verdict} |"
+                )
+    meta = run["meta"]
+    lines.append("")
+    lines.append(
+        f"{meta['model']['name']}, {meta['text']['name']}, {meta['windows']} windows of {meta['ctx']} tokens (quantize "
+        f"on write); {meta.get('commit', '?')} on {meta.get('cpu', {}).get('model', '?')}. A target is met when the "
+        "interval of the difference reaches zero or below."
+    )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    blocks = {
+        "gaussian": gaussian(),
+        "rd": rd(),
+        "select": select(),
+        "emma": _eval_block(OUT / MODEL / "emma.json", targets=False),
+        "holdout": _eval_block(OUT / MODEL / "persuasion.json", targets=True),
+    }
+    for name, body in blocks.items():
+        if body is None:
+            print(f"{name}: no results yet, skipped", file=sys.stderr)
+            continue
+        path = OUT / f"{name}.md"
+        path.write_text(body + "\n")
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "update_readme.py"), str(path), str(PAGE), f"trellis-{name}"],
+            check=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
