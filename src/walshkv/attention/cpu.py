@@ -92,7 +92,7 @@ the torch path was slower than it, the kernel 3-4x faster.
 
 The kernel's source is ``cpu_kernel.cpp`` beside this module (package data: the entry points and bindings) and the
 ``cpu_kernel_*.h`` headers it includes, one per concern (vector helpers, formats, code unpacking, each format's row
-decoder, the prerope+ key map, the integer-dot scores, score tile and softmax, tq's encoder). :func:`kernel_source`
+decoder, the prerope+ key map, the integer-dot scores, score tile and softmax, the encoders). :func:`kernel_source`
 inlines the headers into one text (:func:`assemble_source`), compiled with ``torch.utils.cpp_extension.load_inline``
 (``-O3 -march=native -fopenmp``; cached in torch's extension directory under a name that hashes that text, so every
 file's, the flags and the CPU's vector capability: only the first use pays the build, about 10-20 s, and an edit of
@@ -106,7 +106,8 @@ formats themselves are in :mod:`walshkv.attention.cpu_formats`).
 
 tq's encoder after its rotation is the kernel's too (``tq_pack``): :func:`tq_pack_rows` is registered, when this
 module is imported, as the implementation of :data:`walshkv.codecs.turbo.PACK_ROWS`
-(:mod:`walshkv.codecs.accelerated`), and declines until the kernel is loaded.
+(:mod:`walshkv.codecs.accelerated`), and declines until the kernel is loaded. So is tcq's trellis search
+(``tcq_encode``): :func:`tcq_code_rows`, registered as :data:`walshkv.codecs.trellis.TCQ_CODES`' implementation.
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ from walshkv.attention.cpu_formats import (
 from walshkv.attention.keys import hadamard_factors, key_transform, rope_half_tables
 from walshkv.codecs import accelerated
 from walshkv.codecs.base import Codec, Packed
+from walshkv.codecs.trellis import TCQ_CODES
 from walshkv.codecs.turbo import PACK_ROWS
 from walshkv.ops.packing import packed_nbytes
 
@@ -153,6 +155,7 @@ __all__ = [
     "kernel_source",
     "load_kernel",
     "prerope_key_map",
+    "tcq_code_rows",
     "tq_pack_rows",
 ]
 
@@ -354,6 +357,49 @@ def tq_pack_rows(
 
 
 accelerated.register(PACK_ROWS, tq_pack_rows)
+
+
+def tcq_code_rows(t: torch.Tensor, tab: torch.Tensor, widths: tuple[int, ...], state_bits: int) -> torch.Tensor | None:
+    """tcq's trellis search after its rotation, in C++: the codes of each row's tail-biting path.
+
+    The implementation of :data:`walshkv.codecs.trellis.TCQ_CODES`, registered below when this module is imported;
+    the torch path, :func:`walshkv.ops.trellis.encode`, is its reference (the same codes:
+    ``tests/attention/test_tcq_encode.py``). Rows of 16 or more (at d = 64, L = 8) take the kernel's threads.
+
+    Args:
+        t: ``[N, n]`` float32, the rotated, norm-scaled rows.
+        tab: float32 ``[2**state_bits]``, the trellis table.
+        widths: bits of each of the ``n`` values (1 to 8, at most ``state_bits``).
+        state_bits: ``L``.
+
+    Returns:
+        int32 ``[N, n]``, value ``i``'s code in ``0 .. 2**widths[i] - 1``; or ``None`` where the kernel is not loaded,
+        the tensors are not plain contiguous CPU float32 tensors of those shapes, or the kernel declines (a width
+        outside 1..8 or above ``state_bits``, ``state_bits`` above 12, a non-finite value).
+    """
+    kernel = _kernel
+    if (
+        kernel is None
+        or t.dtype != torch.float32
+        or not t.is_cpu
+        or not t.is_contiguous()
+        or t.dim() != 2
+        or t.shape[1] != len(widths)
+        or not widths
+        or tab.dtype != torch.float32
+        or not tab.is_cpu
+        or not tab.is_contiguous()
+        or tab.numel() != 1 << state_bits
+    ):
+        return None
+    out = torch.empty(t.shape, dtype=torch.int32)
+    if t.shape[0] == 0:
+        return out
+    desc = [t.shape[0], t.shape[1], state_bits, t.data_ptr(), tab.data_ptr(), out.data_ptr(), *widths]
+    return out if kernel.tcq_encode(desc, torch.get_num_threads()) else None
+
+
+accelerated.register(TCQ_CODES, tcq_code_rows)
 
 
 def kernel_available() -> bool:

@@ -12,14 +12,15 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "cpu_kernel_simd.h"       // vector width, vector types and helpers
-#include "cpu_kernel_formats.h"    // format ids, limits, the packed-tensor descriptor (Src)
-#include "cpu_kernel_unpack.h"     // code streams to floats and levels
-#include "cpu_kernel_decode.h"     // a tile of rows to floats, per format
-#include "cpu_kernel_keys.h"       // prerope+ keys: matrix, AMX, Hadamard maps and RoPE
-#include "cpu_kernel_idot.h"       // 4-bit K scored by byte dot products
-#include "cpu_kernel_score.h"      // scores, online softmax, weighted V sums
-#include "cpu_kernel_tq_encode.h"  // tq's encoder after its rotation
+#include "cpu_kernel_simd.h"        // vector width, vector types and helpers
+#include "cpu_kernel_formats.h"     // format ids, limits, the packed-tensor descriptor (Src)
+#include "cpu_kernel_unpack.h"      // code streams to floats and levels
+#include "cpu_kernel_decode.h"      // a tile of rows to floats, per format
+#include "cpu_kernel_keys.h"        // prerope+ keys: matrix, AMX, Hadamard maps and RoPE
+#include "cpu_kernel_idot.h"        // 4-bit K scored by byte dot products
+#include "cpu_kernel_score.h"       // scores, online softmax, weighted V sums
+#include "cpu_kernel_tq_encode.h"   // tq's encoder after its rotation
+#include "cpu_kernel_tcq_encode.h"  // tcq's encoder after its rotation (the trellis search)
 
 namespace py = pybind11;
 
@@ -216,6 +217,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("H"), py::arg("G"), py::arg("T"), py::arg("nsplit"), py::arg("nthreads"), py::arg("int_dot") = true);
   mod.def("decode_rows", &decode_rows, "packed rows to floats, as the kernel reads them (prefill tiles)");
   mod.def("tq_pack", &tq_pack, "tq's encoder after its rotation: rows to packed codes (TurboQuant._encode)");
+  mod.def("tcq_encode", &tcq_encode, "tcq's encoder after its rotation: rows to trellis codes (TrellisQuant._encode)");
   mod.attr("vector_lanes") = VW;
   mod.attr("amx_compiled") = (bool)WK_AMX;
   mod.attr("int_dot_compiled") = (bool)WK_IDOT;

@@ -12,6 +12,8 @@ once; a step has at most one implementation. The registrations, in one place (ke
 
 - ``tq.pack_rows`` (:data:`walshkv.codecs.turbo.PACK_ROWS`): :func:`walshkv.attention.cpu.tq_pack_rows`, the
   kernel's ``tq_pack``; it declines until the kernel is loaded.
+- ``tcq.codes`` (:data:`walshkv.codecs.trellis.TCQ_CODES`): :func:`walshkv.attention.cpu.tcq_code_rows`, the
+  kernel's ``tcq_encode``; it declines until the kernel is loaded.
 """
 
 from __future__ import annotations

@@ -13,29 +13,48 @@ Per (batch, kv-head, token) vector ``x`` of ``d = head_dim`` values (d a power o
 The stream is stored as each value's newest ``k_i`` bits, packed in the same fields as tq (``codes`` or
 ``codes_hi``/``codes_lo``, and ``norm``), so the bits per element are tq's. A reader decodes any value from the
 ``ceil(L / k)`` codes that end at it: one table lookup per value, no search. The encoder is the cost: ``d`` steps
-over ``2**L`` states per vector (about 1.5 ms per 1,000 vectors of 64 at L=8 in torch on one core).
+over ``2**L`` states per vector, two passes. In torch (:func:`walshkv.ops.trellis.encode`, the reference) that is
+about 0.1 s per 1,000 vectors of 64 at L=8 on one core, and 5 ms for a decode step's few, nearly all op overhead. The
+search after the rotation is a :class:`walshkv.codecs.accelerated.Step`, :data:`TCQ_CODES`: on the CPU the C++
+kernel's (:mod:`walshkv.attention.cpu`) takes it once loaded, the same codes in about 5 us per vector of 64 at L=8
+(3 bits, one thread, a Zen 4 EPYC, AVX-512 or AVX2 build).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from walshkv.codecs import accelerated
+from walshkv.codecs.accelerated import Step
 from walshkv.codecs.base import Codec, Field, Packed
 from walshkv.codecs.turbo import TurboQuant, _check_fp16, _check_seed, _fmt_bits
 from walshkv.ops import trellis
 from walshkv.ops.packing import pack_bits, unpack_bits
 from walshkv.ops.quant import FP16_MAX, check_finite, cpu_scalar, min_max
 
-__all__ = ["TCQ_BITS", "TCQ_STATE_BITS", "TrellisQuant", "parse_tcq_args"]
+__all__ = ["TCQ_BITS", "TCQ_CODES", "TCQ_STATE_BITS", "TrellisQuant", "parse_tcq_args"]
 
 #: Bit widths of ``tcq`` (those with a shipped table).
 TCQ_BITS: tuple[float, ...] = trellis.TRELLIS_BITS
 #: State sizes ``L`` of ``tcq`` (default 8).
 TCQ_STATE_BITS: tuple[int, ...] = trellis.STATE_BITS
+
+#: ``(t, table, widths, state_bits) -> codes | None``: the signature of :data:`TCQ_CODES`' implementations.
+TrellisCoder = Callable[[torch.Tensor, torch.Tensor, tuple[int, ...], int], "torch.Tensor | None"]
+
+#: tcq's trellis search after its rotation, a step an accelerated implementation may take over
+#: (:mod:`walshkv.codecs.accelerated`; :mod:`walshkv.attention.cpu` registers the C++ kernel's). The torch path,
+#: :func:`walshkv.ops.trellis.encode`, is its reference; an implementation must give the same codes.
+TCQ_CODES: Step[TrellisCoder] = Step(
+    "tcq.codes",
+    "takes the scaled rotated values t [N, n] (float32, contiguous, on the CPU), the table (float32 [2**L]), the n "
+    "widths and L; returns walshkv.ops.trellis.encode's codes [N, n] (int32), or None to leave them to the torch path",
+)
 
 
 def _valid(values: tuple[float, ...]) -> str:
@@ -118,7 +137,14 @@ class TrellisQuant(Codec):
         scale = norm16.to(torch.float32)
         scale = scale / cpu_scalar(math.sqrt(d), scale)
         t = self.rotation.rotate(x) / (scale if smallest > 0 else torch.where(scale > 0, scale, 1.0))
-        codes = trellis.encode(t, self.table(x.device), self.widths(d), self.state_bits)
+        tab, widths = self.table(x.device), self.widths(d)
+        codes = None
+        coder = accelerated.implementation(TCQ_CODES)
+        if coder is not None and x.device.type == "cpu":
+            # the accelerated search (the C++ kernel's: a decode step's one token in microseconds instead of two
+            # passes of a few torch ops per value, milliseconds); what it declines takes the torch path
+            codes = coder(t.reshape(-1, d).contiguous(), tab, widths, self.state_bits)
+        codes = trellis.encode(t, tab, widths, self.state_bits) if codes is None else codes.reshape(t.shape)
         tensors = {
             name: pack_bits(codes[..., start:stop], bits) for name, start, stop, bits in self.rotation.segments(d)
         }
