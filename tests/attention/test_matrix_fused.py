@@ -38,7 +38,7 @@ from walshkv.codecs.registry import parse_codec
 KV_HEADS = 2  # CalibrationStub's kv heads: the eq+ transforms are per kv head
 
 #: The core codecs the kernels document (CPU_SUPPORTED, TRITON_SUPPORTED) and the wrappers they read through.
-KERNEL_CODECS = {"int2", "int3", "int4", "int5", "int6", "int7", "int8", "q4_0", "q8_0", "vht2", "tq"}
+KERNEL_CODECS = {"int2", "int3", "int4", "int5", "int6", "int7", "int8", "q4_0", "q8_0", "vht2", "tq", "tcq"}
 PEELED = {"rot", "rrot", "center", "eq", "eqd"}
 #: What one kernel reads beyond those.
 EXTRA_CODECS = {"cpu": {"iq4_nl"}, "triton": set()}
@@ -51,6 +51,7 @@ SHAPES = {
     "q8_0": r"q8_0",
     "vht2": r"vht2(:.*)?",
     "tq": r"tq:.*",
+    "tcq": r"tcq:.*",
     "center+": r"center\+.*",
     "eq+": r"(center\+)?eq\+.*",
     "prerope+": r"prerope\+.*",

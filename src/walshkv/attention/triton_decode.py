@@ -67,6 +67,7 @@ from walshkv.attention.triton_kernels import (
     FMT_INT,
     FMT_Q4_0,
     FMT_Q8_0,
+    FMT_TCQ,
     FMT_TQ,
     build_kernel,
     build_prerope_kernel,
@@ -77,6 +78,7 @@ from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.ggml import QK, GGMLCodec
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.prerope import PreRope
+from walshkv.codecs.trellis import TrellisQuant
 from walshkv.codecs.turbo import TurboQuant
 from walshkv.codecs.vht2 import VHT2Codec
 from walshkv.ops.packing import packed_nbytes
@@ -92,7 +94,7 @@ __all__ = [
 ]
 
 #: Human-readable list of the (inner) codecs the Triton kernel reads.
-TRITON_SUPPORTED = "int2..int8, q4_0, q8_0, vht2, tq (each also under rot+, rrot+, center+, eq+ and prerope+)"
+TRITON_SUPPORTED = "int2..int8, q4_0, q8_0, vht2, tq, tcq (each also under rot+, rrot+, center+, eq+ and prerope+)"
 
 
 def _format(core: Codec, head_dim: int) -> tuple[int, int, int, int, str] | None:
@@ -117,7 +119,52 @@ def _format(core: Codec, head_dim: int) -> tuple[int, int, int, int, str] | None
             return None
         name, start, stop, bits = core.segments(head_dim)[0]
         return FMT_TQ, 0, packed_nbytes(stop - start, bits), 0, name
+    if type(core) is TrellisQuant:  # BITS: the taps per state, QMAX: the state mask
+        try:
+            core.check_head_dim(head_dim)
+        except ValueError:
+            return None
+        name, start, stop, bits = core.rotation.segments(head_dim)[0]
+        taps = _tcq_table(core, head_dim, torch.device("cpu"))[0].shape[0] // 5
+        return FMT_TCQ, taps, packed_nbytes(stop - start, bits), (1 << core.state_bits) - 1, name
     return None
+
+
+_TCQ_TABLES: dict[tuple[str, int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _tcq_table(
+    core: TrellisQuant, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per tap ``t`` and position ``j``: int32 rows (bit offset of code ``(j - t) mod head_dim`` in its segment's row,
+    its width, its segment, the segment's row bytes, its shift in value ``j``'s state, 32 where the state needs no
+    such code), ``[taps * 5, head_dim]``; the trellis table divided by ``sqrt(head_dim)``; the basis (as tq's)."""
+    key = (core.spec, head_dim, str(device))
+    if key in _TCQ_TABLES:
+        return _TCQ_TABLES[key]
+    segments = core.rotation.segments(head_dim)
+    where = []  # per position: (bit offset in its segment, width, segment, segment row bytes)
+    for i, (_, start, stop, bits) in enumerate(segments):
+        where += [((j - start) * bits, bits, i, packed_nbytes(stop - start, bits)) for j in range(start, stop)]
+    widths = core.widths(head_dim)
+    rows: list[list[tuple[int, ...]]] = []
+    for j in range(head_dim):  # the codes of value j's state, newest first, until L bits are covered
+        taps, shift, src = [], 0, j
+        while shift < core.state_bits:
+            taps.append((*where[src], shift))
+            shift += widths[src]
+            src = (src - 1) % head_dim
+        rows.append(taps)
+    depth = max(len(r) for r in rows)
+    table = torch.zeros(depth, 5, head_dim, dtype=torch.int32)
+    table[:, 4, :] = 32
+    for j, taps in enumerate(rows):
+        for t, entry in enumerate(taps):
+            table[t, :, j] = torch.tensor(entry, dtype=torch.int32)
+    levels = (core.table() / math.sqrt(head_dim)).to(torch.float32)
+    basis = core.rotation.unrotate(torch.eye(head_dim)).T.contiguous()
+    _TCQ_TABLES[key] = (table.reshape(depth * 5, head_dim).to(device), levels.to(device), basis.to(device))
+    return _TCQ_TABLES[key]
 
 
 _TQ_TABLES: dict[tuple[str, int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -192,9 +239,9 @@ def _fields(
         )
     if codes.stride(3) != 1:
         codes = codes.contiguous()
-    if kind not in (FMT_INT, FMT_BANDED, FMT_TQ):
+    if kind not in (FMT_INT, FMT_BANDED, FMT_TQ, FMT_TCQ):
         return codes, None
-    field = "norm" if kind == FMT_TQ else "scale"
+    field = "norm" if kind in (FMT_TQ, FMT_TCQ) else "scale"
     scale = packed.tensors.get(field)
     if scale is None or scale.dtype != torch.float16 or tuple(scale.shape) != (*codes.shape[:3], scales):
         raise ValueError(f"packed {what} field {field!r} must be float16 [batch, heads, seq, {scales}]")
@@ -217,9 +264,11 @@ def _side(
         table, basis = _band_table(core, d, device)
         scales = len(core.bands(d))
     codes, scale = _fields(packed, fmt, what, scales)
-    if isinstance(core, TurboQuant):
-        table, levels, basis = _tq_table(core, d, device)
-        segments = core.segments(d)
+    if isinstance(core, (TurboQuant, TrellisQuant)):
+        table, levels, basis = (
+            _tq_table(core, d, device) if isinstance(core, TurboQuant) else _tcq_table(core, d, device)
+        )
+        segments = core.segments(d) if isinstance(core, TurboQuant) else core.rotation.segments(d)
         if len(segments) == 2:
             name, start, stop, bits = segments[1]
             codes2, _ = _fields(packed, (fmt[0], 0, packed_nbytes(stop - start, bits), 0, name), what)
@@ -334,6 +383,8 @@ def _buffer_basis(core: Codec, d: int) -> torch.Tensor | None:
     cpu = torch.device("cpu")
     if isinstance(core, TurboQuant):
         return _tq_table(core, d, cpu)[2]
+    if isinstance(core, TrellisQuant):
+        return _tcq_table(core, d, cpu)[2]
     if isinstance(core, VHT2Codec):
         return _band_table(core, d, cpu)[1]
     return None

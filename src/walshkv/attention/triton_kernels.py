@@ -24,6 +24,7 @@ __all__ = [
     "FMT_INT",
     "FMT_Q4_0",
     "FMT_Q8_0",
+    "FMT_TCQ",
     "FMT_TQ",
     "build_kernel",
     "build_prerope_kernel",
@@ -36,6 +37,7 @@ FMT_Q4_0 = 1
 FMT_Q8_0 = 2
 FMT_BANDED = 3  # vht2
 FMT_TQ = 4  # tq: Lloyd-Max codes in one or two code tensors, one fp16 norm
+FMT_TCQ = 5  # tcq: tq's fields, each value the trellis table at the state the codes ending at it form
 
 _lock = threading.Lock()
 _available: bool | None = None
@@ -145,6 +147,30 @@ def _rows(
         hi += tl.load(row2 + byte + 1, mask=in1 & more, other=0).to(tl.int32)
         code = ((lo | (hi << 8)) >> shift) & ((1 << width) - 1)[None, :]
         vals = tl.load(lev_ptr + first[None, :] + code, mask=m2, other=0.0)
+        tok = tl.load(scale_ptr + b * ss0 + h * ss1 + offs_n * ss2, mask=mask_n, other=0.0).to(tl.float32)
+    elif FMT == 5:  # tcq: BITS taps, each (source bit offset, width, segment, segment row bytes, state shift)
+        row2 = codes2_ptr + b * c2s0 + h * c2s1 + offs_n[:, None] * c2s2
+        state = tl.zeros(m2.shape, dtype=tl.int32)
+        for t in tl.static_range(BITS):
+            base = t * 5 * ROW_D
+            bitpos = tl.load(tab_ptr + base + offs_d, mask=mask_d, other=0)
+            width = tl.load(tab_ptr + base + ROW_D + offs_d, mask=mask_d, other=0)
+            seg = tl.load(tab_ptr + base + 2 * ROW_D + offs_d, mask=mask_d, other=0)
+            nbytes = tl.load(tab_ptr + base + 3 * ROW_D + offs_d, mask=mask_d, other=0)
+            sh = tl.load(tab_ptr + base + 4 * ROW_D + offs_d, mask=mask_d, other=32)
+            use = m2 & (sh < 32)[None, :]
+            byte = (bitpos // 8)[None, :]
+            shift = (bitpos % 8)[None, :]
+            in0 = use & (seg == 0)[None, :]
+            in1 = use & (seg == 1)[None, :]
+            more = (byte + 1) < nbytes[None, :]
+            lo = tl.load(row + byte, mask=in0, other=0).to(tl.int32)
+            lo += tl.load(row2 + byte, mask=in1, other=0).to(tl.int32)
+            hi = tl.load(row + byte + 1, mask=in0 & more, other=0).to(tl.int32)
+            hi += tl.load(row2 + byte + 1, mask=in1 & more, other=0).to(tl.int32)
+            code = ((lo | (hi << 8)) >> shift) & ((1 << width) - 1)[None, :]
+            state = state | tl.where(use, code << tl.where(sh < 32, sh, 0)[None, :], 0)
+        vals = tl.load(lev_ptr + (state & QMAX), mask=m2, other=0.0)
         tok = tl.load(scale_ptr + b * ss0 + h * ss1 + offs_n * ss2, mask=mask_n, other=0.0).to(tl.float32)
     else:  # ggml q4_0 / q8_0: 32-value blocks, fp16 d first
         j = offs_d % 32
