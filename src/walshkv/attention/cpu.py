@@ -373,11 +373,15 @@ def tcq_code_rows(t: torch.Tensor, tab: torch.Tensor, widths: tuple[int, ...], s
         state_bits: ``L``.
 
     Returns:
-        int32 ``[N, n]``, value ``i``'s code in ``0 .. 2**widths[i] - 1``; or ``None`` where the kernel is not loaded,
-        the tensors are not plain contiguous CPU float32 tensors of those shapes, or the kernel declines (a width
-        outside 1..8 or above ``state_bits``, ``state_bits`` above 12, a non-finite value).
+        int32 ``[N, n]``, value ``i``'s code in ``0 .. 2**widths[i] - 1``; or ``None`` where the kernel cannot be
+        built here, the tensors are not plain contiguous CPU float32 tensors of those shapes, or the kernel declines
+        (a width outside 1..8 or above ``state_bits``, ``state_bits`` above 12, a non-finite value).
+
+    Unlike tq's packer, this one loads (builds, the first time) the kernel itself: the torch search is about 20 times
+    slower (the evaluation of one 4k window took minutes), so a process that never used the fused attention still
+    gets the C++ search.
     """
-    kernel = _kernel
+    kernel = _kernel if _kernel is not None else load_kernel()
     if (
         kernel is None
         or t.dtype != torch.float32
