@@ -17,7 +17,7 @@ SELECT=docs/results/long-context/select
 DATA="${DATA:-../shared/data}"
 EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
-STAGES="${STAGES:-tables rd select ship emma holdout report}"
+STAGES="${STAGES:-tables rd select ship emma holdout bench report}"
 MODEL=smollm2-135m
 
 # The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
@@ -98,9 +98,18 @@ for stage in $STAGES; do
       --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+iq4_nl --codec rot+q4_0 \
       --codec rot+q8_0/rot+q4_0 --json "$OUT/$MODEL/persuasion.json"
     ;;
+  bench)
+    # decode attention at 16k, one thread (an idle machine): tq against tcq alone and in the 3.5-bit fast preset's
+    # spec (the one before the selection and the tcq twin, the same diagonal calibration), rot+int4 as the 4-bit peer
+    cal=src/walshkv/calibrations/$MODEL/prerope-plain-keqd.gguf
+    [ -f "$OUT/bench-attention/bench.json" ] || walshkv bench attention --model "$MODEL" --threads 1 --kv-len 16384 \
+      --codec 'sink:1:layers:prerope+center+eqd+tq:3.5/tq:2.5@5,8,12;prerope+center+eqd+tq:3.5/tq:3' \
+      --codec 'sink:1:layers:prerope+center+eqd+tcq:3.5/tcq:2.5@5,8,12;prerope+center+eqd+tcq:3.5/tcq:3' \
+      --codec tq:3 --codec tcq:3 --codec rot+int4 --kv-mean-center "$cal" --quiet --out "$OUT/bench-attention"
+    ;;
   report)
     python scripts/trellis_report.py
     ;;
-  *) echo "unknown stage $stage (tables rd select ship emma holdout report)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tables rd select ship emma holdout bench report)" >&2; exit 2 ;;
   esac
 done

@@ -7,6 +7,7 @@ Blocks (each a file under docs/results/trellis, pasted with scripts/update_readm
     select     the selection runs (docs/results/long-context/select/MODEL/recommend-*-tcq-ctx4096.json)
     emma       the presets and the specs they replaced on Emma (development text)
     holdout    the same on Persuasion (the frozen holdout), with the issue's targets and paired intervals
+    bench      decode attention at 16k, one thread: tq against tcq (bench-attention/bench.md as written)
 
 A block whose inputs do not exist yet is skipped with a note; nothing is typed by hand.
 
@@ -179,6 +180,11 @@ def _eval_block(path: Path, targets: bool) -> str | None:
     return "\n".join(lines)
 
 
+def _bench() -> str | None:
+    path = OUT / "bench-attention" / "bench.md"
+    return path.read_text().strip() if path.exists() else None
+
+
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     blocks = {
@@ -187,6 +193,7 @@ def main() -> int:
         "select": select(),
         "emma": _eval_block(OUT / MODEL / "emma.json", targets=False),
         "holdout": _eval_block(OUT / MODEL / "persuasion.json", targets=True),
+        "bench": _bench(),
     }
     for name, body in blocks.items():
         if body is None:
