@@ -51,6 +51,11 @@ TARGETS = [
 ]
 
 
+def _where(meta: dict) -> str:
+    """``COMMIT on CPU`` of a result's meta."""
+    return f"{meta.get('versions', {}).get('commit', '?')} on {meta.get('cpu', {}).get('model', '?')}"
+
+
 def gaussian() -> str:
     data = json.loads(TABLES.read_text())
     meta = data["meta"]
@@ -87,7 +92,7 @@ def rd() -> str | None:
         run = json.loads(path.read_text())
         rows = {r["codec"]: r for r in run["results"]}
         lines = [
-            f"**{model}** ({run['meta'].get('commit', '?')}, {run['meta'].get('cpu', {}).get('model', '?')}):",
+            f"**{model}** ({_where(run['meta'])}):",
             "",
             "| width | bits stored | tq K dB | tcq K dB | tq V dB | tcq V dB | tcq gain K / V, dB |",
             "|---|---|---|---|---|---|---|",
@@ -127,7 +132,7 @@ def select() -> str | None:
     lines.append("")
     lines.append(
         f"`walshkv recommend --only-candidates --ctx 4096 --windows 2` on python-docs (docs/trellis-reproduce.sh, "
-        f"stage select), {meta.get('commit', '?')} on {meta.get('cpu', {}).get('model', '?')}."
+        f"stage select), {_where(meta)}."
     )
     return "\n".join(lines)
 
@@ -158,6 +163,17 @@ def _eval_block(path: Path, targets: bool) -> str | None:
             lines.append(
                 f"| {preset} | the tq spec it replaced | {d[0]:+.4f} [{d[1][0]:+.4f}, {d[1][1]:+.4f}] | {verdict} |"
             )
+    for preset in ("walshkv:3-fast", "walshkv:3.5-fast", "walshkv:4.5-fast"):  # issue 35: fast as good as dense?
+        a, b = by_preset.get(preset), by_codec.get(BEFORE[preset.removesuffix("-fast")])
+        if a is None or b is None:
+            continue
+        d = paired_difference(a["window_kld_mean"], b["window_kld_mean"])
+        if d is not None:
+            verdict = "better" if d[1][1] < 0 else "worse" if d[1][0] > 0 else "within the interval"
+            lines.append(
+                f"| {preset} | the dense tq preset before (issue 35: no worse) | {d[0]:+.4f} [{d[1][0]:+.4f}, "
+                f"{d[1][1]:+.4f}] | {verdict} |"
+            )
     if targets:
         for preset, peer, what in TARGETS:
             a, b = by_preset.get(preset), by_codec.get(peer)
@@ -174,8 +190,8 @@ def _eval_block(path: Path, targets: bool) -> str | None:
     lines.append("")
     lines.append(
         f"{meta['model']['name']}, {meta['text']['name']}, {meta['windows']} windows of {meta['ctx']} tokens (quantize "
-        f"on write); {meta.get('commit', '?')} on {meta.get('cpu', {}).get('model', '?')}. A target is met when the "
-        "interval of the difference reaches zero or below."
+        f"on write); {_where(meta)}."
+        + (" A target is met when the interval of the difference reaches zero or below." if targets else "")
     )
     return "\n".join(lines)
 

@@ -63,11 +63,22 @@ def test_every_shipped_spec_parses_fits_its_budget_and_has_provenance():
 
 
 def test_the_longest_selection_context_ships():
-    # smollm2-135m's walshkv:4.5 was re-selected at 4k tokens (docs/long-context.md): that run ships, not the 512 one
-    choice = model_presets()["smollm2-135m"]["presets"]["walshkv:4.5"]
-    run = json.loads((ROOT / "docs/results/long-context/select/smollm2-135m/recommend-4.5-ctx4096.json").read_text())
+    # qwen2.5-1.5b's walshkv:4.5 was re-selected at 4k tokens (docs/long-context.md): that run ships, not the 512 one
+    choice = model_presets()["qwen2.5-1.5b"]["presets"]["walshkv:4.5"]
+    run = json.loads((ROOT / "docs/results/long-context/select/qwen2.5-1.5b/recommend-4.5-ctx4096.json").read_text())
     assert choice["ctx"] == 4096 and choice["spec"] == run["winner"]
-    assert choice["source"] == "docs/results/long-context/select/smollm2-135m/recommend-4.5-ctx4096.json"
+    assert choice["source"] == "docs/results/long-context/select/qwen2.5-1.5b/recommend-4.5-ctx4096.json"
+
+
+def test_at_the_same_context_the_later_run_ships():
+    # smollm2-135m's walshkv:4.5 was selected at 4k twice: the tcq re-selection (docs/trellis.md) replaced the first
+    choice = model_presets()["smollm2-135m"]["presets"]["walshkv:4.5"]
+    folder = ROOT / "docs/results/long-context/select/smollm2-135m"
+    first = json.loads((folder / "recommend-4.5-ctx4096.json").read_text())
+    later = json.loads((folder / "recommend-4.5-tcq-ctx4096.json").read_text())
+    assert first["meta"]["date"] < later["meta"]["date"]
+    assert choice["spec"] == later["winner"] != first["winner"]
+    assert choice["source"] == "docs/results/long-context/select/smollm2-135m/recommend-4.5-tcq-ctx4096.json"
 
 
 def test_known_model_resolves_to_its_shipped_spec():
