@@ -143,12 +143,20 @@ def test_the_kernel_is_tcqs_registered_coder() -> None:
         assert accelerated.implementation(tcq.TCQ_CODES) is None
 
 
-def test_the_coder_declines_until_the_kernel_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_coder_loads_the_kernel_itself_and_declines_where_it_cannot_be_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     codec = parse_codec("tcq:3")
     x = torch.randn(1, 2, 3, 64, generator=torch.Generator().manual_seed(2))
     tab, widths = codec.table(), codec.widths(64)
+    rows = torch.randn(3, 64)
+    loaded = cpu.load_kernel()
+    monkeypatch.setattr(cpu, "_kernel", None)  # a process that never used the fused attention: the coder loads it
+    got = cpu.tcq_code_rows(rows, tab, widths, 8)
+    assert got is not None and cpu._kernel is loaded
     monkeypatch.setattr(cpu, "_kernel", None)
-    assert cpu.tcq_code_rows(torch.randn(3, 64), tab, widths, 8) is None
+    monkeypatch.setattr(cpu, "_kernel_failed", True)  # no compiler here: the torch path codes, the same codes
+    assert cpu.tcq_code_rows(rows, tab, widths, 8) is None
     _same(codec.encode(x), _torch_path(codec, x))
 
 
