@@ -149,7 +149,10 @@ def test_a_preset_without_calibration_names_the_fix():
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
-        ({"codecs": ["walshkv:9"]}, "unknown preset 'walshkv:9'; presets: walshkv:3, walshkv:3.5, walshkv:4.5"),
+        (
+            {"codecs": ["walshkv:9"]},
+            "unknown preset 'walshkv:9'; presets: walshkv:2.5, walshkv:3, walshkv:3.5, walshkv:4.5",
+        ),
         ({"codecs": ["walshkv:3.5"], "kv_mean_center": "missing.gguf"}, "missing.gguf: no such file"),
         ({"codecs": None, "kv_mean_center": "x.gguf"}, "add --gen-codec SPEC"),
         ({"codecs": None, "calib_text": "t.txt"}, "add --gen-codec SPEC"),
@@ -229,12 +232,13 @@ def test_calibration_inputs_resolve_as_in_eval(tiny_model_dir, tiny_preset_file,
 
 
 def test_default_table_has_the_shipped_presets(tmp_path, monkeypatch):
-    """walshkv ships the calibration of every preset of smollm2-135m (each becomes a row; the three plain presets
-    read one file, the three fast ones another); a model whose presets lack some leaves those rows out with a note
+    """walshkv ships the calibration of every preset of smollm2-135m (each becomes a row; the four plain presets
+    read one file, the four fast ones another); a model whose presets lack some leaves those rows out with a note
     naming the fix."""
-    names = ["walshkv:3", "walshkv:3.5", "walshkv:4.5", "walshkv:3-fast", "walshkv:3.5-fast", "walshkv:4.5-fast"]
+    plain = ["walshkv:2.5", "walshkv:3", "walshkv:3.5", "walshkv:4.5"]
+    names = [*plain, *(f"{n}-fast" for n in plain)]
     files = [shipped_preset_file("smollm2-135m", name) for name in names]
-    assert all(f is not None and f.is_file() for f in files), "walshkv ships smollm2-135m's six presets' files"
+    assert all(f is not None and f.is_file() for f in files), "walshkv ships smollm2-135m's eight presets' files"
     assert len(set(files)) == 2
     requests, notes = default_generation_codecs("smollm2-135m")
     assert requests == ["rot+int4", "q4_0", *((n, str(f)) for n, f in zip(names, files, strict=True))]
@@ -252,13 +256,14 @@ def test_default_table_has_the_shipped_presets(tmp_path, monkeypatch):
         "walshkv:3.5",
         "walshkv:3.5-fast",
     ]
-    assert len(notes) == 1 and "for walshkv:3, walshkv:4.5, so the default table has no row for them" in notes[0]
-    assert "walshkv calibrate --preset walshkv:3 --model smollm2-135m -o FILE" in notes[0]
+    assert len(notes) == 1
+    assert "for walshkv:2.5, walshkv:3, walshkv:4.5, so the default table has no row for them" in notes[0]
+    assert "walshkv calibrate --preset walshkv:2.5 --model smollm2-135m -o FILE" in notes[0]
     monkeypatch.undo()
     requests, notes = default_generation_codecs("tiny-model-without-presets")
     assert requests == ["rot+int4", "q4_0"]
     assert len(notes) == 1 and "walshkv ships no calibration for tiny-model-without-presets" in notes[0]
-    assert "walshkv calibrate --preset walshkv:3 " in notes[0] and "--kv-mean-center FILE" in notes[0]
+    assert "walshkv calibrate --preset walshkv:2.5 " in notes[0] and "--kv-mean-center FILE" in notes[0]
 
 
 def test_bench_generation_refuses_mixed_codec_kinds():
