@@ -50,6 +50,17 @@ before() {
   done
 }
 
+# the presets (as shipped now) beside the specs they replaced and the peers, on text $1 (16 windows of 512), to
+# $OUT/$MODEL/$2.json
+compare() {
+  mkdir -p "$OUT/$MODEL"
+  [ -f "$OUT/$MODEL/$2.json" ] || walshkv eval --model "$MODEL" --text "$1" --windows 16 --quiet \
+    --calib-text python-docs $(before) \
+    --codec walshkv:2.5 --codec walshkv:2.5-fast --codec walshkv:3 --codec walshkv:3-fast --codec walshkv:3.5 \
+    --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+iq4_nl --codec rot+q4_0 \
+    --codec rot+q8_0/rot+q4_0 --json "$OUT/$MODEL/$2.json"
+}
+
 for stage in $STAGES; do
   case "$stage" in
   tables)
@@ -83,21 +94,8 @@ for stage in $STAGES; do
     python scripts/ship_presets.py
     python scripts/ship_calibrations.py --model "$MODEL"
     ;;
-  emma)
-    mkdir -p "$OUT/$MODEL"
-    [ -f "$OUT/$MODEL/emma.json" ] || walshkv eval --model "$MODEL" --text "$EMMA" --windows 16 --quiet \
-      --calib-text python-docs $(before) \
-      --codec walshkv:2.5 --codec walshkv:2.5-fast --codec walshkv:3 --codec walshkv:3-fast --codec walshkv:3.5 \
-      --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+iq4_nl --codec rot+q4_0 \
-      --codec rot+q8_0/rot+q4_0 --json "$OUT/$MODEL/emma.json"
-    ;;
-  holdout)
-    [ -f "$OUT/$MODEL/persuasion.json" ] || walshkv eval --model "$MODEL" --text "$PERSUASION" --windows 16 --quiet \
-      --calib-text python-docs $(before) \
-      --codec walshkv:2.5 --codec walshkv:2.5-fast --codec walshkv:3 --codec walshkv:3-fast --codec walshkv:3.5 \
-      --codec walshkv:3.5-fast --codec walshkv:4.5 --codec walshkv:4.5-fast --codec rot+iq4_nl --codec rot+q4_0 \
-      --codec rot+q8_0/rot+q4_0 --json "$OUT/$MODEL/persuasion.json"
-    ;;
+  emma) compare "$EMMA" emma ;;
+  holdout) compare "$PERSUASION" persuasion ;;
   bench)
     # decode attention at 16k, one thread (an idle machine): tq against tcq alone and in the 3.5-bit fast preset's
     # spec (the one before the selection and the tcq twin, the same diagonal calibration), rot+int4 as the 4-bit peer

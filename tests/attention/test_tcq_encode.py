@@ -16,10 +16,12 @@ small ops: the blocks here stay small.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+
+# the helpers tq's packer tests and the ISA builds share (tests/attention is on the path, as for test_attention)
+from test_isa_builds import _cpu_has
+from test_tq_pack import _same, _torch_path
 
 from walshkv.attention import cpu
 from walshkv.cache.layers import CompressedLayer
@@ -34,15 +36,6 @@ HEAD_DIMS = (16, 64, 128)
 #: The kernel's search is the same for any L (up to 12): L = 10 runs with an untrained table while none ships.
 STATE_BITS = tuple(sorted({*trellis.STATE_BITS, 8, 10}))
 AVX2 = ("-O3", "-march=haswell", "-fopenmp", "-std=c++20")  # test_isa_builds' AVX2 build: the same cached module
-
-
-def _cpu_has(flags: tuple[str, ...]) -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    have = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
-    return all(f in have for f in flags)
 
 
 def _table(bits: float, state_bits: int) -> torch.Tensor:
@@ -123,18 +116,6 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setitem(accelerated._REGISTRY, tcq.TCQ_CODES, coder)
     return calls
-
-
-def _torch_path(codec, x: torch.Tensor, start: int = 0):
-    with accelerated.reference_only():
-        return codec.encode(x, start)
-
-
-def _same(a, b) -> None:
-    assert a.tensors.keys() == b.tensors.keys()
-    for name in a.tensors:
-        assert a.tensors[name].dtype == b.tensors[name].dtype, name
-        assert torch.equal(a.tensors[name], b.tensors[name]), name
 
 
 def test_the_kernel_is_tcqs_registered_coder() -> None:
