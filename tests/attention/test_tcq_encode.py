@@ -21,10 +21,9 @@ import torch
 
 # the helpers tq's packer tests and the ISA builds share (tests/attention is on the path, as for test_attention)
 from test_isa_builds import _cpu_has
-from test_tq_pack import _same, _torch_path
+from test_tq_pack import _decode_steps_match, _same, _torch_path
 
 from walshkv.attention import cpu
-from walshkv.cache.layers import CompressedLayer
 from walshkv.codecs import accelerated
 from walshkv.codecs import trellis as tcq
 from walshkv.codecs.registry import parse_codec
@@ -244,18 +243,7 @@ def test_refused_inputs_raise_what_the_torch_path_raises(counted: list[int]) -> 
 
 def test_a_decode_step_codes_in_the_kernel(counted: list[int]) -> None:
     """A cache's one-token write of a tcq layer goes through the kernel, and stores what the torch path stores."""
-    layer = CompressedLayer("tcq:3/tcq:2.5")
-    twin = CompressedLayer("tcq:3/tcq:2.5")
-    gen = torch.Generator().manual_seed(5)
-    blocks = [(torch.randn(1, 3, n, 64, generator=gen), torch.randn(1, 3, n, 64, generator=gen)) for n in (5, 1, 1)]
-    for k, v in blocks:
-        layer.update(k, v)
-    with accelerated.reference_only():
-        for k, v in blocks:
-            twin.update(k, v)
-    assert len(counted) == 6 and counted[-1] == 3 * 64
-    _same(layer.packed_k, twin.packed_k)
-    _same(layer.packed_v, twin.packed_v)
+    _decode_steps_match("tcq:3/tcq:2.5", 5, counted)
 
 
 def test_the_avx2_build_gives_the_same_codes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -134,12 +134,14 @@ def test_refused_inputs_raise_what_the_torch_path_raises(counted: list[int]) -> 
     assert str(kernel_err.value) == str(torch_err.value)
 
 
-def test_a_decode_step_packs_in_the_kernel(counted: list[int]) -> None:
-    """A cache's one-token write of a tq layer goes through the kernel, and stores what the torch path stores."""
-    layer = CompressedLayer("tq:3.5/tq:2.5")
-    twin = CompressedLayer("tq:3.5/tq:2.5")
+def _decode_steps_match(spec: str, prefill: int, counted: list[int]) -> None:
+    """A prefill of ``prefill`` tokens then two one-token writes of a ``spec`` layer go through the kernel (counted by
+    the fixture) and store what the torch path stores."""
+    layer = CompressedLayer(spec)
+    twin = CompressedLayer(spec)
     gen = torch.Generator().manual_seed(5)
-    blocks = [(torch.randn(1, 3, n, 64, generator=gen), torch.randn(1, 3, n, 64, generator=gen)) for n in (9, 1, 1)]
+    sizes = (prefill, 1, 1)
+    blocks = [(torch.randn(1, 3, n, 64, generator=gen), torch.randn(1, 3, n, 64, generator=gen)) for n in sizes]
     for k, v in blocks:
         layer.update(k, v)
     with accelerated.reference_only():
@@ -148,3 +150,8 @@ def test_a_decode_step_packs_in_the_kernel(counted: list[int]) -> None:
     assert len(counted) == 6 and counted[-1] == 3 * 64
     _same(layer.packed_k, twin.packed_k)
     _same(layer.packed_v, twin.packed_v)
+
+
+def test_a_decode_step_packs_in_the_kernel(counted: list[int]) -> None:
+    """A cache's one-token write of a tq layer goes through the kernel, and stores what the torch path stores."""
+    _decode_steps_match("tq:3.5/tq:2.5", 9, counted)

@@ -24,6 +24,7 @@ from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.trellis import TrellisQuant
 from walshkv.codecs.turbo import TurboQuant
 from walshkv.codecs.vht2 import VHT2Codec
+from walshkv.ops import trellis
 from walshkv.ops.packing import packed_nbytes
 
 __all__ = [
@@ -129,19 +130,7 @@ def _tcq_format(core: TrellisQuant, head_dim: int) -> KernelFormat | None:
     except ValueError:
         return None
     table = core.table().contiguous()
-    widths = core.widths(head_dim)
-    taps: list[list[int]] = []
-    for i in range(head_dim):  # the shifts of codes i, i-1, ... in value i's state, until L bits are covered
-        row, shift, j = [], 0, i
-        while shift < core.state_bits:
-            row.append(shift)
-            shift += widths[j]
-            j = (j - 1) % head_dim
-        taps.append(row)
-    depth = max(len(row) for row in taps)
-    shifts = torch.full((depth, head_dim), 32, dtype=torch.int32)
-    for i, row in enumerate(taps):
-        shifts[: len(row), i] = torch.tensor(row, dtype=torch.int32)
+    shifts = trellis.state_taps(core.widths(head_dim), core.state_bits)[1]  # tap t of value i: code i - t
     segments = tuple(
         (name, start, stop - start, bits, table) for name, start, stop, bits in core.rotation.segments(head_dim)
     )
@@ -158,7 +147,7 @@ def _tcq_format(core: TrellisQuant, head_dim: int) -> KernelFormat | None:
         "norm",
         basis,
         segments=segments,
-        trellis=(table, shifts.contiguous(), depth, core.state_bits),
+        trellis=(table, shifts.contiguous(), shifts.shape[0], core.state_bits),
     )
 
 

@@ -81,6 +81,7 @@ from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.trellis import TrellisQuant
 from walshkv.codecs.turbo import TurboQuant
 from walshkv.codecs.vht2 import VHT2Codec
+from walshkv.ops import trellis
 from walshkv.ops.packing import packed_nbytes
 
 __all__ = [
@@ -146,21 +147,10 @@ def _tcq_table(
     where = []  # per position: (bit offset in its segment, width, segment, segment row bytes)
     for i, (_, start, stop, bits) in enumerate(segments):
         where += [((j - start) * bits, bits, i, packed_nbytes(stop - start, bits)) for j in range(start, stop)]
-    widths = core.widths(head_dim)
-    rows: list[list[tuple[int, ...]]] = []
-    for j in range(head_dim):  # the codes of value j's state, newest first, until L bits are covered
-        taps, shift, src = [], 0, j
-        while shift < core.state_bits:
-            taps.append((*where[src], shift))
-            shift += widths[src]
-            src = (src - 1) % head_dim
-        rows.append(taps)
-    depth = max(len(r) for r in rows)
-    table = torch.zeros(depth, 5, head_dim, dtype=torch.int32)
-    table[:, 4, :] = 32
-    for j, taps in enumerate(rows):
-        for t, entry in enumerate(taps):
-            table[t, :, j] = torch.tensor(entry, dtype=torch.int32)
+    src, shift = trellis.state_taps(core.widths(head_dim), core.state_bits)
+    at = torch.tensor(where, dtype=torch.int32)[src]  # [taps, head_dim, 4]: where each tap's code sits
+    table = torch.cat([at, shift[..., None]], dim=-1).permute(0, 2, 1).contiguous()  # [taps, 5, head_dim]
+    depth = src.shape[0]
     levels = (core.table() / math.sqrt(head_dim)).to(torch.float32)
     basis = core.rotation.unrotate(torch.eye(head_dim)).T.contiguous()
     _TCQ_TABLES[key] = (table.reshape(depth * 5, head_dim).to(device), levels.to(device), basis.to(device))

@@ -32,10 +32,9 @@ import torch
 from walshkv.codecs import accelerated
 from walshkv.codecs.accelerated import Step
 from walshkv.codecs.base import Codec, Field, Packed
-from walshkv.codecs.turbo import TurboQuant, _check_fp16, _check_seed, _fmt_bits
+from walshkv.codecs.turbo import TurboQuant, _check_seed, _fmt_bits
 from walshkv.ops import trellis
 from walshkv.ops.packing import pack_bits, unpack_bits
-from walshkv.ops.quant import FP16_MAX, check_finite, cpu_scalar, min_max
 
 __all__ = ["TCQ_BITS", "TCQ_CODES", "TCQ_STATE_BITS", "TrellisQuant", "parse_tcq_args"]
 
@@ -128,15 +127,7 @@ class TrellisQuant(Codec):
         d = x.shape[-1]
         norm = torch.linalg.vector_norm(x if x.dtype == torch.float64 else x.to(torch.float64), dim=-1, keepdim=True)
         norm16 = norm.to(torch.float16)
-        smallest = 0.0
-        if norm16.numel():
-            smallest, biggest = min_max(norm16)
-            if not biggest <= FP16_MAX:
-                check_finite(x, "K/V")
-                _check_fp16(norm, "L2 norm", self.spec)
-        scale = norm16.to(torch.float32)
-        scale = scale / cpu_scalar(math.sqrt(d), scale)
-        t = self.rotation.rotate(x) / (scale if smallest > 0 else torch.where(scale > 0, scale, 1.0))
+        t = self.rotation.scaled_rotation(x, norm, norm16, self.spec)
         tab, widths = self.table(x.device), self.widths(d)
         codes = None
         coder = accelerated.implementation(TCQ_CODES)

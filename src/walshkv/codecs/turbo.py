@@ -175,6 +175,31 @@ class TurboQuant(Codec):
         y = y if y.dtype == torch.float32 else y.to(torch.float32)
         return hadamard_transform(y) * signs_for(y.shape[-1], self.seed, y.device)
 
+    def scaled_rotation(self, x: torch.Tensor, norm: torch.Tensor, norm16: torch.Tensor, spec: str) -> torch.Tensor:
+        """``t = H(s * x) / (norm16 / sqrt(d))`` (float32, ``[..., d]``, close to N(0, 1) per coordinate), the values
+        tq (and tcq, which shares this rotation) code; a zero vector gives zeros.
+
+        Args:
+            x: ``[..., d]``.
+            norm: ``||x||_2`` in float64, ``[..., 1]``.
+            norm16: ``norm`` rounded to fp16, what the codec stores.
+            spec: the storing codec's spec, for messages.
+
+        Raises:
+            ValueError: a NaN or Inf in ``x``, or a norm past the fp16 maximum (named with ``spec``).
+        """
+        d = x.shape[-1]
+        smallest = 0.0
+        if norm16.numel():
+            smallest, biggest = min_max(norm16)
+            if not biggest <= FP16_MAX:  # an Inf norm, or NaN from a NaN/Inf input (a wrapper's output)
+                check_finite(x, "K/V")
+                _check_fp16(norm, "L2 norm", spec)
+        scale = norm16.to(torch.float32)
+        scale = scale / cpu_scalar(math.sqrt(d), scale)
+        # every norm positive (norm16 >= 2**-24, so is the scale): the where() is a no-op, skipped
+        return self.rotate(x) / (scale if smallest > 0 else torch.where(scale > 0, scale, 1.0))
+
     def _segment_tables(self, head_dim: int, device: torch.device) -> list[tuple[str, int, int, int, torch.Tensor]]:
         """:meth:`segments` with each one's quantizer thresholds (float32 on ``device``), cached."""
         key = (self.bits, self.codebook, head_dim, device)
@@ -220,16 +245,7 @@ class TurboQuant(Codec):
                 tensors = done[0]
                 tensors["norm"] = norm16
                 return Packed(tensors, d, x.dtype)
-        smallest = 0.0
-        if norm16.numel():
-            smallest, biggest = min_max(norm16)
-            if not biggest <= FP16_MAX:  # an Inf norm, or NaN from a NaN/Inf input (a wrapper's output)
-                check_finite(x, "K/V")
-                _check_fp16(norm, "L2 norm", self.spec)
-        scale = norm16.to(torch.float32)
-        scale = scale / cpu_scalar(math.sqrt(d), scale)
-        # every norm positive (norm16 >= 2**-24, so is the scale): the where() is a no-op, skipped
-        t = self.rotate(x) / (scale if smallest > 0 else torch.where(scale > 0, scale, 1.0))
+        t = self.scaled_rotation(x, norm, norm16, self.spec)
         # quantize() makes uint8 codes, which pack_bits would widen again: the codes are counted in int32 here. One
         # width codes the whole row, pack_bits_span packs its span without copying it out; half widths code each
         # span alone (the same codes as the whole row would get there, half the work).
