@@ -2,9 +2,10 @@
 
 The kernel is built with ``-march=native`` (walshkv.attention.cpu.load_kernel), so one machine tests one ISA's code;
 the machines here differ (AVX2 only, AVX-512, AVX-512 with AMX). These builds run the other paths on the same
-machine: AVX2 only (``-march=haswell``) and AVX-512 without AMX (``-march=skylake-avx512``), each where the CPU can
-run it. The presets' parts (tq and tcq), rot+int4 and q4_0 (their K scored by byte dot products), decode attention and a
-prefill tile's decode.
+machine: AVX2 only (``-march=haswell``), AVX-512 without AMX (``-march=skylake-avx512``) and AVX-512 with VBMI
+(``-march=icelake-server``: tcq's byte-permute decoder), each where the CPU can run it (elsewhere the compiler alone
+checks the source for it). The presets' parts (tq and tcq), rot+int4 and q4_0 (their K scored by byte dot products),
+decode attention and a prefill tile's decode.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ PAIRS = [
     ("rot+int4", "int4"),
     ("q4_0", "q8_0"),
     ("rot+int3", "int2"),
-    ("prerope+center+eqd+tcq:3.5", "tcq:2.5"),  # the trellis path: gathers through its table
+    ("prerope+center+eqd+tcq:3.5", "tcq:2.5"),  # the trellis paths: byte permutes with VBMI, a gather without
 ]
-ISAS = {"avx2": ("-march=haswell", ("avx2", "fma")), "avx512": ("-march=skylake-avx512", ("avx512f", "avx512bw"))}
+ISAS = {
+    "avx2": ("-march=haswell", ("avx2", "fma")),
+    "avx512": ("-march=skylake-avx512", ("avx512f", "avx512bw")),
+    "avx512vbmi": ("-march=icelake-server", ("avx512f", "avx512bw", "avx512vbmi")),
+}
 
 pytestmark = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("c++", "g++", "clang++")),

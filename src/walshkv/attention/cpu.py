@@ -54,11 +54,14 @@ the last one must be contiguous):
   AVX-512, a gather otherwise); the row factor is ``norm / sqrt(d)``. The basis is the codec's inverse
   rotation (sign flips, then the WHT), so the query is rotated once and the V sum unrotated once.
 
-* ``tcq`` (:class:`walshkv.codecs.trellis.TrellisQuant`): tq's fields, unpacked the same way as raw codes; then each
-  row is one wrapped trellis stream: value ``i``'s state is the OR of the codes ending at it, each shifted by the
-  widths after it (a per-position shift table, ``[taps, d]``), masked to ``L`` bits, and the value is the table
-  entry at that state (one gather of 16 lanes with AVX-512, 8 with AVX2, a scalar loop otherwise). Row factor and
-  basis are tq's.
+* ``tcq`` (:class:`walshkv.codecs.trellis.TrellisQuant`): tq's fields; each row is one wrapped trellis stream:
+  value ``i``'s state is the OR of the codes ending at it, each shifted by the widths after it (a per-position shift
+  table, ``[taps, d]``), masked to ``L`` bits, and the value is the table entry at that state. With AVX-512 VBMI
+  (rows of up to 128 values, each field at most 64 bytes, ``L = 8``) no code is unpacked: per 64 values and tap one
+  byte permute of the two fields' registers, one multishift and a masked OR give the states as bytes, and the
+  float32 table is read as four 256-byte planes by byte permutes (no gather). Otherwise the fields are unpacked as
+  raw codes, the taps ORed per lane and the table read by a gather (16 lanes with AVX-512, 8 with AVX2, a scalar
+  loop otherwise). Row factor and basis are tq's.
 
 4-bit K codes (``int4``, ``q4_0``; not ``prerope+``) are scored without unpacking them to floats: the query of each
 head is split into three int8 parts (``x ~ s (q1 + q2/128 + q3/16384)``, ``s = max|x| / 127``) and the codes' byte dot

@@ -211,6 +211,14 @@ static void decode_rows(const std::vector<int64_t>& desc, const std::vector<int6
   }
 }
 
+// Which decoder reads a tcq descriptor's rows: "vbmi" (TcqVbmi) or "generic" (tcq_row); the tests check that the
+// layouts the presets use take the VBMI path where the build has it.
+static std::string tcq_path(const std::vector<int64_t>& desc) {
+  const Src S = make_src(desc);
+  if (S.fmt != FMT_TCQ) throw std::invalid_argument("walshkv tcq path: not a tcq descriptor");
+  return S.tcq_vbmi.ok ? "vbmi" : "generic";
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("run", &run, "fused decode attention over packed K/V (see walshkv.attention.cpu)", py::arg("kdesc"),
           py::arg("vdesc"), py::arg("kpost"), py::arg("q"), py::arg("m"), py::arg("l"), py::arg("acc"), py::arg("B"),
@@ -218,6 +226,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("decode_rows", &decode_rows, "packed rows to floats, as the kernel reads them (prefill tiles)");
   mod.def("tq_pack", &tq_pack, "tq's encoder after its rotation: rows to packed codes (TurboQuant._encode)");
   mod.def("tcq_encode", &tcq_encode, "tcq's encoder after its rotation: rows to trellis codes (TrellisQuant._encode)");
+  mod.def("tcq_path", &tcq_path, "which decoder reads a tcq descriptor's rows (vbmi or generic)");
   mod.attr("vector_lanes") = VW;
   mod.attr("amx_compiled") = (bool)WK_AMX;
   mod.attr("int_dot_compiled") = (bool)WK_IDOT;

@@ -173,10 +173,70 @@ static inline void tcq_row(const Src& s, float* __restrict row) {
   }
 }
 
+#if WK_TCQ_VBMI
+// 256-entry float32 lookup of 64 byte indices from the table's four byte planes (pl: 16 registers, 4 per plane): two
+// 128-entry byte permutes per plane and a blend on the index's top bit, then byte and word unpacks put the four
+// bytes of each float together. Out f[g] lane l element j is the value of index lane 16l + 4g + j (TcqVbmi's order).
+static inline void tcq_vbmi_lookup(__m512i x, const __m512i* pl, __m512i* f) {
+  const __mmask64 top = _mm512_movepi8_mask(x);
+  __m512i p[4];
+  for (int q = 0; q < 4; ++q)
+    p[q] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(pl[4 * q], x, pl[4 * q + 1]),
+                                  _mm512_permutex2var_epi8(pl[4 * q + 2], x, pl[4 * q + 3]));
+  const __m512i a = _mm512_unpacklo_epi8(p[0], p[1]), b = _mm512_unpackhi_epi8(p[0], p[1]);
+  const __m512i c = _mm512_unpacklo_epi8(p[2], p[3]), d = _mm512_unpackhi_epi8(p[2], p[3]);
+  f[0] = _mm512_unpacklo_epi16(a, c);
+  f[1] = _mm512_unpackhi_epi16(a, c);
+  f[2] = _mm512_unpacklo_epi16(b, d);
+  f[3] = _mm512_unpackhi_epi16(b, d);
+}
+
+// tcq with VBMI (TcqVbmi): per row the two segments in two registers (masked loads: nothing read past a segment),
+// per chunk of 64 values each state as the OR over taps of (byte permute, multishift, mask), then the table lookup.
+static void decode_tile_tcq_vbmi(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
+                                 float* rs) {
+  const TcqVbmi& v = s.tcq_vbmi;
+  const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
+  const int g1 = s.nseg > 1 ? 1 : 0;
+  const uint8_t* r0 = s.seg_codes[0] + b * s.seg_s0[0] + h * s.seg_s1[0] + t * s.seg_s2[0];
+  const uint8_t* r1 = s.seg_codes[g1] + b * s.seg_s0[g1] + h * s.seg_s1[g1] + t * s.seg_s2[g1];
+  const int64_t st0 = s.seg_s2[0], st1 = s.seg_s2[g1];
+  const __mmask64 m0 = v.bytes0 >= 64 ? ~0ULL : (1ULL << v.bytes0) - 1, m1 = v.bytes1 >= 64 ? ~0ULL : (1ULL << v.bytes1) - 1;
+  __m512i pl[16];
+  for (int q = 0; q < 16; ++q) pl[q] = _mm512_load_si512(v.planes[q / 4] + 64 * (q % 4));
+  for (int i = 0; i < nt; ++i) {
+    const __m512i A = _mm512_maskz_loadu_epi8(m0, r0 + i * st0), B = _mm512_maskz_loadu_epi8(m1, r1 + i * st1);
+    float* row = tile + i * ld;
+    for (int c = 0; c < v.nchunks; ++c) {
+      __m512i x = _mm512_setzero_si512();
+      for (int k = 0; k < v.taps; ++k) {
+        const __m512i w = _mm512_permutex2var_epi8(A, _mm512_load_si512(v.idx[c][k]), B);
+        x = _mm512_ternarylogic_epi64(x, _mm512_multishift_epi64_epi8(_mm512_load_si512(v.ctrl[c][k]), w),
+                                      _mm512_load_si512(v.mask[c][k]), 0xF8);  // x | (w & mask)
+      }
+      __m512i f[4];
+      tcq_vbmi_lookup(x, pl, f);
+      for (int g = 0; g < 4; ++g) {
+        const int at = 64 * c + 16 * g;
+        if (at + 16 <= s.L) {
+          _mm512_storeu_ps(row + at, _mm512_castsi512_ps(f[g]));
+        } else if (at < s.L) {
+          _mm512_mask_storeu_ps(row + at, (__mmask16)((1u << (s.L - at)) - 1u), _mm512_castsi512_ps(f[g]));
+        }
+      }
+    }
+    rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
+  }
+}
+#endif
+
 // tcq: tq's segments unpacked to their buffer positions as codes, then each row through its trellis; the row factor
 // is norm / sqrt(d), as tq's.
 static void decode_tile_tcq(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
                             float* rs) {
+#if WK_TCQ_VBMI
+  if (s.tcq_vbmi.ok) return decode_tile_tcq_vbmi(s, b, h, t, nt, tile, ld, rs);
+#endif
   const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
   for (int g = 0; g < s.nseg; ++g) {
     const uint8_t* r = s.seg_codes[g] + b * s.seg_s0[g] + h * s.seg_s1[g] + t * s.seg_s2[g];

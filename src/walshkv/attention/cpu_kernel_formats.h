@@ -5,6 +5,8 @@
 // documented in walshkv/attention/cpu.py.
 #pragma once
 
+#include <memory>
+
 #include "cpu_kernel_simd.h"
 
 enum Fmt : int {
@@ -15,6 +17,33 @@ static constexpr int MAX_BANDS = 32;
 static constexpr int MAX_SEGS = 2;
 static constexpr int MAX_TCQ_D = 512;   // FMT_TCQ: longest row (values per trellis stream)
 static constexpr int MAX_TCQ_TAPS = 16;  // FMT_TCQ: most codes one state is made of
+
+// FMT_TCQ with AVX-512 VBMI (TcqVbmi): each state built from the packed bytes by byte permutes and multishifts, each
+// value from the table's four byte planes by byte permutes; no gather. Rows of up to TCQ_VBMI_CHUNKS * 64 values,
+// state bits 8, at most TCQ_VBMI_TAPS taps, every segment whole bytes and at most 64 of them; others take the generic
+// path (tcq_row).
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define WK_TCQ_VBMI 1
+#else
+#define WK_TCQ_VBMI 0
+#endif
+static constexpr int TCQ_VBMI_CHUNKS = 2;
+static constexpr int TCQ_VBMI_TAPS = 8;
+
+// The byte-level plan of one tcq layout (make_tcq_vbmi). Lane b of chunk c holds value 64c + 16((b/4)%4) + 4(b/16) +
+// b%4: the order in which two rounds of byte and word unpacks of the four planes come out as floats in value order.
+// Per chunk and tap: idx picks 8 bytes per qword from the two segment registers (each half-qword the 4 bytes of the
+// padded stream that hold its 4 values' codes of that tap; the padded stream is the last 8 bytes, then the whole
+// stream), ctrl the bit where each lane's 8-bit window starts in its qword (the code lands at its shift), mask the
+// code's bits there.
+struct TcqVbmi {
+  bool ok;
+  int nchunks, taps, bytes0, bytes1;
+  alignas(64) uint8_t idx[TCQ_VBMI_CHUNKS][TCQ_VBMI_TAPS][64];
+  alignas(64) uint8_t ctrl[TCQ_VBMI_CHUNKS][TCQ_VBMI_TAPS][64];
+  alignas(64) uint8_t mask[TCQ_VBMI_CHUNKS][TCQ_VBMI_TAPS][64];
+  alignas(64) uint8_t planes[4][256];  // byte p of each float32 table entry
+};
 
 struct Src {
   const uint8_t* codes;
@@ -42,7 +71,96 @@ struct Src {
   const int32_t* tcq_shift;
   int tcq_taps;
   uint32_t tcq_mask;
+  TcqVbmi tcq_vbmi;                         // ok only where the build has VBMI and the layout fits (make_tcq_vbmi)
 };
+
+// The value each lane of a VBMI chunk holds (TcqVbmi).
+static inline int tcq_vbmi_value(int chunk, int lane) {
+  return 64 * chunk + 16 * ((lane / 4) % 4) + 4 * (lane / 16) + lane % 4;
+}
+
+// One tcq row as a byte stream: the segments back to back (each whole bytes) after an 8-byte pad that repeats the
+// stream's last bytes, so that every code a state reads, wrapped or not, sits at a fixed bit of the padded stream.
+struct TcqGeom {
+  int L, nbytes, bytes0, bytes1;
+  int width[MAX_TCQ_D], bitpos[MAX_TCQ_D + 1];
+  int vb(int j) const { return j >= 0 ? 64 + bitpos[j] : 64 + bitpos[j + L] - 8 * nbytes; }  // code j (-L <= j < L)
+  int w(int j) const { return width[(j + L) % L]; }
+  int stream_byte(int p) const { return (((p - 8) % nbytes) + nbytes) % nbytes; }  // of padded byte p
+};
+
+// False where the segments do not tile 0..L-1 in order in whole bytes (those rows take tcq_row).
+static bool tcq_geom(const Src& s, TcqGeom& g) {
+  int pos = 0, bytes[MAX_SEGS] = {0, 0};
+  g.bitpos[0] = 0;
+  for (int q = 0; q < s.nseg; ++q) {
+    const int nbits = s.seg_size[q] * s.seg_bits[q];
+    if (s.seg_start[q] != pos || nbits % 8 != 0) return false;
+    bytes[q] = nbits / 8;
+    for (int i = 0; i < s.seg_size[q]; ++i, ++pos) {
+      g.width[pos] = s.seg_bits[q];
+      g.bitpos[pos + 1] = g.bitpos[pos] + g.width[pos];
+    }
+  }
+  if (pos != s.L || s.tcq_mask != 0xFFu) return false;
+  g.L = s.L;
+  g.nbytes = g.bitpos[s.L] / 8;
+  g.bytes0 = bytes[0];
+  g.bytes1 = s.nseg > 1 ? bytes[1] : 0;
+  for (int t = 0; t < s.tcq_taps; ++t)  // every code a state reads lies in the padded stream
+    for (int i = 0; i < s.L; ++i)
+      if (s.tcq_shift[t * s.L + i] < 8 && (i - t < -s.L || g.vb(i - t) - s.tcq_shift[t * s.L + i] < 0))
+        return false;
+  return true;
+}
+
+// Fill s.tcq_vbmi (ok = false where the build has no VBMI or the layout does not fit it).
+static void make_tcq_vbmi(Src& s, const TcqGeom& g) {
+  TcqVbmi& v = s.tcq_vbmi;
+  v.ok = false;
+  if (!WK_TCQ_VBMI || s.L > 64 * TCQ_VBMI_CHUNKS || s.tcq_taps > TCQ_VBMI_TAPS || g.bytes0 > 64 || g.bytes1 > 64)
+    return;
+  const int L = s.L;
+  v.bytes0 = g.bytes0;
+  v.bytes1 = g.bytes1;
+  v.nchunks = (L + 63) / 64;
+  v.taps = s.tcq_taps;
+  auto src_byte = [&](int p) {  // padded stream byte -> index into (segment 0 register, segment 1 register)
+    const int b = g.stream_byte(p);
+    return (uint8_t)(b < v.bytes0 ? b : 64 + (b - v.bytes0));
+  };
+  std::memset(v.idx, 0, sizeof v.idx);
+  std::memset(v.ctrl, 0, sizeof v.ctrl);
+  std::memset(v.mask, 0, sizeof v.mask);
+  for (int c = 0; c < v.nchunks; ++c)
+    for (int t = 0; t < v.taps; ++t)
+      for (int h = 0; h < 16; ++h) {  // half-qwords: lanes 4h..4h+3, four consecutive values
+        int lo = 1 << 30, hi = -(1 << 30);
+        for (int k = 0; k < 4; ++k) {
+          const int i = tcq_vbmi_value(c, 4 * h + k);
+          if (i >= L || s.tcq_shift[t * L + i] >= 8) continue;
+          lo = std::min(lo, g.vb(i - t));
+          hi = std::max(hi, g.vb(i - t) + g.w(i - t));
+        }
+        if (hi < lo) continue;  // no lane of this half reads this tap
+        const int base = lo / 8;
+        if (hi > 8 * base + 32) return;
+        for (int b = 0; b < 4; ++b) v.idx[c][t][4 * h + b] = src_byte(base + b);
+        for (int k = 0; k < 4; ++k) {
+          const int lane = 4 * h + k, i = tcq_vbmi_value(c, lane);
+          if (i >= L || s.tcq_shift[t * L + i] >= 8) continue;
+          const int sh = s.tcq_shift[t * L + i], j = i - t;
+          v.ctrl[c][t][lane] = (uint8_t)((g.vb(j) - sh - 8 * base + 32 * (h % 2)) & 63);
+          v.mask[c][t][lane] = (uint8_t)((((1u << g.w(j)) - 1u) << sh) & 0xFFu);
+        }
+      }
+  for (int e = 0; e < 256; ++e) {
+    uint32_t u;
+    std::memcpy(&u, s.tcq_table + e, 4);
+    for (int p = 0; p < 4; ++p) v.planes[p][e] = (uint8_t)(u >> (8 * p));
+  }
+  v.ok = true;
+}
 
 static Src make_src(const std::vector<int64_t>& a) {
   Src s;
@@ -68,6 +186,7 @@ static Src make_src(const std::vector<int64_t>& a) {
   s.tcq_shift = nullptr;
   s.tcq_taps = 0;
   s.tcq_mask = 0;
+  s.tcq_vbmi.ok = false;
   if (s.fmt == FMT_TQ || s.fmt == FMT_TCQ) {
     const int64_t extra = s.fmt == FMT_TCQ ? 4 : 0;  // tcq: table, shifts, taps, state bits after the segments
     s.nseg = a.size() > 15 ? (int)a[15] : 0;
@@ -102,6 +221,12 @@ static Src make_src(const std::vector<int64_t>& a) {
       }
     }
     s.row_mul = 1.0f / std::sqrt((float)s.d);
+    if (s.fmt == FMT_TCQ) {
+      auto g = std::make_unique<TcqGeom>();
+      if (tcq_geom(s, *g)) {
+        make_tcq_vbmi(s, *g);
+      }
+    }
     return s;
   }
   s.nbands = a.size() > 15 ? (int)a[15] : 0;
