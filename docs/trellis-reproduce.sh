@@ -17,7 +17,7 @@ SELECT=docs/results/long-context/select
 DATA="${DATA:-../shared/data}"
 EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
-STAGES="${STAGES:-tables rd select ship emma holdout bench report}"
+STAGES="${STAGES:-tables rd select ship emma holdout bench decode report}"
 MODEL=smollm2-135m
 
 # The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
@@ -105,9 +105,13 @@ for stage in $STAGES; do
       --codec 'sink:1:layers:prerope+center+eqd+tcq:3.5/tcq:2.5@5,8,12;prerope+center+eqd+tcq:3.5/tcq:3' \
       --codec tq:3 --codec tcq:3 --codec rot+int4 --kv-mean-center "$cal" --quiet --out "$OUT/bench-attention"
     ;;
+  decode)
+    # tcq row decoding in the CPU kernel, this tree's build against the commit before the AVX2 decoder (TcqAvx2)
+    [ -f "$OUT/decode-ab/ab.json" ] || python scripts/tcq_decode_ab.py --base 3982e2a --out "$OUT/decode-ab"
+    ;;
   report)
     python scripts/trellis_report.py
     ;;
-  *) echo "unknown stage $stage (tables rd select ship emma holdout bench report)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tables rd select ship emma holdout bench decode report)" >&2; exit 2 ;;
   esac
 done

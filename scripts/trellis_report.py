@@ -8,6 +8,7 @@ Blocks (each a file under docs/results/trellis, pasted with scripts/update_readm
     emma       the presets and the specs they replaced on Emma (development text)
     holdout    the same on Persuasion (the frozen holdout), with the issue's targets and paired intervals
     bench      decode attention at 16k, one thread: tq against tcq (bench-attention/bench.md as written)
+    decode     tcq row decoding, this tree's kernel against a base commit's (decode-ab/ab.md as written)
 
 A block whose inputs do not exist yet is skipped with a note; nothing is typed by hand.
 
@@ -189,6 +190,11 @@ def _bench() -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
+def _decode() -> str | None:
+    path = OUT / "decode-ab" / "ab.md"
+    return path.read_text().strip() if path.exists() else None
+
+
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     blocks = {
@@ -198,6 +204,7 @@ def main() -> int:
         "emma": _eval_block(OUT / MODEL / "emma.json", targets=False),
         "holdout": _eval_block(OUT / MODEL / "persuasion.json", targets=True),
         "bench": _bench(),
+        "decode": _decode(),
     }
     for name, body in blocks.items():
         if body is None:

@@ -1,12 +1,14 @@
 """tcq's rows as the CPU kernel decodes them (``decode_tile_tcq`` in attention/cpu_kernel_decode.h) against the codec.
 
-Two decoders read a tcq row: with AVX-512 VBMI, each state is built from the packed bytes by byte permutes and
-multishifts and each value comes from the table's four byte planes (``TcqVbmi`` in cpu_kernel_formats.h); elsewhere
-the codes are unpacked, each state ORed from its taps and the table read by a gather (``tcq_row``). Both must give
-the codec's values bit for bit: ``table[codes_to_states(codes)] * norm * (1 / sqrt(d))``, the row factor the kernel
-applies, for every shipped width and head sizes from 16 (one partial chunk of 64 lanes) to 256 (past the VBMI
-path's 128, so the generic one), in the native build and the AVX2 one. ``tcq_path`` says which decoder reads a
-layout: the presets' (head_dim 64 and 128) must take the VBMI path wherever the build has it.
+Three decoders read a tcq row: with AVX-512 VBMI, each state is built from the packed bytes by byte permutes and
+multishifts and each value comes from the table's four byte planes (``TcqVbmi`` in cpu_kernel_formats.h); with AVX2
+(and no VBMI plan), each state from 16 broadcast bytes of the row's padded stream by a byte shuffle, a per-lane shift
+and a mask per tap, then a gather (``TcqAvx2``); elsewhere the codes are unpacked, each state ORed from its taps and
+the table read by a gather (``tcq_row``). All must give the codec's values bit for bit:
+``table[codes_to_states(codes)] * norm * (1 / sqrt(d))``, the row factor the kernel applies, for every shipped width
+and head sizes from 16 (one partial chunk of 64 lanes) to 256 (past the VBMI path's 128, so the AVX2 one), in the
+native build and the AVX2 one. ``tcq_path`` says which decoder reads a layout: the presets' (head_dim 64 and 128)
+must take the VBMI path wherever the build has it, and the AVX2 one elsewhere.
 """
 
 from __future__ import annotations
@@ -81,10 +83,10 @@ def test_the_vbmi_path_reads_the_layouts_it_was_built_for(spec, d):
     bits = float(spec[4:])
     segments = [d * bits / 8] if bits.is_integer() else [d // 2 * (bits + 0.5) / 8, d // 2 * (bits - 0.5) / 8]
     fits = d in VBMI_HEAD_DIMS and max(segments) <= 64  # tcq:5 at 128 is one segment of 80 bytes
-    want = "vbmi" if vbmi and fits else "generic"
+    want = "vbmi" if vbmi and fits else "avx2"  # every shipped layout fits the AVX2 plan (rows of up to 256)
     assert module.tcq_path(desc) == want
     if _cpu_has(("avx2", "fma")):
-        assert cpu.build_kernel(list(AVX2)).tcq_path(desc) == "generic"  # no VBMI: the taps and a gather
+        assert cpu.build_kernel(list(AVX2)).tcq_path(desc) == "avx2"  # no VBMI: byte shuffles, shifts and a gather
 
 
 def test_tcq_path_refuses_another_format():

@@ -211,12 +211,12 @@ static void decode_rows(const std::vector<int64_t>& desc, const std::vector<int6
   }
 }
 
-// Which decoder reads a tcq descriptor's rows: "vbmi" (TcqVbmi) or "generic" (tcq_row); the tests check that the
-// layouts the presets use take the VBMI path where the build has it.
+// Which decoder reads a tcq descriptor's rows: "vbmi" (TcqVbmi), "avx2" (TcqAvx2) or "generic" (tcq_row); the tests
+// check that the layouts the presets use take the VBMI path where the build has it, else the AVX2 one.
 static std::string tcq_path(const std::vector<int64_t>& desc) {
   const Src S = make_src(desc);
   if (S.fmt != FMT_TCQ) throw std::invalid_argument("walshkv tcq path: not a tcq descriptor");
-  return S.tcq_vbmi.ok ? "vbmi" : "generic";
+  return S.tcq_vbmi.ok ? "vbmi" : S.tcq_avx2 ? "avx2" : "generic";
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {

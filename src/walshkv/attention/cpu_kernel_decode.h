@@ -230,12 +230,73 @@ static void decode_tile_tcq_vbmi(const Src& s, int64_t b, int64_t h, int64_t t, 
 }
 #endif
 
+#if defined(__AVX2__)
+// tcq with AVX2 (TcqAvx2): per row the padded stream in a buffer, per 8 values each state as the OR over taps of (byte
+// shuffle of the chunk's 16 broadcast bytes, per-lane shift, mask), then one gather from the table.
+static void decode_tile_tcq_avx2(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
+                                 float* rs) {
+  const TcqAvx2& v = *s.tcq_avx2;
+  const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
+  const int g1 = s.nseg > 1 ? 1 : 0;
+  const uint8_t* r0 = s.seg_codes[0] + b * s.seg_s0[0] + h * s.seg_s1[0] + t * s.seg_s2[0];
+  const uint8_t* r1 = s.seg_codes[g1] + b * s.seg_s0[g1] + h * s.seg_s1[g1] + t * s.seg_s2[g1];
+  const int64_t st0 = s.seg_s2[0], st1 = s.seg_s2[g1];
+  // two padded streams (8 + at most 8 bits per value, and slack): row i + 1's is written while row i's is read, so
+  // that no window load waits on the stores that just wrote it (a load spanning two stores is not forwarded)
+  alignas(32) uint8_t buf[2][8 + MAX_TCQ_D + 64] = {};
+  const float* tab = s.tcq_table;
+  // whole 32-byte copies where the segment's row and 32 bytes after it lie inside its tensor (the slack of buf takes
+  // what spills past the row; the next copy overwrites it), else exact copies
+  const bool wide0 = v.bytes0 <= 32 && r0 + (nt - 1) * st0 + 32 <= s.seg_end[0];
+  const bool wide1 = v.bytes1 <= 32 && r1 + (nt - 1) * st1 + 32 <= s.seg_end[g1];
+  auto fill = [&](int i, uint8_t* dst) {
+    const uint8_t* a0 = r0 + i * st0;
+    const uint8_t* a1 = r1 + i * st1;
+    if (wide0) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a0)));
+    } else {
+      std::memcpy(dst + 8, a0, v.bytes0);
+    }
+    if (v.bytes1) {
+      if (wide1) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 + v.bytes0),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a1)));
+      } else {
+        std::memcpy(dst + 8 + v.bytes0, a1, v.bytes1);
+      }
+    }
+    for (int p = 0; p < 8; ++p) dst[p] = v.pad[p] < v.bytes0 ? a0[v.pad[p]] : a1[v.pad[p] - v.bytes0];  // the wrap
+  };
+  if (nt > 0) fill(0, buf[0]);
+  for (int i = 0; i < nt; ++i) {
+    if (i + 1 < nt) fill(i + 1, buf[(i + 1) & 1]);
+    const uint8_t* cur = buf[i & 1];
+    float* row = tile + i * ld;
+    for (int c = 0; c < v.nchunks; ++c) {
+      const __m256i w = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cur + v.base[c])));
+      __m256i x = _mm256_setzero_si256();
+      for (int k = 0; k < v.taps; ++k) {
+        const __m256i f = _mm256_shuffle_epi8(w, _mm256_load_si256(reinterpret_cast<const __m256i*>(v.ctl[c][k])));
+        x = _mm256_or_si256(x, _mm256_and_si256(_mm256_srlv_epi32(f, _mm256_load_si256(
+                                                                      reinterpret_cast<const __m256i*>(v.shr[c][k]))),
+                                                _mm256_load_si256(reinterpret_cast<const __m256i*>(v.mask[c][k]))));
+      }
+      _mm256_storeu_ps(row + 8 * c, _mm256_i32gather_ps(tab, x, 4));
+    }
+    rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
+  }
+}
+#endif
+
 // tcq: tq's segments unpacked to their buffer positions as codes, then each row through its trellis; the row factor
 // is norm / sqrt(d), as tq's.
 static void decode_tile_tcq(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
                             float* rs) {
 #if WK_TCQ_VBMI
   if (s.tcq_vbmi.ok) return decode_tile_tcq_vbmi(s, b, h, t, nt, tile, ld, rs);
+#endif
+#if defined(__AVX2__)
+  if (s.tcq_avx2) return decode_tile_tcq_avx2(s, b, h, t, nt, tile, ld, rs);
 #endif
   const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
   for (int g = 0; g < s.nseg; ++g) {

@@ -45,6 +45,27 @@ struct TcqVbmi {
   alignas(64) uint8_t planes[4][256];  // byte p of each float32 table entry
 };
 
+// FMT_TCQ with AVX2 and no VBMI plan (TcqAvx2): per row the padded stream (TcqGeom) copied to a small buffer, then per
+// 8 values 16 of its bytes broadcast to both lanes and, per tap, a byte shuffle, a per-lane shift and a mask give the
+// tap's bits of each state; one gather reads the table (on a Zen3 EPYC a scalar loop of loads was slower, and the
+// gather still takes about half the time: docs/trellis.md). Rows of up to TCQ_AVX2_CHUNKS * 8 values (a multiple of
+// 8), at most TCQ_AVX2_TAPS taps, every chunk's bytes within 16; others take the generic path (tcq_row).
+static constexpr int TCQ_AVX2_CHUNKS = 32;
+static constexpr int TCQ_AVX2_TAPS = 8;
+
+// The byte-level plan of one tcq layout (make_tcq_avx2). Chunk c holds values 8c..8c+7 in lane order; base[c] is the
+// padded-stream byte its 16-byte window starts at; per tap, ctl puts the two window bytes that hold a lane's 8-bit
+// state window in its dword (0x80: a tap the lane does not read), shr is the bit that window starts at, mask the
+// tap's code bits at their place in the state.
+struct TcqAvx2 {
+  int nchunks, taps, bytes0, bytes1, nbytes;
+  int base[TCQ_AVX2_CHUNKS];
+  int pad[8];  // padded byte p < 8 repeats stream byte pad[p]
+  alignas(32) int8_t ctl[TCQ_AVX2_CHUNKS][TCQ_AVX2_TAPS][32];
+  alignas(32) int32_t shr[TCQ_AVX2_CHUNKS][TCQ_AVX2_TAPS][8];
+  alignas(32) int32_t mask[TCQ_AVX2_CHUNKS][TCQ_AVX2_TAPS][8];
+};
+
 struct Src {
   const uint8_t* codes;
   int64_t cs0, cs1, cs2;  // byte strides of codes/blocks over (batch, head, token)
@@ -72,6 +93,7 @@ struct Src {
   int tcq_taps;
   uint32_t tcq_mask;
   TcqVbmi tcq_vbmi;                         // ok only where the build has VBMI and the layout fits (make_tcq_vbmi)
+  std::shared_ptr<const TcqAvx2> tcq_avx2;  // set only where the build has AVX2, no VBMI plan and the layout fits
 };
 
 // The value each lane of a VBMI chunk holds (TcqVbmi).
@@ -162,6 +184,52 @@ static void make_tcq_vbmi(Src& s, const TcqGeom& g) {
   v.ok = true;
 }
 
+// The AVX2 plan of a layout (TcqAvx2), or null where the build has no AVX2 or the layout does not fit it.
+static std::shared_ptr<const TcqAvx2> make_tcq_avx2(const Src& s, const TcqGeom& g) {
+#if defined(__AVX2__)
+  const int L = s.L;
+  if (L % 8 != 0 || L > 8 * TCQ_AVX2_CHUNKS || s.tcq_taps > TCQ_AVX2_TAPS) return nullptr;
+  auto v = std::make_shared<TcqAvx2>();
+  std::memset(v.get(), 0, sizeof(TcqAvx2));
+  v->nchunks = L / 8;
+  v->taps = s.tcq_taps;
+  v->bytes0 = g.bytes0;
+  v->bytes1 = g.bytes1;
+  v->nbytes = g.nbytes;
+  for (int p = 0; p < 8; ++p) v->pad[p] = g.stream_byte(p);
+  for (int c = 0; c < v->nchunks; ++c) {
+    int lo = 1 << 30, hi = -(1 << 30);
+    for (int t = 0; t < v->taps; ++t)
+      for (int k = 0; k < 8; ++k) {
+        const int i = 8 * c + k, sh = s.tcq_shift[t * L + i];
+        if (sh >= 8) continue;
+        const int p = g.vb(i - t) - sh;  // the bit where this lane's 8-bit state window starts
+        lo = std::min(lo, p >> 3);
+        hi = std::max(hi, (p >> 3) + 1);
+      }
+    if (hi < lo) lo = hi = 0;
+    if (hi - lo > 15) return nullptr;
+    v->base[c] = lo;
+    for (int t = 0; t < v->taps; ++t)
+      for (int k = 0; k < 8; ++k) {
+        const int i = 8 * c + k, sh = s.tcq_shift[t * L + i], lane = 4 * (k % 4) + 16 * (k / 4);
+        for (int q = 0; q < 4; ++q) v->ctl[c][t][lane + q] = (int8_t)0x80;
+        if (sh >= 8) continue;
+        const int j = i - t, p = g.vb(j) - sh;
+        v->ctl[c][t][lane] = (int8_t)((p >> 3) - lo);
+        v->ctl[c][t][lane + 1] = (int8_t)((p >> 3) - lo + 1);
+        v->shr[c][t][k] = p & 7;
+        v->mask[c][t][k] = (int32_t)((((1u << g.w(j)) - 1u) << sh) & 0xFFu);
+      }
+  }
+  return v;
+#else
+  (void)s;
+  (void)g;
+  return nullptr;
+#endif
+}
+
 static Src make_src(const std::vector<int64_t>& a) {
   Src s;
   s.codes = reinterpret_cast<const uint8_t*>(a.at(0));
@@ -225,6 +293,7 @@ static Src make_src(const std::vector<int64_t>& a) {
       auto g = std::make_unique<TcqGeom>();
       if (tcq_geom(s, *g)) {
         make_tcq_vbmi(s, *g);
+        if (!s.tcq_vbmi.ok) s.tcq_avx2 = make_tcq_avx2(s, *g);
       }
     }
     return s;
