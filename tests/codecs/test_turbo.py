@@ -257,3 +257,13 @@ def test_in_a_compressed_cache(tiny_llama):
         assert cache.nbytes() == cache.layout_nbytes() > 0
         cs = parse_cache_spec(spec)
         assert cache.bits_per_element() == pytest.approx((cs.k.bits_per_element(16) + cs.v.bits_per_element(16)) / 2)
+
+
+@pytest.mark.parametrize("spec", ["tq:3", "tcq:3"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_a_norm_past_fp16_names_a_float_codec_not_a_wider_input(spec, dtype):
+    """The norm is fp16 in every input dtype: the error says so and names a float codec, not a float32 input."""
+    x = torch.full((1, 1, 4, 64), 60000.0, dtype=dtype)  # finite, but the L2 norm is 4.8e5
+    with pytest.raises(ValueError, match="whatever the input's dtype") as info:
+        parse_codec(spec).encode(x)
+    assert "spec fp32 or bf16" in str(info.value) and "480000" in str(info.value)

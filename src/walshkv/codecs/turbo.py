@@ -112,8 +112,9 @@ def _check_fp16(norm: torch.Tensor, what: str, spec: str) -> torch.Tensor:
     if bool(torch.isinf(norm16).any()):
         biggest = float(norm.max())
         raise ValueError(
-            f"'{spec}' stores the {what} as fp16, but a vector has {what} {biggest:.6g} > {FP16_MAX:g} "
-            "(the fp16 maximum); scale the input down or use bf16/fp32"
+            f"'{spec}' stores the {what} as fp16 whatever the input's dtype, but a vector has {what} {biggest:.6g} "
+            f"> {FP16_MAX:g} (the fp16 maximum); values this large are not K/V of a healthy model. Rescale the input "
+            "or use a float codec (spec fp32 or bf16): a float32 or bf16 input does not help here"
         )
     return norm16
 
