@@ -17,7 +17,7 @@ SELECT=docs/results/long-context/select
 DATA="${DATA:-../shared/data}"
 EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
-STAGES="${STAGES:-tables rd select ship emma holdout bench decode report}"
+STAGES="${STAGES:-tables rd select ship emma holdout bench decode structured report}"
 MODEL=smollm2-135m
 
 # The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
@@ -109,9 +109,13 @@ for stage in $STAGES; do
     # tcq row decoding in the CPU kernel, this tree's build against the commit before the AVX2 decoder (TcqAvx2)
     [ -f "$OUT/decode-ab/ab.json" ] || python scripts/tcq_decode_ab.py --base 3982e2a --out "$OUT/decode-ab"
     ;;
+  structured)
+    # tables an AVX2 kernel reads without a gather (sums of small tables over the state's bits), on a Gaussian source
+    [ -f "$OUT/structured/structured.json" ] || python research/scripts/trellis_structured.py --out "$OUT/structured"
+    ;;
   report)
     python scripts/trellis_report.py
     ;;
-  *) echo "unknown stage $stage (tables rd select ship emma holdout bench decode report)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tables rd select ship emma holdout bench decode structured report)" >&2; exit 2 ;;
   esac
 done

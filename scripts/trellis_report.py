@@ -9,6 +9,7 @@ Blocks (each a file under docs/results/trellis, pasted with scripts/update_readm
     holdout    the same on Persuasion (the frozen holdout), with the issue's targets and paired intervals
     bench      decode attention at 16k, one thread: tq against tcq (bench-attention/bench.md as written)
     decode     tcq row decoding, this tree's kernel against a base commit's (decode-ab/ab.md as written)
+    structured tables an AVX2 kernel reads without a gather, on a Gaussian source (structured/structured.md)
 
 A block whose inputs do not exist yet is skipped with a note; nothing is typed by hand.
 
@@ -195,6 +196,11 @@ def _decode() -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
+def _structured() -> str | None:
+    path = OUT / "structured" / "structured.md"
+    return path.read_text().strip() if path.exists() else None
+
+
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     blocks = {
@@ -205,6 +211,7 @@ def main() -> int:
         "holdout": _eval_block(OUT / MODEL / "persuasion.json", targets=True),
         "bench": _bench(),
         "decode": _decode(),
+        "structured": _structured(),
     }
     for name, body in blocks.items():
         if body is None:

@@ -237,8 +237,10 @@ def test_a_part_no_file_holds_is_refused_with_the_fix():
 #: the files (AMD EPYC, AVX-512, torch 2.13.0+cpu; the same at 1 and 2 threads). On 126 tokens the KLD is chaotic in
 #: the last bits of its inputs: the dense eq+ transforms of a calibration at 1 thread instead of 2 differ by 7e-9 and
 #: move these KLDs by up to 5%. So the numbers must repeat exactly on the CPU kind and torch that made the files, and
-#: within 10% on another (whose float rounding of the model differs); a calibration of another model or preset is
-#: refused before (identity) or lands far outside.
+#: within 20% on another (whose float rounding of the model differs: on an AMD Zen3 EPYC with AVX2 only, seven
+#: presets came within 5% and walshkv:3.5-fast 14% below, 0.0386, the trellis's Viterbi choosing other paths where
+#: the rounding moved its inputs); a calibration of another model or preset is refused before (identity) or lands
+#: far outside.
 PINNED_KLD = {
     "walshkv:2.5": 0.13141133884958875,
     "walshkv:2.5-fast": 0.11643903302846802,
@@ -290,7 +292,7 @@ def test_shipped_files_reproduce_each_presets_kld_on_a_fixed_window(smollm2):
     got = _klds(smollm2, cal)
     exact = _made_here()
     for preset, want in PINNED_KLD.items():
-        assert got[preset] == want if exact else math.isclose(got[preset], want, rel_tol=0.1), (preset, got[preset])
+        assert got[preset] == want if exact else math.isclose(got[preset], want, rel_tol=0.2), (preset, got[preset])
 
 
 @pytest.mark.model

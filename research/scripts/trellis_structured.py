@@ -121,6 +121,7 @@ def main() -> int:
     args = ap.parse_args()
     if cpu.load_kernel() is None:
         raise SystemExit("the C++ kernel does not build here; this script needs its trellis search")
+    meta = machine_description()  # the commit (and whether the tree is dirty) that runs, read before it runs
     rows = []
     for bits in args.bits or BITS:
         for kind in args.kind or KINDS:
@@ -144,7 +145,6 @@ def main() -> int:
                 }
             )
             print(f"{bits:g} {kind:5s} {gap:.2f} dB above D(R) ({time.perf_counter() - t0:.0f} s)", flush=True)
-    meta = machine_description()
     meta.update(
         {
             "starts": args.starts,
