@@ -51,6 +51,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     specs = args.spec or ["tcq:2", "tcq:2.5", "tcq:3", "tcq:4"]
+    meta = machine_description()  # the commit (and whether the tree is dirty) that runs, read before it runs
     torch.set_num_threads(1)
     base_rev = subprocess.run(
         ["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True, check=True
@@ -116,7 +117,6 @@ def main() -> int:
             base = next(b for b in cases if b["spec"] == c["spec"] and b["build"] != "tree")
             row["speedup_vs_base"] = statistics.median(b / t for b, t in zip(base["ns"], c["ns"], strict=True))
         rows.append(row)
-    meta = machine_description()
     meta.update(
         {
             "command": "python scripts/tcq_decode_ab.py --base " + args.base,
