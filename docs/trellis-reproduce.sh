@@ -17,7 +17,7 @@ SELECT=docs/results/long-context/select
 DATA="${DATA:-../shared/data}"
 EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
-STAGES="${STAGES:-tables rd select ship emma holdout bench decode structured report}"
+STAGES="${STAGES:-tables rd select ship emma holdout bench decode structured lookup report}"
 MODEL=smollm2-135m
 
 # The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
@@ -113,9 +113,13 @@ for stage in $STAGES; do
     # tables an AVX2 kernel reads without a gather (sums of small tables over the state's bits), on a Gaussian source
     [ -f "$OUT/structured/structured.json" ] || python research/scripts/trellis_structured.py --out "$OUT/structured"
     ;;
+  lookup)
+    # what each table form and state convention costs an AVX2 CPU per value (a timing probe beside the kernel)
+    [ -f "$OUT/lookup/lookup.json" ] || python research/scripts/tcq_lookup_bench.py --out "$OUT/lookup"
+    ;;
   report)
     python scripts/trellis_report.py
     ;;
-  *) echo "unknown stage $stage (tables rd select ship emma holdout bench decode structured report)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tables rd select ship emma holdout bench decode structured lookup report)" >&2; exit 2 ;;
   esac
 done

@@ -10,6 +10,7 @@ Blocks (each a file under docs/results/trellis, pasted with scripts/update_readm
     bench      decode attention at 16k, one thread: tq against tcq (bench-attention/bench.md as written)
     decode     tcq row decoding, this tree's kernel against a base commit's (decode-ab/ab.md as written)
     structured tables an AVX2 kernel reads without a gather, on a Gaussian source (structured/structured.md)
+    lookup     what each table form and state convention costs an AVX2 CPU per value (lookup/lookup.md)
 
 A block whose inputs do not exist yet is skipped with a note; nothing is typed by hand.
 
@@ -201,6 +202,11 @@ def _structured() -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
+def _lookup() -> str | None:
+    path = OUT / "lookup" / "lookup.md"
+    return path.read_text().strip() if path.exists() else None
+
+
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     blocks = {
@@ -212,6 +218,7 @@ def main() -> int:
         "bench": _bench(),
         "decode": _decode(),
         "structured": _structured(),
+        "lookup": _lookup(),
     }
     for name, body in blocks.items():
         if body is None:
