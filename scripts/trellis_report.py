@@ -187,23 +187,8 @@ def _eval_block(path: Path, targets: bool) -> str | None:
     return "\n".join(lines)
 
 
-def _bench() -> str | None:
-    path = OUT / "bench-attention" / "bench.md"
-    return path.read_text().strip() if path.exists() else None
-
-
-def _decode() -> str | None:
-    path = OUT / "decode-ab" / "ab.md"
-    return path.read_text().strip() if path.exists() else None
-
-
-def _structured() -> str | None:
-    path = OUT / "structured" / "structured.md"
-    return path.read_text().strip() if path.exists() else None
-
-
-def _lookup() -> str | None:
-    path = OUT / "lookup" / "lookup.md"
+def _written(path: Path) -> str | None:
+    """A block written by its own command (a bench or probe's markdown), as it stands, or None before it runs."""
     return path.read_text().strip() if path.exists() else None
 
 
@@ -215,10 +200,10 @@ def main() -> int:
         "select": select(),
         "emma": _eval_block(OUT / MODEL / "emma.json", targets=False),
         "holdout": _eval_block(OUT / MODEL / "persuasion.json", targets=True),
-        "bench": _bench(),
-        "decode": _decode(),
-        "structured": _structured(),
-        "lookup": _lookup(),
+        "bench": _written(OUT / "bench-attention" / "bench.md"),
+        "decode": _written(OUT / "decode-ab" / "ab.md"),
+        "structured": _written(OUT / "structured" / "structured.md"),
+        "lookup": _written(OUT / "lookup" / "lookup.md"),
     }
     for name, body in blocks.items():
         if body is None:
