@@ -6,9 +6,10 @@ multishifts and each value comes from the table's four byte planes (``TcqVbmi`` 
 and a mask per tap, then a gather (``TcqAvx2``); elsewhere the codes are unpacked, each state ORed from its taps and
 the table read by a gather (``tcq_row``). All must give the codec's values bit for bit:
 ``table[codes_to_states(codes)] * norm * (1 / sqrt(d))``, the row factor the kernel applies, for every shipped width
-and head sizes from 16 (one partial chunk of 64 lanes) to 256 (past the VBMI path's 128, so the AVX2 one), in the
-native build and the AVX2 one. ``tcq_path`` says which decoder reads a layout: the presets' (head_dim 64 and 128)
-must take the VBMI path wherever the build has it, and the AVX2 one elsewhere.
+and head sizes from 16 (one partial chunk of 64 lanes) to 256 (past the VBMI path's 128, so the AVX2 one), and 512
+at two widths (past the AVX2 plan's 256: the generic decoder), in the native build and the AVX2 one. ``tcq_path``
+says which decoder reads a layout: the presets' (head_dim 64 and 128) must take the VBMI path wherever the build has
+it, and the AVX2 one elsewhere.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def _desc(module, spec: str, d: int, n: int, seed: int):
     return codec, packed, plan, desc, keep
 
 
+AVX2_MAX_D = 256  # longest row the AVX2 plan takes (TCQ_AVX2_CHUNKS * 8); longer rows take the generic path
+GENERIC_CASES = (("tcq:3", 512), ("tcq:2.5", 512))  # the generic decoder (tcq_row), which no shipped layout takes
+
+
 def _cases():
     for d in HEAD_DIMS:
         for bits in trellis.TRELLIS_BITS:
@@ -58,6 +63,7 @@ def _cases():
             except ValueError:
                 continue  # fewer bits in the row than the trellis state
             yield f"tcq:{bits:g}", d
+    yield from GENERIC_CASES
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])
@@ -83,10 +89,11 @@ def test_the_vbmi_path_reads_the_layouts_it_was_built_for(spec, d):
     bits = float(spec[4:])
     segments = [d * bits / 8] if bits.is_integer() else [d // 2 * (bits + 0.5) / 8, d // 2 * (bits - 0.5) / 8]
     fits = d in VBMI_HEAD_DIMS and max(segments) <= 64  # tcq:5 at 128 is one segment of 80 bytes
-    want = "vbmi" if vbmi and fits else "avx2"  # every shipped layout fits the AVX2 plan (rows of up to 256)
+    avx2 = "avx2" if d <= AVX2_MAX_D else "generic"  # every shipped layout fits the AVX2 plan
+    want = "vbmi" if vbmi and fits else avx2
     assert module.tcq_path(desc) == want
     if _cpu_has(("avx2", "fma")):
-        assert cpu.build_kernel(list(AVX2)).tcq_path(desc) == "avx2"  # no VBMI: byte shuffles, shifts and a gather
+        assert cpu.build_kernel(list(AVX2)).tcq_path(desc) == avx2  # no VBMI: byte shuffles, shifts and a gather
 
 
 def test_tcq_path_refuses_another_format():

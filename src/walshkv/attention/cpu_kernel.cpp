@@ -226,7 +226,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("decode_rows", &decode_rows, "packed rows to floats, as the kernel reads them (prefill tiles)");
   mod.def("tq_pack", &tq_pack, "tq's encoder after its rotation: rows to packed codes (TurboQuant._encode)");
   mod.def("tcq_encode", &tcq_encode, "tcq's encoder after its rotation: rows to trellis codes (TrellisQuant._encode)");
-  mod.def("tcq_path", &tcq_path, "which decoder reads a tcq descriptor's rows (vbmi or generic)");
+  mod.def("tcq_path", &tcq_path, "which decoder reads a tcq descriptor's rows (vbmi, avx2 or generic)");
   mod.attr("vector_lanes") = VW;
   mod.attr("amx_compiled") = (bool)WK_AMX;
   mod.attr("int_dot_compiled") = (bool)WK_IDOT;
