@@ -59,43 +59,31 @@ def main() -> int:
     flags = list(cpu._CFLAGS_NATIVE)
     builds = {"tree": cpu.build_kernel(flags), f"base {base_rev}": cpu.build_kernel(flags, _source_at(args.base))}
     n, d = args.tokens, args.head_dim
+
+    def case(spec: str, packed, build: str) -> dict:
+        module = builds[build]
+        plan = cpu.cpu_plan(parse_codec("int8"), parse_codec(spec), d, 1.0)
+        desc, keep = cpu._desc(packed, plan.v, d, "V", module.FORMATS[plan.v.fmt])
+        path = module.tcq_path(desc) if spec.startswith("tcq") else ""
+        out = torch.empty(1, 3, n, plan.v.length)
+        return {
+            "spec": spec,
+            "build": build,
+            "path": path,
+            "module": module,
+            "desc": desc,
+            "keep": keep,
+            "out": out,
+            "ns": [],
+        }
+
     cases = []
     for spec in specs:
-        codec = parse_codec(spec)
         x = torch.randn(1, 3, n, d, generator=torch.Generator().manual_seed(0))
-        packed = codec.encode(x)
-        twin = spec.replace("tcq", "tq")
-        tpacked = parse_codec(twin).encode(x)
-        for build, module in builds.items():
-            plan = cpu.cpu_plan(parse_codec("int8"), codec, d, 1.0)
-            desc, keep = cpu._desc(packed, plan.v, d, "V", module.FORMATS[plan.v.fmt])
-            path = module.tcq_path(desc)
-            cases.append(
-                {
-                    "spec": spec,
-                    "build": build,
-                    "path": path,
-                    "module": module,
-                    "desc": desc,
-                    "keep": keep,
-                    "out": torch.empty(1, 3, n, plan.v.length),
-                    "ns": [],
-                }
-            )
-        plan = cpu.cpu_plan(parse_codec("int8"), parse_codec(twin), d, 1.0)
-        desc, keep = cpu._desc(tpacked, plan.v, d, "V", builds["tree"].FORMATS[plan.v.fmt])
-        cases.append(
-            {
-                "spec": twin,
-                "build": "tree",
-                "path": "",
-                "module": builds["tree"],
-                "desc": desc,
-                "keep": keep,
-                "out": torch.empty(1, 3, n, plan.v.length),
-                "ns": [],
-            }
-        )
+        packed = parse_codec(spec).encode(x)
+        cases += [case(spec, packed, build) for build in builds]
+        twin = spec.replace("tcq", "tq")  # the yardstick, in this tree's build
+        cases.append(case(twin, parse_codec(twin).encode(x), "tree"))
     values = 3 * n * d
     for _ in range(args.rounds):
         for c in cases:

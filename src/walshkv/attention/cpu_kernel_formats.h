@@ -58,7 +58,7 @@ static constexpr int TCQ_AVX2_TAPS = 8;
 // state window in its dword (0x80: a tap the lane does not read), shr is the bit that window starts at, mask the
 // tap's code bits at their place in the state.
 struct TcqAvx2 {
-  int nchunks, taps, bytes0, bytes1, nbytes;
+  int nchunks, taps, bytes0, bytes1;
   int base[TCQ_AVX2_CHUNKS];
   int pad[8];  // padded byte p < 8 repeats stream byte pad[p]
   alignas(32) int8_t ctl[TCQ_AVX2_CHUNKS][TCQ_AVX2_TAPS][32];
@@ -189,13 +189,11 @@ static std::shared_ptr<const TcqAvx2> make_tcq_avx2(const Src& s, const TcqGeom&
 #if defined(__AVX2__)
   const int L = s.L;
   if (L % 8 != 0 || L > 8 * TCQ_AVX2_CHUNKS || s.tcq_taps > TCQ_AVX2_TAPS) return nullptr;
-  auto v = std::make_shared<TcqAvx2>();
-  std::memset(v.get(), 0, sizeof(TcqAvx2));
+  auto v = std::make_shared<TcqAvx2>();  // value-initialised: every plan entry a tap leaves unset is 0
   v->nchunks = L / 8;
   v->taps = s.tcq_taps;
   v->bytes0 = g.bytes0;
   v->bytes1 = g.bytes1;
-  v->nbytes = g.nbytes;
   for (int p = 0; p < 8; ++p) v->pad[p] = g.stream_byte(p);
   for (int c = 0; c < v->nchunks; ++c) {
     int lo = 1 << 30, hi = -(1 << 30);
