@@ -20,6 +20,8 @@ import walshkv.cli.eval
 import walshkv.models
 from walshkv.cli import main
 from walshkv.cli.eval import MAIN_CODECS, fit_codecs
+from walshkv.codecs import parse_cache_spec
+from walshkv.codecs.vllm import is_vllm_peer
 from walshkv.eval.fit import fit_specs
 from walshkv.models import MODELS, layout_config
 from walshkv.presets import is_preset, resolve_preset
@@ -81,9 +83,11 @@ def test_default_set_leaves_out_what_a_model_cannot_hold_with_a_note(capsys):
         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=80, hidden_size=160
     )
     kept = fit_codecs(list(MAIN_CODECS), config, "phi-like", required=False)
-    assert kept == ["fp16", "kivi4", "kivi2"]  # the Walsh-Hadamard transform needs a power-of-two head size
+    # the Walsh-Hadamard transform needs a power-of-two head size; vLLM's fp8 keys and uniform values do not, and its
+    # int4_per_token_head transforms blocks of 16 (the largest power of two dividing 80)
+    assert kept == ["fp16", "kivi4", "kivi2", "vllm:turboquant_k8v4", "vllm:int4_per_token_head"]
     err = capsys.readouterr().err
-    assert err.count("is left out of the default set on phi-like") == len(MAIN_CODECS) - 3
+    assert err.count("is left out of the default set on phi-like") == len(MAIN_CODECS) - 5
     assert "note: rot+q4_0 is left out of the default set on phi-like: the Walsh-Hadamard transform needs" in err
     with pytest.raises(ValueError, match=r"walshkv:4\.5 \(= .*\) cannot run on this model: the Walsh-Hadamard"):
         fit_codecs(["walshkv:4.5"], config, "phi-like", required=True)
@@ -107,9 +111,12 @@ def test_default_eval_runs_on_every_listed_model(name, tmp_path, monkeypatch, ca
     assert checked == [list(MAIN_CODECS)]
     assert "left out" not in capsys.readouterr().err
     rows = json.loads(out.read_text())["results"]
-    expected = [resolve_preset(c, model=name).spec if is_preset(c) else c for c in MAIN_CODECS]
+    expected = [
+        resolve_preset(c, model=name).spec if is_preset(c) else parse_cache_spec(c).spec if is_vllm_peer(c) else c
+        for c in MAIN_CODECS
+    ]
     assert [r["codec"] for r in rows] == expected
-    assert [r.get("preset") for r in rows] == [c if is_preset(c) else None for c in MAIN_CODECS]
+    assert [r.get("preset") for r in rows] == [c if is_preset(c) or is_vllm_peer(c) else None for c in MAIN_CODECS]
     for row in rows:
         assert math.isfinite(row["kld_mean"]) and row["kld_mean"] >= 0, row
         assert 0 < row["bits_per_element"] <= 16, row

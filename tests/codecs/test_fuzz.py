@@ -31,6 +31,14 @@ tq:B          per rotated, normalised coordinate ``t``: half the largest gap of 
 tqprod:B      ``||r|| (1 + sqrt(pi/2) σ_max(S)/sqrt(d))`` with ``r`` the tq:(B-1) residual (bounded as tq) and
               ``S`` the QJL matrix: the 1-bit sketch is unbiased for inner products, not small in norm
 kivi          ``range/(2 (2^B-1))`` per (channel, K group) or (token, V channel group), + the fp16 zero's rounding
+vllm-tq:B     as tq on the unit vector ``u`` (plain Hadamard, vLLM's levels) giving ``E``; the result is
+              ``n16 c`` (``:nc``: ``c/||c||``, at most ``2E`` from ``u``) with ``n16`` the fp16 norm
+vllm-uq:B     half a step of the vector's range, plus the fp16 rounding of the step (times the top code) and of the
+              minimum
+vllm-fp8      ``2^-4 |z_i|`` (e4m3's 3 mantissa bits), ``2^-10`` under its subnormals, and ``|z_i| - 448`` clipped
+vllm-int4     in the transformed vector ``y`` (norm ``sqrt(b) ||z||``): one step ``s`` per value when ``y`` has values
+              of both signs, else ``|y_i| + 15 s`` (the zero point clamps); over ``sqrt(b)``; plus ``y``'s rounding
+              to the input's dtype (bf16's ``2^-8`` taken for all)
 ============  ==========================================================================================
 
 The outer error is at most the storing codec's times ``||A⁻¹||`` for each ``eq+``; float32 rounding of the
@@ -66,6 +74,7 @@ from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.trellis import TrellisQuant
 from walshkv.codecs.turbo import TurboQuant, TurboQuantProd
 from walshkv.codecs.vht2 import SqfreeCodec, VHT2Codec, VZCCodec
+from walshkv.codecs.vllm import FP8_MAX, VllmFp8, VllmInt4, VllmTurboKey, VllmUniformValue, vllm_centroids
 from walshkv.ops.hadamard import hadamard_transform
 from walshkv.ops.numtheory import squarefree_indices
 from walshkv.ops.quant import symmetric_qmax
@@ -245,6 +254,37 @@ def _kivi(codec: KiviCodec, z: torch.Tensor) -> torch.Tensor:
     return (e.expand_as(groups) ** 2).reshape(b, h, t, d).sum(-1).sqrt()
 
 
+def _vllm_tq(codec: VllmTurboKey, z: torch.Tensor) -> torch.Tensor:
+    d = z.shape[-1]
+    n = torch.linalg.vector_norm(z.double(), dim=-1).float()
+    n16 = n.to(torch.float16).float()
+    u = hadamard_transform(z.float()) / torch.where(n > 0, n, torch.ones_like(n))[..., None]
+    levels, _ = vllm_centroids(d, codec.bits)
+    top, half_gap = float(levels[-1]), float(levels.diff().max()) / 2
+    e = torch.linalg.vector_norm(torch.where(u.abs() > top, u.abs() - top, torch.full_like(u, half_gap)), dim=-1)
+    e = 2 * e if codec.norm_correction else e
+    return n16 * e + (n - n16).abs() * (1 + e) + 1e-7 + n * 2.0**-20
+
+
+def _vllm_uq(codec: VllmUniformValue, z: torch.Tensor) -> torch.Tensor:
+    lo, hi = z.amin(-1, keepdim=True), z.amax(-1, keepdim=True)
+    top = (1 << codec.bits) - 1
+    s = torch.clamp((hi - lo) / top, min=1e-8)
+    e = s / 2 * (1 + 2.0**-18) + top * (s * 2.0**-11 + _SUB16) + lo.abs() * 2.0**-11 + _SUB16
+    return e.squeeze(-1) * math.sqrt(z.shape[-1])
+
+
+def _vllm_int4(z: torch.Tensor) -> torch.Tensor:
+    d = z.shape[-1]
+    b = d & -d
+    y = hadamard_transform(z.float().reshape(*z.shape[:-1], d // b, b)).reshape(z.shape) * math.sqrt(b)
+    lo, hi = y.amin(-1), y.amax(-1)
+    s = torch.clamp((hi - lo) / 15, min=1e-6) * (1 + 2.0**-18)
+    norm = torch.linalg.vector_norm(y, dim=-1)
+    rot = torch.where((lo <= 0) & (hi >= 0), s * math.sqrt(d), norm + 15 * s * math.sqrt(d))
+    return (rot + 2.0**-8 * norm) / math.sqrt(b)
+
+
 def _store_bound(codec: Codec, z: torch.Tensor, packed: Packed) -> torch.Tensor:
     """The bound on ``||decode(z) - z||`` per vector ``[b, h, s]`` for the storing codec (module docstring)."""
     d = z.shape[-1]
@@ -274,6 +314,16 @@ def _store_bound(codec: Codec, z: torch.Tensor, packed: Packed) -> torch.Tensor:
         return residual * (1 + math.sqrt(math.pi / 2) * sigma / math.sqrt(d) * (1 + 2.0**-10))
     if isinstance(codec, KiviCodec):
         return _kivi(codec, z)
+    if isinstance(codec, VllmTurboKey):
+        return _vllm_tq(codec, z)
+    if isinstance(codec, VllmUniformValue):
+        return _vllm_uq(codec, z)
+    if isinstance(codec, VllmFp8):
+        a = z.float().abs()
+        e = (a - FP8_MAX).clamp(min=0) + 2.0**-4 * a.clamp(max=FP8_MAX) + 2.0**-10
+        return torch.linalg.vector_norm(e, dim=-1)
+    if isinstance(codec, VllmInt4):
+        return _vllm_int4(z)
     raise AssertionError(f"{type(codec).__name__}: state its family's bound in tests/codecs/test_fuzz.py")
 
 

@@ -181,10 +181,17 @@ class CompressedCache(Cache):
             self.cache_spec.bind(0, None)  # raises the message that names the fix
         self._kv_shape: tuple[int, int, int] | None = None  # (layers, kv heads, head_dim) of the config
         if config is None:
+            if isinstance(parsed, LayeredCacheSpec) and parsed.counts_from_end:
+                raise ValueError(
+                    f"{parsed.spec} names layers counted from the model's end (a negative index): pass "
+                    "config=model.config so the cache knows the model's depth"
+                )
             super().__init__(layer_class_to_replicate=self._next_layer)
             return
         layer_types, per_layer_kwargs = _layer_types(self.cache_spec, config)  # refuses what cannot be held
         text_config = config.get_text_config(decoder=True)
+        if isinstance(self.cache_spec, LayeredCacheSpec):  # layers counted from the end become this model's
+            self.cache_spec = self.cache_spec.resolve(text_config.num_hidden_layers)
         head_dim = head_dim_of(text_config)
         self._kv_shape = (text_config.num_hidden_layers, text_config.num_key_value_heads, head_dim)
         if calibration is not None:

@@ -17,6 +17,7 @@ from walshkv.cli.common import (
     windows_parent,
 )
 from walshkv.codecs import parse_cache_spec
+from walshkv.codecs.vllm import is_vllm_peer
 from walshkv.constants import Feed, Prefill, Score
 from walshkv.data import Text
 from walshkv.defaults import CALIB_TOKENS
@@ -45,9 +46,11 @@ __all__ = ["MAIN_CODECS", "add_parsers", "default_calibration", "fit_codecs", "s
 #: What ``walshkv eval`` runs with no ``--codec``: the uncompressed reference row, walshkv's presets (the model's
 #: shipped specs) and the peers users compare them with at similar bits: llama.cpp's types with the rotation, as
 #: upstream now applies it (q8_0 K / q4_0 V at 6.5 bits, q4_0 and iq4_nl at 4.5), KIVI (5 and 3 bits with its
-#: fp16 window) and TurboQuant-class tq (4.06 and 3.06 bits at head_dim 64). All run on the core install and on
-#: every model of ``walshkv models list`` (KIVI holds gemma3's sliding-window layers too); on another model, one
-#: that does not fit (its head size, its layer types) is left out with a note before anything runs.
+#: fp16 window), TurboQuant-class tq (4.06 and 3.06 bits at head_dim 64), and the quantized caches vLLM 0.32 ships
+#: (``--kv-cache-dtype turboquant_*`` and ``int4_per_token_head``, emulated byte for byte: docs/serving.md). All run
+#: on the core install and on every model of ``walshkv models list`` (KIVI holds gemma3's sliding-window layers too);
+#: on another model, one that does not fit (its head size, its layer types) is left out with a note before anything
+#: runs.
 MAIN_CODECS = (
     "fp16",
     "walshkv:4.5",
@@ -60,6 +63,11 @@ MAIN_CODECS = (
     "kivi2",
     "tq:4",
     "tq:3",
+    "vllm:turboquant_k8v4",
+    "vllm:turboquant_4bit_nc",
+    "vllm:turboquant_k3v4_nc",
+    "vllm:turboquant_3bit_nc",
+    "vllm:int4_per_token_head",
 )
 
 
@@ -135,6 +143,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         calibration = collect_kv_stats(lm, calib, tokens=args.calib_tokens, progress=not args.quiet)
     else:
         calibration = calibration_from_args(lm, codecs, args, text)
+    peer_of = {parse_cache_spec(c).spec: c.strip().lower() for c in codecs if is_vllm_peer(c)}
     codecs, preset_of = resolve_specs(codecs, calibration, model=lm)
     print_presets(preset_of, calibration, lm)
     result = evaluate(
@@ -153,9 +162,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     )
     command = command_line(args)
     result.meta["command"] = command
-    for row in result.results:
-        if row["codec"] in preset_of:
-            row["preset"] = preset_of[row["codec"]]
+    for row in result.results:  # a row of a preset or a vLLM cache is named by it (the spec stays in "codec")
+        if row["codec"] in preset_of or row["codec"] in peer_of:
+            row["preset"] = preset_of.get(row["codec"]) or peer_of[row["codec"]]
     print(describe_run(result.meta))
     print(format_table(result.results))
     if note := decode_note(result.results):

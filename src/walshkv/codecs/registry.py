@@ -23,6 +23,7 @@ from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.trellis import parse_tcq_args
 from walshkv.codecs.turbo import parse_tq_args, parse_tqprod_args
 from walshkv.codecs.vht2 import SqfreeCodec, VZCCodec, parse_vht2_args
+from walshkv.codecs.vllm import VllmFp8, VllmInt4, parse_vllm_tq_args, parse_vllm_uq_args
 from walshkv.constants import MAX_WRAPPERS
 
 __all__ = [
@@ -277,3 +278,24 @@ for _bits in (2, 4):
         f"KIVI {_bits}-bit: asymmetric, K per channel over groups of G tokens, V per token, fp16 window of R "
         "recent tokens (kivi2:g=32:r=32)",
     )
+register_codec(
+    "vllm-tq",
+    parse_vllm_tq_args,
+    "vLLM 0.32 TurboQuant keys: fp16 norm, Sylvester Hadamard, Lloyd-Max codes for N(0, 1/d); :nc rescales the "
+    "decoded centroids to unit norm (vllm-tq:B[:nc], B in 3, 4)",
+    example="vllm-tq:3:nc",
+)
+register_codec(
+    "vllm-uq",
+    parse_vllm_uq_args,
+    "vLLM 0.32 TurboQuant values: asymmetric min-max codes, fp16 scale and minimum (vllm-uq:B, B in 3, 4)",
+    example="vllm-uq:4",
+)
+register_codec(
+    "vllm-fp8", _plain("vllm-fp8", VllmFp8), "vLLM 0.32 turboquant_k8v4 keys: float8 e4m3 cast, saturating, no scale"
+)
+register_codec(
+    "vllm-int4",
+    _plain("vllm-int4", VllmInt4),
+    "vLLM 0.32 int4_per_token_head: fixed-sign Hadamard, asymmetric int4, fp32 scale holding the zero point",
+)

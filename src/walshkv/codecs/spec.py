@@ -5,8 +5,9 @@ Grammar::
     SPEC       := ["sink:" N ":"] (CACHE_SPEC | "layers:" PARTS)  # N first tokens kept in fp16
     CACHE_SPEC := CODEC_SPEC | CODEC_SPEC "/" CODEC_SPEC        # K / V
                 | "walshkv:" B                                  # a built-in preset (builtin_presets)
+                | "vllm:" NAME                                  # vLLM's own cache dtype NAME (.vllm)
                 | "hf-" ...                                     # Hugging Face's caches (.hf)
-    PARTS      := (CACHE_SPEC "@" LAYERS ";")* CACHE_SPEC        # LAYERS like 0,1,28-29
+    PARTS      := (CACHE_SPEC "@" LAYERS ";")* CACHE_SPEC        # LAYERS like 0,1,28-29 or 0,1,-2,-1
     CODEC_SPEC := (WRAPPER "+")* BASE                           # wrappers in WRAPPER_ORDER
     WRAPPER    := "prerope" | "center" | "eq" | "rot" | "rrot" [":" SEED]
     BASE       := NAME [":" ARGS]                               # e.g. int4, fp16, tq:3
@@ -38,6 +39,7 @@ from walshkv.codecs.registry import (
     register_codec,
     register_wrapper,
 )
+from walshkv.codecs.vllm import is_vllm_peer, vllm_peer_spec
 from walshkv.constants import MAX_LAYERS
 
 if TYPE_CHECKING:
@@ -135,27 +137,32 @@ class CacheSpec:
 
 
 def _parse_layers(text: str, spec: str) -> frozenset[int]:
-    """The layer indices of ``0,1,28-29``; every index and range end checked against :data:`MAX_LAYERS` first."""
+    """The layer indices of ``0,1,28-29`` (or ``0,1,-2,-1``: a negative index counts from the model's last layer, as
+    in Python); every index and range end checked against :data:`MAX_LAYERS` first."""
     bounds: list[tuple[int, int]] = []
     for item in text.split(","):
         item = item.strip()
         try:
-            if "-" in item:
+            if item.startswith("-"):  # one index from the end: -1 is the last layer
+                a = b = int(item)
+                if a >= 0:
+                    raise ValueError
+            elif "-" in item:
                 a, b = (int(x) for x in item.split("-", 1))
-                if b < a:
+                if b < a or a < 0:
                     raise ValueError
             else:
                 a = b = int(item)
         except ValueError:
             raise ValueError(
-                f"bad layer list {text!r} in {spec!r}: write layer indices and ranges like 0,1,28-29"
+                f"bad layer list {text!r} in {spec!r}: write layer indices and ranges like 0,1,28-29, and layers "
+                "counted from the end one at a time, like -2,-1 (the last two)"
             ) from None
-        if a < 0:
-            raise ValueError(f"layer indices are >= 0, got {text!r} in {spec!r}")
-        if b >= MAX_LAYERS:
+        if b >= MAX_LAYERS or a < -MAX_LAYERS:
             raise ValueError(
-                f"layer {b} in {spec!r} is past any model (walshkv reads layer indices 0..{MAX_LAYERS - 1}); "
-                "name the model's own layers, e.g. 0,1,28-29 for a 30-layer model"
+                f"layer {b if b >= MAX_LAYERS else a} in {spec!r} is past any model (walshkv reads layer indices "
+                f"0..{MAX_LAYERS - 1}, or -1..-{MAX_LAYERS} from the end); name the model's own layers, e.g. "
+                "0,1,28-29 for a 30-layer model"
             )
         bounds.append((a, b))
     return frozenset(i for a, b in bounds for i in range(a, b + 1))
@@ -168,7 +175,10 @@ class LayeredCacheSpec(CacheSpec):
     Each part is a plain cache spec (``KSPEC/VSPEC`` or one spec) for the listed layers (indices and
     ranges, ``0,1,28-29``); the last part has no ``@`` and covers every other layer. Example:
     ``layers:center+tq:5/tq:3@0,29;center+tq:4/tq:2.5`` gives layers 0 and 29 wider K and V. Per-layer
-    widths are what ``walshkv recommend --per-layer`` chooses from measured layer sensitivities.
+    widths are what ``walshkv recommend --per-layer`` chooses from measured layer sensitivities. A negative index
+    counts from the model's end (``bf16@0,1,-2,-1``: the first two and the last two layers, whatever the depth, as
+    vLLM's TurboQuant keeps them); such a spec is made concrete for one model by :meth:`resolve`, which the cache
+    calls with the model's layer count.
 
     Attributes:
         k, v: the default (last) part's codecs, for code that inspects a spec's kind.
@@ -191,8 +201,46 @@ class LayeredCacheSpec(CacheSpec):
     def default(self) -> CacheSpec:
         return self.parts[-1][0]
 
+    @property
+    def counts_from_end(self) -> bool:
+        """True if a part names a layer by a negative index (its layers depend on the model's depth)."""
+        return any(layers is not None and min(layers) < 0 for _, layers in self.parts)
+
+    def resolve(self, num_layers: int) -> LayeredCacheSpec:
+        """This spec for a model of ``num_layers`` layers: negative indices turned into the model's own.
+
+        Raises:
+            ValueError: an index the model does not have, or a layer two parts claim once counted (``0`` and ``-2``
+                on a two-layer model in different parts).
+        """
+        self.check_layers(num_layers)
+        if not self.counts_from_end:
+            return self
+        parts: list[tuple[CacheSpec, frozenset[int] | None]] = []
+        seen: set[int] = set()
+        for part, layers in self.parts:
+            if layers is not None:
+                layers = frozenset(i % num_layers for i in layers)
+                if seen & layers:
+                    raise ValueError(
+                        f"{self.spec!r} gives layer {min(seen & layers)} of this {num_layers}-layer model two specs "
+                        "(an index and one counted from the end name the same layer): list it once"
+                    )
+                seen |= layers
+            parts.append((part, layers))
+        return replace(self, parts=tuple(parts))
+
     def for_layer(self, layer_idx: int) -> CacheSpec:
-        """The plain spec of layer ``layer_idx``."""
+        """The plain spec of layer ``layer_idx``.
+
+        Raises:
+            ValueError: the spec counts layers from the end and is not resolved for a model yet (:meth:`resolve`).
+        """
+        if self.counts_from_end:
+            raise ValueError(
+                f"{self.spec!r} names layers counted from the model's end: resolve it for the model first "
+                "(spec.resolve(num_layers); CompressedCache does this when given config=model.config)"
+            )
         for part, layers in self.parts:
             if layers is None or layer_idx in layers:
                 return part
@@ -208,7 +256,8 @@ class LayeredCacheSpec(CacheSpec):
             raise ValueError(
                 f"the bits per element of {self.spec!r} depend on the model's layer count; pass num_layers"
             )
-        return sum(self.for_layer(i).bits_per_element(head_dim) for i in range(num_layers)) / num_layers
+        spec = self.resolve(num_layers)
+        return sum(spec.for_layer(i).bits_per_element(head_dim) for i in range(num_layers)) / num_layers
 
     def _token_bits(self, head_dim: int, num_layers: int | None) -> float:
         return self.bits_per_element(head_dim, num_layers)
@@ -218,11 +267,13 @@ class LayeredCacheSpec(CacheSpec):
             part.check_head_dim(head_dim)
 
     def check_layers(self, num_layers: int) -> None:
-        """Refuse layer indices the model does not have."""
+        """Refuse layer indices the model does not have (``28`` or ``-31`` on a 30-layer model)."""
         listed = set().union(*(layers for _, layers in self.parts if layers is not None))
-        if listed and max(listed) >= num_layers:
+        if listed and (max(listed) >= num_layers or min(listed) < -num_layers):
+            bad = max(listed) if max(listed) >= num_layers else min(listed)
             raise ValueError(
-                f"{self.spec!r} names layer {max(listed)}, but the model has {num_layers} layers (0..{num_layers - 1})"
+                f"{self.spec!r} names layer {bad}, but the model has {num_layers} layers (0..{num_layers - 1}, "
+                f"or -1..-{num_layers} from the end)"
             )
 
     @property
@@ -236,7 +287,7 @@ class LayeredCacheSpec(CacheSpec):
 
 def _format_layers(layers: frozenset[int]) -> str:
     items, run = [], []
-    for i in sorted(layers):
+    for i in sorted(i for i in layers if i >= 0):
         if run and i == run[-1] + 1:
             run.append(i)
             continue
@@ -245,6 +296,7 @@ def _format_layers(layers: frozenset[int]) -> str:
         run = [i]
     if run:
         items.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    items.extend(str(i) for i in sorted(i for i in layers if i < 0))  # counted from the end: one at a time
     return ",".join(items)
 
 
@@ -333,7 +385,8 @@ def parse_cache_spec(spec: str | CacheSpec | HFCacheSpec) -> CacheSpec | HFCache
     ``hf-quanto:B``, ``hf-hqq:B`` and ``hf-fp8`` give an :class:`HFCacheSpec` (Hugging Face's own
     ``QuantizedCache``, run as a peer). ``walshkv:3``, ``walshkv:3.5`` and ``walshkv:4.5`` give the
     built-in spec of that preset (:mod:`walshkv.presets`; a calibration file can choose another:
-    see :meth:`walshkv.cache.CompressedCache.from_preset`).
+    see :meth:`walshkv.cache.CompressedCache.from_preset`). ``vllm:turboquant_k3v4_nc`` and the other names of
+    :data:`walshkv.codecs.vllm.VLLM_PEERS` give the spec that stores what that vLLM cache dtype stores.
     """
     if isinstance(spec, (CacheSpec, HFCacheSpec)):
         return spec
@@ -347,6 +400,8 @@ def parse_cache_spec(spec: str | CacheSpec | HFCacheSpec) -> CacheSpec | HFCache
         return parse_hf_spec(spec)
     if spec.strip().lower().startswith("walshkv:"):  # a built-in preset (builtin_presets)
         return parse_cache_spec(builtin_preset_spec(spec))
+    if is_vllm_peer(spec):  # vLLM's own quantized cache, emulated (.vllm)
+        return parse_cache_spec(vllm_peer_spec(spec))
     parts = spec.split("/")
     if len(parts) == 1:
         codec = parse_codec(parts[0])

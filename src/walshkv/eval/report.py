@@ -293,9 +293,18 @@ def _fp_share(row: ResultRow) -> str:
 
 
 def preset_note(results: Sequence[ResultRow]) -> str:
-    """``Presets: walshkv:3.5 = SPEC, ...``: the spec behind each row named by a preset, or ``""``."""
-    named = [f"`{r.get('preset')}` = `{r['codec']}`" for r in results if r.get("preset")]
-    return f"Presets (the model's specs; docs/presets.md): {'; '.join(named)}." if named else ""
+    """``Presets: walshkv:3.5 = SPEC, ...`` (and ``vLLM's caches: vllm:NAME = SPEC, ...``): the spec behind each row
+    named by a preset or a vLLM cache dtype, or ``""``."""
+    named = [r for r in results if r.get("preset")]
+    presets = [f"`{r['preset']}` = `{r['codec']}`" for r in named if not str(r["preset"]).startswith("vllm:")]
+    peers = [f"`{r['preset']}` = `{r['codec']}`" for r in named if str(r["preset"]).startswith("vllm:")]
+    out = [f"Presets (the model's specs; docs/presets.md): {'; '.join(presets)}." if presets else ""]
+    if peers:
+        out.append(
+            f"vLLM's own caches, emulated byte for byte (docs/serving.md; bf16 = the layers vLLM keeps at the "
+            f"model's dtype): {'; '.join(peers)}."
+        )
+    return " ".join(x for x in out if x)
 
 
 def decode_note(results: Sequence[ResultRow]) -> str:
