@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# docs/baselines.md's and docs/serving.md's table of vLLM's own quantized caches (walshkv.codecs.vllm: vLLM 0.32's
+# docs/baselines.md's and docs/serving.md's tables of vLLM's and LMCache's own quantized caches (walshkv.codecs.vllm: vLLM 0.32's
 # turboquant_* and int4_per_token_head, byte for byte) beside walshkv's presets: Austen's Emma (the development
 # text; presets read their shipped calibration, made on python-docs), each model under both prefill conventions:
 # quantize on write (walshkv's default), and on EXACT_MODELS (default smollm2-135m) exact prefill too, vLLM's own
@@ -33,3 +33,10 @@ for f in "$OUT"/*-quantized.md "$OUT"/*-exact.md; do
 done > "$OUT/tables.md"
 python scripts/update_readme.py "$OUT/tables.md" docs/baselines.md vllm-peers
 python scripts/update_readme.py "$OUT/tables.md" docs/serving.md vllm-peers
+# LMCache's own quantizing serdes (fp8, turboquant: walshkv.codecs.vllm.LMCACHE_PEERS) on smollm2-135m, quantize on
+# write (LMCache stores a finished prefill's chunks: what a later request reads back is all codes). About 2 minutes.
+walshkv eval --model smollm2-135m --text "$TEXT" --windows "${WINDOWS:-8}" --quiet --codec fp16 --codec walshkv:4.5 \
+  --codec walshkv:3.5 --codec lmcache:fp8 --codec lmcache:turboquant_k8v4 --codec lmcache:turboquant_4bit_nc \
+  --codec lmcache:turboquant_k3v4_nc --codec lmcache:turboquant_3bit_nc \
+  --json "$OUT/lmcache-smollm2-135m.json" --markdown "$OUT/lmcache-smollm2-135m.md"
+python scripts/update_readme.py "$OUT/lmcache-smollm2-135m.md" docs/serving.md lmcache-peers

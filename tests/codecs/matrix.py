@@ -92,13 +92,14 @@ MATRIX: tuple[Entry, ...] = (
     Entry("tcq:3", 0.2, bad_head_dim=_ODD),
     Entry("tcq:2.5", 0.28, bad_head_dim=_ODD),
     Entry("tcq:4", 0.1, kind="v", bad_head_dim=_ODD),
-    # vLLM 0.32's own caches (emulated): TurboQuant keys and values, turboquant_k8v4's fp8 keys, int4_per_token_head
+    # vLLM 0.32's own caches (emulated): TurboQuant keys and values, turboquant_k8v4's fp8 keys, int4_per_token_head;
     Entry("vllm-tq:3:nc", 0.2, bad_head_dim=_ODD),
     Entry("vllm-tq:4", 0.11, bad_head_dim=_ODD),
     Entry("vllm-uq:4", 0.1, kind="v", bad_head_dim=12),
     Entry("vllm-uq:3", 0.21, kind="v", bad_head_dim=12),
     Entry("vllm-fp8", 0.04),
     Entry("vllm-int4", 0.1, bad_head_dim=9),
+    Entry("lmcache-tq:4:nc", 0.11, bad_head_dim=_ODD),  # LMCache's TurboQuant keys: vllm-tq with per-layer signs
     # KIVI: K in groups of g tokens, V per token
     Entry("kivi2:g=4:r=4", 0.19, tokens=8),
     Entry("kivi2:g=4:r=4", 0.19, kind="v", tokens=6),

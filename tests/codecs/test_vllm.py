@@ -1,4 +1,6 @@
-"""vLLM's own caches as codecs (``walshkv.codecs.vllm``): layouts, grammar, refusals, and the peer specs.
+"""vLLM's and LMCache's own caches as codecs (``walshkv.codecs.vllm``): layouts, grammar, refusals, the peer specs,
+and LMCache's serdes (LMCache is installed by README's test command; its TurboQuant kernels need CUDA, so its
+rotations, levels, layer ranges and sizes are compared here, and its fp8 serde's bytes).
 
 The byte-for-byte comparison with vLLM's kernels runs in vLLM's environment (plugins/vllm/tests_vllm/
 test_vllm_peers.py); these tests hold what walshkv promises without vLLM installed.
@@ -6,12 +8,21 @@ test_vllm_peers.py); these tests hold what walshkv promises without vLLM install
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from walshkv.codecs import parse_cache_spec, parse_codec
 from walshkv.codecs.spec import LayeredCacheSpec
-from walshkv.codecs.vllm import VLLM_PEERS, VllmTurboKey, vllm_centroids, vllm_peer_spec
+from walshkv.codecs.vllm import (
+    VLLM_PEERS,
+    LmcacheTurboKey,
+    VllmTurboKey,
+    lmcache_signs,
+    vllm_centroids,
+    vllm_peer_spec,
+)
 from walshkv.ops.lloyd_max import lloyd_max
 
 
@@ -136,3 +147,51 @@ def test_cache_without_config_refuses_layers_from_the_end() -> None:
 
     with pytest.raises(ValueError, match=r"config=model\.config"):
         CompressedCache("vllm:turboquant_k3v4_nc")
+
+
+@pytest.mark.parametrize("layer", [0, 2, 17, 27])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
+def test_lmcache_turboquant_rotation_levels_and_layers(layer: int, preset: str) -> None:
+    """``lmcache-tq`` rotates by LMCache's own per-layer ``PiT`` with its levels, skips its layers, and its layout is
+    LMCache's slot (codes and norm; values as vLLM's)."""
+    from lmcache.v1.distributed.serde.turboquant.turboquant import (
+        TurboQuantSerdeConfig,
+        _generate_wht_signs,
+        _layer_ranges,
+        _make_tq_tensors_for_layer,
+    )
+
+    d = 64
+    cfg = TurboQuantSerdeConfig(preset=preset, head_dim=d)
+    pi_t, midpoints, centroids = _make_tq_tensors_for_layer(cfg, layer, torch.device("cpu"))
+    spec = parse_cache_spec(f"lmcache:{preset}")
+    assert isinstance(spec, LayeredCacheSpec)
+    key = spec.default.k.bind(layer, "k")
+    assert isinstance(key, LmcacheTurboKey)
+    assert torch.allclose(key._rotate(torch.eye(d)), pi_t, atol=1e-7)
+    assert torch.allclose(key._unrotate(key._rotate(torch.eye(d))), torch.eye(d), atol=1e-6)
+    assert torch.equal(vllm_centroids(d, key.bits)[0], centroids)
+    assert torch.equal(key._midpoints(d), midpoints)
+    start, end = _layer_ranges(30, cfg)
+    resolved = spec.resolve(30)
+    assert [i for i in range(30) if resolved.for_layer(i).k.spec != "bf16"] == list(range(start, end))
+    assert key.bytes_per_vector(d) == cfg.key_packed_size
+    assert spec.default.v.bytes_per_vector(d) == cfg.value_packed_size
+    assert torch.equal(lmcache_signs(d, layer), _generate_wht_signs(d, 42 + 1337 * layer, torch.device("cpu")))
+
+
+def test_lmcache_fp8_serde_bytes() -> None:
+    """LMCache's fp8 serde, run on a K/V chunk, stores the bytes of walshkv's ``vllm-fp8`` (a saturating e4m3 cast)."""
+    from lmcache.v1.distributed.serde.fp8 import Fp8QuantizationSerializer
+
+    chunk = torch.randn(2, 3, 16, 2 * 64) * 40  # [K/V, layers, tokens, kv_heads * head_dim], values past 448 too
+    dst = torch.zeros(chunk.numel(), dtype=torch.uint8)
+    n = Fp8QuantizationSerializer().serialize(SimpleNamespace(tensor=chunk), SimpleNamespace(tensor=dst), None)
+    assert n == chunk.numel()
+    x = chunk.reshape(2, 3, 16, 2, 64).permute(0, 1, 3, 2, 4).reshape(6, 2, 16, 64)  # [K/V x layer, heads, tokens, d]
+    ours = parse_codec("vllm-fp8").encode(x).tensors["values"]
+    theirs = dst.reshape(2, 3, 16, 2, 64).permute(0, 1, 3, 2, 4).reshape(6, 2, 16, 64)
+    assert torch.equal(ours, theirs)
+    assert parse_cache_spec("lmcache:fp8").spec == "vllm-fp8"
+    with pytest.raises(ValueError, match="unknown LMCache serde"):
+        parse_cache_spec("lmcache:cachegen")

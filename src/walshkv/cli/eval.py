@@ -17,7 +17,7 @@ from walshkv.cli.common import (
     windows_parent,
 )
 from walshkv.codecs import parse_cache_spec
-from walshkv.codecs.vllm import is_vllm_peer
+from walshkv.codecs.vllm import is_engine_peer
 from walshkv.constants import Feed, Prefill, Score
 from walshkv.data import Text
 from walshkv.defaults import CALIB_TOKENS
@@ -143,7 +143,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         calibration = collect_kv_stats(lm, calib, tokens=args.calib_tokens, progress=not args.quiet)
     else:
         calibration = calibration_from_args(lm, codecs, args, text)
-    peer_of = {parse_cache_spec(c).spec: c.strip().lower() for c in codecs if is_vllm_peer(c)}
+    peer_of = {parse_cache_spec(c).spec: c.strip().lower() for c in codecs if is_engine_peer(c)}
     codecs, preset_of = resolve_specs(codecs, calibration, model=lm)
     print_presets(preset_of, calibration, lm)
     result = evaluate(
@@ -162,7 +162,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     )
     command = command_line(args)
     result.meta["command"] = command
-    for row in result.results:  # a row of a preset or a vLLM cache is named by it (the spec stays in "codec")
+    for row in result.results:  # a row of a preset or an engine's cache is named by it (the spec stays in "codec")
         if row["codec"] in preset_of or row["codec"] in peer_of:
             row["preset"] = preset_of.get(row["codec"]) or peer_of[row["codec"]]
     print(describe_run(result.meta))

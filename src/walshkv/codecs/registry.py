@@ -23,7 +23,7 @@ from walshkv.codecs.rotation import Rotated
 from walshkv.codecs.trellis import parse_tcq_args
 from walshkv.codecs.turbo import parse_tq_args, parse_tqprod_args
 from walshkv.codecs.vht2 import SqfreeCodec, VZCCodec, parse_vht2_args
-from walshkv.codecs.vllm import VllmFp8, VllmInt4, parse_vllm_tq_args, parse_vllm_uq_args
+from walshkv.codecs.vllm import VllmFp8, VllmInt4, parse_lmcache_tq_args, parse_vllm_tq_args, parse_vllm_uq_args
 from walshkv.constants import MAX_WRAPPERS
 
 __all__ = [
@@ -298,4 +298,11 @@ register_codec(
     "vllm-int4",
     _plain("vllm-int4", VllmInt4),
     "vLLM 0.32 int4_per_token_head: fixed-sign Hadamard, asymmetric int4, fp32 scale holding the zero point",
+)
+register_codec(
+    "lmcache-tq",
+    parse_lmcache_tq_args,
+    "LMCache 0.5.6 TurboQuant keys: vllm-tq with each layer's rotation H diag(s), signs seeded 42 + 1337 * layer "
+    "(lmcache-tq:B[:nc], B in 3, 4)",
+    example="lmcache-tq:3:nc",
 )

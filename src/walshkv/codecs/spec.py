@@ -5,7 +5,7 @@ Grammar::
     SPEC       := ["sink:" N ":"] (CACHE_SPEC | "layers:" PARTS)  # N first tokens kept in fp16
     CACHE_SPEC := CODEC_SPEC | CODEC_SPEC "/" CODEC_SPEC        # K / V
                 | "walshkv:" B                                  # a built-in preset (builtin_presets)
-                | "vllm:" NAME                                  # vLLM's own cache dtype NAME (.vllm)
+                | ("vllm:" | "lmcache:") NAME                   # an engine's own cache NAME (.vllm)
                 | "hf-" ...                                     # Hugging Face's caches (.hf)
     PARTS      := (CACHE_SPEC "@" LAYERS ";")* CACHE_SPEC        # LAYERS like 0,1,28-29 or 0,1,-2,-1
     CODEC_SPEC := (WRAPPER "+")* BASE                           # wrappers in WRAPPER_ORDER
@@ -39,7 +39,7 @@ from walshkv.codecs.registry import (
     register_codec,
     register_wrapper,
 )
-from walshkv.codecs.vllm import is_vllm_peer, vllm_peer_spec
+from walshkv.codecs.vllm import engine_peer_spec, is_engine_peer
 from walshkv.constants import MAX_LAYERS
 
 if TYPE_CHECKING:
@@ -386,7 +386,8 @@ def parse_cache_spec(spec: str | CacheSpec | HFCacheSpec) -> CacheSpec | HFCache
     ``QuantizedCache``, run as a peer). ``walshkv:3``, ``walshkv:3.5`` and ``walshkv:4.5`` give the
     built-in spec of that preset (:mod:`walshkv.presets`; a calibration file can choose another:
     see :meth:`walshkv.cache.CompressedCache.from_preset`). ``vllm:turboquant_k3v4_nc`` and the other names of
-    :data:`walshkv.codecs.vllm.VLLM_PEERS` give the spec that stores what that vLLM cache dtype stores.
+    :data:`walshkv.codecs.vllm.VLLM_PEERS` give the spec that stores what that vLLM cache dtype stores, and
+    ``lmcache:NAME`` (:data:`walshkv.codecs.vllm.LMCACHE_PEERS`) what that LMCache serde stores.
     """
     if isinstance(spec, (CacheSpec, HFCacheSpec)):
         return spec
@@ -400,8 +401,8 @@ def parse_cache_spec(spec: str | CacheSpec | HFCacheSpec) -> CacheSpec | HFCache
         return parse_hf_spec(spec)
     if spec.strip().lower().startswith("walshkv:"):  # a built-in preset (builtin_presets)
         return parse_cache_spec(builtin_preset_spec(spec))
-    if is_vllm_peer(spec):  # vLLM's own quantized cache, emulated (.vllm)
-        return parse_cache_spec(vllm_peer_spec(spec))
+    if is_engine_peer(spec):  # vLLM's or LMCache's own quantized cache, emulated (.vllm)
+        return parse_cache_spec(engine_peer_spec(spec))
     parts = spec.split("/")
     if len(parts) == 1:
         codec = parse_codec(parts[0])

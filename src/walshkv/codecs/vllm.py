@@ -1,4 +1,5 @@
-"""vLLM 0.32's own quantized KV caches, emulated as walshkv codecs so the harness can judge them as peers.
+"""vLLM 0.32's and LMCache 0.5.6's own quantized KV caches, emulated as walshkv codecs so the harness can judge
+them as peers.
 
 vLLM ships ``--kv-cache-dtype turboquant_k8v4 | turboquant_4bit_nc | turboquant_k3v4_nc | turboquant_3bit_nc``
 (TurboQuant) and ``int4_per_token_head``. Each side of each is one codec here, written from the vLLM 0.32.0 source
@@ -29,10 +30,12 @@ vLLM prefills TurboQuant layers from the exact K/V (walshkv's ``--prefill exact`
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,14 +44,24 @@ from walshkv.codecs.turbo import _check_fp16
 from walshkv.ops.hadamard import is_power_of_two
 from walshkv.ops.packing import pack_bits, packed_nbytes, unpack_bits
 
+if TYPE_CHECKING:
+    pass
+
 __all__ = [
+    "LMCACHE_PEERS",
+    "LMCACHE_VERSION",
     "VLLM_PEERS",
     "VLLM_VERSION",
+    "LmcacheTurboKey",
     "VllmFp8",
     "VllmInt4",
     "VllmTurboKey",
     "VllmUniformValue",
+    "engine_peer_spec",
+    "is_engine_peer",
     "is_vllm_peer",
+    "lmcache_signs",
+    "parse_lmcache_tq_args",
     "parse_vllm_tq_args",
     "parse_vllm_uq_args",
     "rht_signs",
@@ -71,6 +84,18 @@ VLLM_PEERS: dict[str, str] = {
     "vllm:int4_per_token_head": "vllm-int4",
 }
 
+#: The LMCache release whose serdes :data:`LMCACHE_PEERS` follow.
+LMCACHE_VERSION = "0.5.6"
+
+#: ``lmcache:NAME`` (LMCache's serde, and its preset for ``turboquant``) -> the walshkv spec of what it stores.
+LMCACHE_PEERS: dict[str, str] = {
+    "lmcache:fp8": "vllm-fp8",
+    "lmcache:turboquant_k8v4": f"layers:{_BOUNDARY};vllm-fp8/vllm-uq:4",
+    "lmcache:turboquant_4bit_nc": f"layers:{_BOUNDARY};lmcache-tq:4:nc/vllm-uq:4",
+    "lmcache:turboquant_k3v4_nc": f"layers:{_BOUNDARY};lmcache-tq:3:nc/vllm-uq:4",
+    "lmcache:turboquant_3bit_nc": f"layers:{_BOUNDARY};lmcache-tq:3:nc/vllm-uq:3",
+}
+
 _WIDTHS = (3, 4)
 FP8_MAX = 448.0  # float8 e4m3fn's largest finite value
 
@@ -78,6 +103,11 @@ FP8_MAX = 448.0  # float8 e4m3fn's largest finite value
 def is_vllm_peer(name: str) -> bool:
     """Whether ``name`` is written ``vllm:NAME`` (a vLLM cache dtype, known or not)."""
     return isinstance(name, str) and name.strip().lower().startswith("vllm:")
+
+
+def is_engine_peer(name: str) -> bool:
+    """Whether ``name`` is written ``vllm:NAME`` or ``lmcache:NAME`` (an engine's own cache, known or not)."""
+    return isinstance(name, str) and name.strip().lower().startswith(("vllm:", "lmcache:"))
 
 
 def vllm_peer_spec(name: str) -> str:
@@ -93,6 +123,23 @@ def vllm_peer_spec(name: str) -> str:
             "(fp8 is a plain cast: the float codecs and hf-fp8 cover it)"
         )
     return VLLM_PEERS[key]
+
+
+def engine_peer_spec(name: str) -> str:
+    """The walshkv spec of ``vllm:NAME`` (:data:`VLLM_PEERS`) or ``lmcache:NAME`` (:data:`LMCACHE_PEERS`).
+
+    Raises:
+        ValueError: a name neither engine ships; the message lists the names of the engine it names.
+    """
+    key = name.strip().lower()
+    if key.startswith("lmcache:"):
+        if key not in LMCACHE_PEERS:
+            raise ValueError(
+                f"unknown LMCache serde {name!r}; walshkv emulates LMCache {LMCACHE_VERSION}'s "
+                f"{', '.join(LMCACHE_PEERS)} (LMCache's naive serde stores the cache unchanged: spec bf16)"
+            )
+        return LMCACHE_PEERS[key]
+    return vllm_peer_spec(name)
 
 
 def _check_width(bits: object, name: str) -> None:
@@ -114,7 +161,7 @@ def _check_d(head_dim: int, spec: str, multiple: int) -> None:
 def _lloyd_max(d: int, bits: int) -> tuple[float, ...]:
     """vLLM's Lloyd-Max centroids for N(0, 1/d) as Python floats, by the same numerical procedure: centroids
     started evenly over +-3.5 sigma, cells cut at the midpoints (outer edges at +-10.5 sigma), each centroid moved
-    to its cell's mean by trapezoid sums of 200 steps, until no centroid moves by 1e-10 (at most 200 rounds)."""
+    to its cell's mean by trapezoid sums of 200 steps, until no centroid would move by 1e-10 (at most 200 rounds)."""
     levels, var = 2**bits, 1.0 / d
     sigma = math.sqrt(var)
     norm = 1.0 / math.sqrt(2 * math.pi * var)
@@ -138,10 +185,9 @@ def _lloyd_max(d: int, bits: int) -> tuple[float, ...]:
             a, b = edges[i], edges[i + 1]
             mass = trapezoid(pdf, a, b)
             moved.append(trapezoid(lambda x: x * pdf(x), a, b) / mass if mass > 1e-15 else c[i])
-        done = max(abs(m - old) for m, old in zip(moved, c, strict=True)) < 1e-10
+        if max(abs(m - old) for m, old in zip(moved, c, strict=True)) < 1e-10:
+            break  # converged: vLLM keeps the levels it tested, not the round's update
         c = moved
-        if done:
-            break
     return tuple(c)
 
 
@@ -198,8 +244,8 @@ class VllmTurboKey(Codec):
         k = x.float()
         norm = k.norm(dim=-1, keepdim=True)
         norm16 = _check_fp16(norm, "L2 norm", self.spec)
-        y = (k / (norm + 1e-8)) @ _sylvester(x.shape[-1]).to(x.device)
-        _, mid = vllm_centroids(x.shape[-1], self.bits)
+        y = self._rotate(k / (norm + 1e-8))
+        mid = self._midpoints(x.shape[-1])
         codes = torch.bucketize(y, mid.to(x.device), right=True)  # the number of midpoints <= y, as vLLM's search
         return Packed({"codes": pack_bits(codes.to(torch.uint8), self.bits), "norm": norm16}, x.shape[-1], x.dtype)
 
@@ -210,7 +256,19 @@ class VllmTurboKey(Codec):
         y = c.to(codes.device)[codes]
         if self.norm_correction:
             y = y / torch.sqrt((y * y).sum(-1, keepdim=True) + 1e-16)
-        return packed.tensors["norm"].float() * (y @ _sylvester(d).to(y.device))
+        return packed.tensors["norm"].float() * self._unrotate(y)
+
+    def _midpoints(self, d: int) -> torch.Tensor:
+        """The cell boundaries, float32 ``[2**bits - 1]``: vLLM halves the sum of float32 centroids."""
+        return vllm_centroids(d, self.bits)[1]
+
+    def _rotate(self, u: torch.Tensor) -> torch.Tensor:
+        """``u Pi^T``: the unit vectors ``[..., d]`` in the frame the codes quantize (here the plain Hadamard)."""
+        return u @ _sylvester(u.shape[-1]).to(u.device)
+
+    def _unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`_rotate` (the plain Hadamard matrix is its own inverse)."""
+        return y @ _sylvester(y.shape[-1]).to(y.device)
 
 
 def parse_vllm_tq_args(args: str | None) -> Codec:
@@ -223,6 +281,62 @@ def parse_vllm_tq_args(args: str | None) -> Codec:
     if bits not in _WIDTHS or len(parts) > 2 or (len(parts) == 2 and parts[1].strip().lower() != "nc"):
         raise ValueError(f"vllm-tq takes 3 or 4 bits and an optional ':nc' (vllm-tq:3:nc), got {args!r}")
     return VllmTurboKey(bits, len(parts) == 2)
+
+
+def lmcache_signs(head_dim: int, layer: int) -> torch.Tensor:
+    """LMCache's TurboQuant signs for ``layer``: float32 ``[head_dim]`` of +-1 from seed ``42 + 1337 * layer``."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(42 + 1337 * layer)
+    return torch.randint(0, 2, (head_dim,), generator=gen).float() * 2 - 1
+
+
+@dataclass(frozen=True, repr=False)
+class LmcacheTurboKey(VllmTurboKey):
+    """``lmcache-tq:B[:nc]``: LMCache's TurboQuant keys, vLLM's with a rotation ``H diag(s)`` per layer.
+
+    Attributes:
+        layer: the layer whose signs rotate the keys, set by :meth:`bind` (a cache binds each layer's codec); an
+            unbound codec refuses to encode.
+    """
+
+    layer: int | None = field(default=None, compare=False)
+
+    def _spec(self) -> str:
+        return "lmcache" + super()._spec()[len("vllm") :]
+
+    def bind(self, layer_idx: int, kind: str, calibration: object = None) -> Codec:
+        return self if self.layer == layer_idx else replace(self, layer=layer_idx)
+
+    def _signs(self, d: int, device: torch.device) -> torch.Tensor:
+        if self.layer is None:
+            raise ValueError(
+                f"'{self.spec}' rotates each layer with its own signs: bind it to a layer first "
+                "(codec.bind(layer_idx, 'k'); a CompressedCache does this for every layer)"
+            )
+        return lmcache_signs(d, self.layer).to(device)
+
+    def _midpoints(self, d: int) -> torch.Tensor:
+        """LMCache rounds the float64 midpoints of the float64 levels to float32 (vLLM's differ in the last bit)."""
+        c = _lloyd_max(d, self.bits)
+        return torch.tensor([(a + b) / 2.0 for a, b in itertools.pairwise(c)], dtype=torch.float32)
+
+    def _rotate(self, u: torch.Tensor) -> torch.Tensor:
+        return (u * self._signs(u.shape[-1], u.device)) @ _sylvester(u.shape[-1]).to(u.device)
+
+    def _unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        return (y @ _sylvester(y.shape[-1]).to(y.device)) * self._signs(y.shape[-1], y.device)
+
+
+def parse_lmcache_tq_args(args: str | None) -> Codec:
+    """``lmcache-tq:B`` or ``lmcache-tq:B:nc``."""
+    try:
+        key = parse_vllm_tq_args(args)
+    except ValueError:
+        raise ValueError(
+            f"lmcache-tq takes 3 or 4 bits and an optional ':nc' (lmcache-tq:3:nc), got {args!r}"
+        ) from None
+    assert isinstance(key, VllmTurboKey)
+    return LmcacheTurboKey(key.bits, key.norm_correction)
 
 
 # ---- TurboQuant: values -----------------------------------------------------------------------------------

@@ -293,16 +293,17 @@ def _fp_share(row: ResultRow) -> str:
 
 
 def preset_note(results: Sequence[ResultRow]) -> str:
-    """``Presets: walshkv:3.5 = SPEC, ...`` (and ``vLLM's caches: vllm:NAME = SPEC, ...``): the spec behind each row
-    named by a preset or a vLLM cache dtype, or ``""``."""
+    """``Presets: walshkv:3.5 = SPEC, ...`` (and ``Engines' own caches: vllm:NAME = SPEC, ...``): the spec behind
+    each row named by a preset, a vLLM cache dtype or an LMCache serde, or ``""``."""
     named = [r for r in results if r.get("preset")]
-    presets = [f"`{r['preset']}` = `{r['codec']}`" for r in named if not str(r["preset"]).startswith("vllm:")]
-    peers = [f"`{r['preset']}` = `{r['codec']}`" for r in named if str(r["preset"]).startswith("vllm:")]
+    engines = ("vllm:", "lmcache:")
+    presets = [f"`{r['preset']}` = `{r['codec']}`" for r in named if not str(r["preset"]).startswith(engines)]
+    peers = [f"`{r['preset']}` = `{r['codec']}`" for r in named if str(r["preset"]).startswith(engines)]
     out = [f"Presets (the model's specs; docs/presets.md): {'; '.join(presets)}." if presets else ""]
     if peers:
         out.append(
-            f"vLLM's own caches, emulated byte for byte (docs/serving.md; bf16 = the layers vLLM keeps at the "
-            f"model's dtype): {'; '.join(peers)}."
+            f"Engines' own caches, emulated (docs/serving.md; bf16 = the layers they keep at the model's dtype): "
+            f"{'; '.join(peers)}."
         )
     return " ".join(x for x in out if x)
 
