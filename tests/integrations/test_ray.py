@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,13 +17,12 @@ import walshkv.eval.sweep
 import walshkv.eval.sweep.run
 import walshkv.models
 from walshkv.cli import main
-from walshkv.data import Text, load_text
+from walshkv.data import load_text
 from walshkv.eval.sweep import IN_PROCESS, EvalJob, SweepConfig, evaluate_specs, row_path, run_sweep, split_evenly
 from walshkv.integrations.ray import RayExecutor, model_reference
-from walshkv.models import LoadedModel, _describe, load_model
+from walshkv.models import LoadedModel, _describe
 from walshkv.recommend import recommend
 
-TEXT = Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(3000)))
 SPECS = ["int8", "int4", "rot+int3/int2", "tq:3/tq:2.5"]
 FAST = {"ctx": 32, "windows": 2, "progress": False}
 
@@ -32,26 +30,6 @@ FAST = {"ctx": 32, "windows": 2, "progress": False}
 def _metrics(row: dict) -> str:
     """A result row without its timing (the only field that differs between runs), as JSON (NaN == NaN)."""
     return json.dumps({k: v for k, v in row.items() if k != "seconds"}, sort_keys=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_llama_hd64, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """conftest's tiny_llama_hd64 (vocabulary 96) with a character tokenizer, saved as a model folder."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("models") / "tiny-ray"
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(c): c - 29 for c in range(32, 123)}}  # ids 3..93
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
-    tiny_llama_hd64.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def lm(model_dir: Path) -> LoadedModel:
-    return load_model(str(model_dir), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +53,10 @@ def _worker_loads(metas: list[dict]) -> dict[int, int]:
     return loads
 
 
-def test_sweep_on_ray_gives_the_in_process_rows_and_resumes(lm, cluster, tmp_path, monkeypatch, capsys):
+def test_sweep_on_ray_gives_the_in_process_rows_and_resumes(lm, cluster, toy_text, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(walshkv.eval.sweep.run, "plot_pareto", lambda rows, path, title: None)
-    here = run_sweep(lm, TEXT, SweepConfig(SPECS, chunk=2, **FAST), tmp_path / "here")
-    there = run_sweep(lm, TEXT, SweepConfig(SPECS, chunk=1, **FAST), tmp_path / "ray", executor=cluster)
+    here = run_sweep(lm, toy_text, SweepConfig(SPECS, chunk=2, **FAST), tmp_path / "here")
+    there = run_sweep(lm, toy_text, SweepConfig(SPECS, chunk=1, **FAST), tmp_path / "ray", executor=cluster)
     assert [_metrics(r) for r in there] == [_metrics(r) for r in here]  # every KLD number identical
     records = {s: json.loads(row_path(tmp_path / "ray", s).read_text()) for s in SPECS}
     assert all(r["meta"]["executor"]["kind"] == "ray" for r in records.values())
@@ -93,7 +71,7 @@ def test_sweep_on_ray_gives_the_in_process_rows_and_resumes(lm, cluster, tmp_pat
     before = {s: row_path(seeded, s).read_bytes() for s in SPECS[:2]}
     capsys.readouterr()
     config = SweepConfig(SPECS, chunk=1, ctx=32, windows=2, progress=True)
-    again = run_sweep(lm, TEXT, config, seeded, executor=cluster)
+    again = run_sweep(lm, toy_text, config, seeded, executor=cluster)
     err = capsys.readouterr().err
     assert "4 rows, 2 already finished" in err and err.count("ray: job ") == 2
     assert {s: row_path(seeded, s).read_bytes() for s in SPECS[:2]} == before
@@ -101,10 +79,10 @@ def test_sweep_on_ray_gives_the_in_process_rows_and_resumes(lm, cluster, tmp_pat
     assert json.loads(row_path(seeded, SPECS[2]).read_text())["meta"]["executor"]["kind"] == "ray"
 
 
-def test_recommend_on_ray_chooses_as_in_process(lm, cluster):
+def test_recommend_on_ray_chooses_as_in_process(lm, cluster, toy_text):
     kwargs = {"windows": 1, "ctx": 32, "calib_tokens": 64, "per_layer": True, "progress": False}
-    here = recommend(lm, TEXT, 3.5, **kwargs)
-    there = recommend(lm, TEXT, 3.5, executor=cluster, **kwargs)
+    here = recommend(lm, toy_text, 3.5, **kwargs)
+    there = recommend(lm, toy_text, 3.5, executor=cluster, **kwargs)
     assert [_metrics(r) for r in there.rows] == [_metrics(r) for r in here.rows]
     assert there.preset == here.preset
     assert here.plan is not None and there.plan is not None
@@ -114,11 +92,11 @@ def test_recommend_on_ray_chooses_as_in_process(lm, cluster):
     assert there.meta["scored_tokens"] == here.meta["scored_tokens"]
 
 
-def test_cli_sweep_and_recommend_with_ray(lm, model_dir, cluster, tmp_path, capsys):
+def test_cli_sweep_and_recommend_with_ray(lm, model_dir, cluster, toy_text, tmp_path, capsys):
     grid = tmp_path / "g.json"
     grid.write_text(json.dumps({"codecs": SPECS[:3]}))
     text = tmp_path / "t.txt"
-    text.write_text(TEXT.content)
+    text.write_text(toy_text.content)
     out = tmp_path / "sw"
     argv = ["sweep", "--grid", str(grid), "--model", str(model_dir), "--text", str(text), "--ctx", "32"]
     assert main([*argv, "--windows", "2", "--out", str(out), "--chunk", "1", "--ray", "local", "--quiet"]) == 0
@@ -136,12 +114,12 @@ def test_cli_sweep_and_recommend_with_ray(lm, model_dir, cluster, tmp_path, caps
     assert ray.is_initialized()  # --ray local found the module's cluster running and left it alone
 
 
-def test_errors_name_the_problem_and_the_fix(tiny_llama_hd64, toy_tokenizer, cluster, monkeypatch, capsys):
+def test_errors_name_the_problem_and_the_fix(tiny_llama_hd64, toy_tokenizer, cluster, toy_text, monkeypatch, capsys):
     in_memory = LoadedModel(tiny_llama_hd64, toy_tokenizer, "tiny-hd64", "test", _describe(tiny_llama_hd64))
     with pytest.raises(ValueError, match=r"cannot load it: load it with walshkv.models.load_model"):
         model_reference(in_memory)
     with pytest.raises(ValueError, match=r"cannot load it"):
-        evaluate_specs(in_memory, EvalJob(("int8", "int4"), TEXT, ctx=32, windows=1), cluster)
+        evaluate_specs(in_memory, EvalJob(("int8", "int4"), toy_text, ctx=32, windows=1), cluster)
     with pytest.raises(ValueError, match="address='local'"):
         RayExecutor("auto", cpus=2)
     with pytest.raises(ValueError, match="cpus_per_task must be at least 1"):

@@ -140,6 +140,40 @@ def _evaluate_task(
     return result, code_version()
 
 
+def _use_cluster_token() -> None:
+    """Send the cluster's token when joining one: Ray 2.60's ``ray start --head`` turns token authentication on and
+    saves the token (``~/.ray/auth_token``), but a driver joining by address sends none unless ``RAY_AUTH_MODE=token``
+    is set, and the head refuses it. Where ``RAY_AUTH_MODE`` is unset and a token is available, this turns token mode on
+    for this process (Ray's own helper, as its local clusters do; ray is pinned to 2.60.0, whose private module this
+    is); a ``RAY_AUTH_MODE`` the user set is left alone."""
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Refuse at once a ``HOST:PORT`` address where nothing listens (``auto`` and ``ray://`` are left to Ray).
+
+    Raises:
+        ConnectionError: no TCP listener at the address within ``timeout`` seconds; the message says how to start a
+            head there.
+    """
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    host, port = (host or address, int(port)) if port.isdigit() else (address, 6379)
+    try:
+        socket.create_connection((host.strip("[]"), port), timeout=timeout).close()
+    except OSError as err:
+        raise ConnectionError(
+            f"no Ray cluster at {address!r}: nothing answers on {host}:{port} ({err}). Start one with "
+            f"`ray start --head --port {port}` on that node (and `ray start --address {host}:{port}` on the others), "
+            "or use --ray local"
+        ) from err
+
+
 class RayExecutor:
     """Run :class:`~walshkv.eval.sweep.EvalJob` s as Ray tasks (an :class:`~walshkv.eval.sweep.Executor`).
 
@@ -190,6 +224,8 @@ class RayExecutor:
                     **quiet,
                 )
             else:
+                _check_reachable(self.address)  # Ray itself retries a dead address for minutes before it says so
+                _use_cluster_token()
                 try:
                     ray.init(address=self.address, **quiet)
                 except ConnectionError as err:
