@@ -165,6 +165,38 @@ def smollm2():
         return load_model("smollm2-135m", progress=False)
 
 
+@pytest.fixture(scope="session")
+def toy_text():
+    """The toy text the Ray tests evaluate on (characters ``ray_model_dir``'s tokenizer knows)."""
+    from walshkv.data import Text
+
+    return Text("toy", "generated", "".join(chr(97 + (i * 7 + i // 5) % 26) for i in range(3000)))
+
+
+@pytest.fixture(scope="session")
+def ray_model_dir(tiny_llama_hd64, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_llama_hd64 (vocabulary 96) with a character tokenizer, saved as a model folder (what a Ray worker loads by
+    path, as it would load a registry model by name; tests/integrations/test_ray*.py)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-ray"
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(c): c - 29 for c in range(32, 123)}}  # ids 3..93
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
+    tiny_llama_hd64.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def ray_lm(ray_model_dir: Path):
+    """``ray_model_dir`` loaded as walshkv loads a model folder."""
+    from walshkv.models import load_model
+
+    return load_model(str(ray_model_dir), progress=False)
+
+
 def logits_in_splits(model, cache, ids: torch.Tensor, splits: list[int]) -> torch.Tensor:
     """Run ``ids`` through ``model`` in blocks ending at each of ``splits`` and return all logits."""
     outs, s = [], 0

@@ -53,10 +53,10 @@ def _worker_loads(metas: list[dict]) -> dict[int, int]:
     return loads
 
 
-def test_sweep_on_ray_gives_the_in_process_rows_and_resumes(lm, cluster, toy_text, tmp_path, monkeypatch, capsys):
+def test_sweep_on_ray_gives_the_in_process_rows_and_resumes(ray_lm, cluster, toy_text, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(walshkv.eval.sweep.run, "plot_pareto", lambda rows, path, title: None)
-    here = run_sweep(lm, toy_text, SweepConfig(SPECS, chunk=2, **FAST), tmp_path / "here")
-    there = run_sweep(lm, toy_text, SweepConfig(SPECS, chunk=1, **FAST), tmp_path / "ray", executor=cluster)
+    here = run_sweep(ray_lm, toy_text, SweepConfig(SPECS, chunk=2, **FAST), tmp_path / "here")
+    there = run_sweep(ray_lm, toy_text, SweepConfig(SPECS, chunk=1, **FAST), tmp_path / "ray", executor=cluster)
     assert [_metrics(r) for r in there] == [_metrics(r) for r in here]  # every KLD number identical
     records = {s: json.loads(row_path(tmp_path / "ray", s).read_text()) for s in SPECS}
     assert all(r["meta"]["executor"]["kind"] == "ray" for r in records.values())
@@ -71,7 +71,7 @@ def test_sweep_on_ray_gives_the_in_process_rows_and_resumes(lm, cluster, toy_tex
     before = {s: row_path(seeded, s).read_bytes() for s in SPECS[:2]}
     capsys.readouterr()
     config = SweepConfig(SPECS, chunk=1, ctx=32, windows=2, progress=True)
-    again = run_sweep(lm, toy_text, config, seeded, executor=cluster)
+    again = run_sweep(ray_lm, toy_text, config, seeded, executor=cluster)
     err = capsys.readouterr().err
     assert "4 rows, 2 already finished" in err and err.count("ray: job ") == 2
     assert {s: row_path(seeded, s).read_bytes() for s in SPECS[:2]} == before
@@ -79,10 +79,10 @@ def test_sweep_on_ray_gives_the_in_process_rows_and_resumes(lm, cluster, toy_tex
     assert json.loads(row_path(seeded, SPECS[2]).read_text())["meta"]["executor"]["kind"] == "ray"
 
 
-def test_recommend_on_ray_chooses_as_in_process(lm, cluster, toy_text):
+def test_recommend_on_ray_chooses_as_in_process(ray_lm, cluster, toy_text):
     kwargs = {"windows": 1, "ctx": 32, "calib_tokens": 64, "per_layer": True, "progress": False}
-    here = recommend(lm, toy_text, 3.5, **kwargs)
-    there = recommend(lm, toy_text, 3.5, executor=cluster, **kwargs)
+    here = recommend(ray_lm, toy_text, 3.5, **kwargs)
+    there = recommend(ray_lm, toy_text, 3.5, executor=cluster, **kwargs)
     assert [_metrics(r) for r in there.rows] == [_metrics(r) for r in here.rows]
     assert there.preset == here.preset
     assert here.plan is not None and there.plan is not None
@@ -92,21 +92,21 @@ def test_recommend_on_ray_chooses_as_in_process(lm, cluster, toy_text):
     assert there.meta["scored_tokens"] == here.meta["scored_tokens"]
 
 
-def test_cli_sweep_and_recommend_with_ray(lm, model_dir, cluster, toy_text, tmp_path, capsys):
+def test_cli_sweep_and_recommend_with_ray(ray_lm, ray_model_dir, cluster, toy_text, tmp_path, capsys):
     grid = tmp_path / "g.json"
     grid.write_text(json.dumps({"codecs": SPECS[:3]}))
     text = tmp_path / "t.txt"
     text.write_text(toy_text.content)
     out = tmp_path / "sw"
-    argv = ["sweep", "--grid", str(grid), "--model", str(model_dir), "--text", str(text), "--ctx", "32"]
+    argv = ["sweep", "--grid", str(grid), "--model", str(ray_model_dir), "--text", str(text), "--ctx", "32"]
     assert main([*argv, "--windows", "2", "--out", str(out), "--chunk", "1", "--ray", "local", "--quiet"]) == 0
     assert all(json.loads(row_path(out, s).read_text())["meta"]["executor"]["kind"] == "ray" for s in SPECS[:3])
-    argv = ["recommend", "--model", str(model_dir), "--text", str(text), "--bits", "3.5", "--ctx", "32"]
+    argv = ["recommend", "--model", str(ray_model_dir), "--text", str(text), "--bits", "3.5", "--ctx", "32"]
     argv += ["--windows", "1", "--calib-tokens", "64", "-o", str(tmp_path / "p.gguf")]
     argv += ["--json", str(tmp_path / "r.json")]
     assert main([*argv, "--ray", "local", "--quiet"]) == 0
     saved = json.loads((tmp_path / "r.json").read_text())
-    alone = recommend(lm, load_text(str(text)), 3.5, windows=1, ctx=32, calib_tokens=64, progress=False)
+    alone = recommend(ray_lm, load_text(str(text)), 3.5, windows=1, ctx=32, calib_tokens=64, progress=False)
     assert saved["winner"] == alone.preset.spec
     assert [r["kld_mean"] for r in saved["results"]] == [r["kld_mean"] for r in alone.rows]
     import ray

@@ -67,17 +67,19 @@ def _metrics(row: dict) -> str:
     return json.dumps({k: v for k, v in row.items() if k != "seconds"}, sort_keys=True)
 
 
-def test_sweep_on_an_external_head_gives_the_in_process_rows(head, lm, model_dir, toy_text, tmp_path, monkeypatch):
+def test_sweep_on_an_external_head_gives_the_in_process_rows(
+    head, ray_lm, ray_model_dir, toy_text, tmp_path, monkeypatch
+):
     import ray
 
     import walshkv.eval.sweep.run
 
     monkeypatch.setattr(walshkv.eval.sweep.run, "plot_pareto", lambda rows, path, title: None)
     fast = {"ctx": 32, "windows": 2, "progress": False}
-    here = run_sweep(lm, toy_text, SweepConfig(SPECS, chunk=3, **fast), tmp_path / "here")
+    here = run_sweep(ray_lm, toy_text, SweepConfig(SPECS, chunk=3, **fast), tmp_path / "here")
     with RayExecutor(head) as executor:
         assert executor.slots == 2  # the head's CPUs, not this machine's count
-        there = run_sweep(lm, toy_text, SweepConfig(SPECS, chunk=1, **fast), tmp_path / "ray", executor=executor)
+        there = run_sweep(ray_lm, toy_text, SweepConfig(SPECS, chunk=1, **fast), tmp_path / "ray", executor=executor)
         assert ray.get_runtime_context().gcs_address.endswith(f":{head.rsplit(':', 1)[1]}")
     assert not ray.is_initialized()  # the executor connected, so it disconnected; the head keeps running
     assert [_metrics(r) for r in there] == [_metrics(r) for r in here]
@@ -89,7 +91,7 @@ def test_sweep_on_an_external_head_gives_the_in_process_rows(head, lm, model_dir
     grid.write_text(json.dumps({"codecs": SPECS[:2]}))
     text = tmp_path / "t.txt"
     text.write_text(toy_text.content)
-    argv = ["sweep", "--grid", str(grid), "--model", str(model_dir), "--text", str(text), "--ctx", "32"]
+    argv = ["sweep", "--grid", str(grid), "--model", str(ray_model_dir), "--text", str(text), "--ctx", "32"]
     out = tmp_path / "cli"
     assert main([*argv, "--windows", "2", "--out", str(out), "--chunk", "1", "--ray", head, "--quiet"]) == 0
     rows = [json.loads(row_path(out, s).read_text()) for s in SPECS[:2]]
