@@ -487,7 +487,8 @@ class VllmInt4(Codec):
         if not bool(torch.isfinite(y).all()):
             raise ValueError(
                 f"'{self.spec}': the unnormalized Hadamard transform (values grow up to sqrt(head_dim) times) "
-                f"overflows {x.dtype} for this input, although the input is finite; give the K/V as float32 or bf16"
+                f"passes {torch.finfo(x.dtype).max:g}, the maximum of {x.dtype}, for this input, although the input is "
+                "finite (vLLM rounds the transform to the model's dtype); give the K/V as float32 or bf16"
             )
         y = y.float()
         lo, hi = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
