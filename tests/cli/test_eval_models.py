@@ -21,7 +21,7 @@ import walshkv.models
 from walshkv.cli import main
 from walshkv.cli.eval import MAIN_CODECS, fit_codecs
 from walshkv.codecs import parse_cache_spec
-from walshkv.codecs.vllm import is_vllm_peer
+from walshkv.codecs.vllm import is_engine_peer
 from walshkv.eval.fit import fit_specs
 from walshkv.models import MODELS, layout_config
 from walshkv.presets import is_preset, resolve_preset
@@ -112,11 +112,11 @@ def test_default_eval_runs_on_every_listed_model(name, tmp_path, monkeypatch, ca
     assert "left out" not in capsys.readouterr().err
     rows = json.loads(out.read_text())["results"]
     expected = [
-        resolve_preset(c, model=name).spec if is_preset(c) else parse_cache_spec(c).spec if is_vllm_peer(c) else c
+        resolve_preset(c, model=name).spec if is_preset(c) else parse_cache_spec(c).spec if is_engine_peer(c) else c
         for c in MAIN_CODECS
     ]
     assert [r["codec"] for r in rows] == expected
-    assert [r.get("preset") for r in rows] == [c if is_preset(c) or is_vllm_peer(c) else None for c in MAIN_CODECS]
+    assert [r.get("preset") for r in rows] == [c if is_preset(c) or is_engine_peer(c) else None for c in MAIN_CODECS]
     for row in rows:
         assert math.isfinite(row["kld_mean"]) and row["kld_mean"] >= 0, row
         assert 0 < row["bits_per_element"] <= 16, row

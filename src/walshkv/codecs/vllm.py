@@ -41,11 +41,12 @@ import torch
 
 from walshkv.codecs.base import Codec, Field, Packed
 from walshkv.codecs.turbo import _check_fp16
+from walshkv.constants import Kind
 from walshkv.ops.hadamard import is_power_of_two
 from walshkv.ops.packing import pack_bits, packed_nbytes, unpack_bits
 
 if TYPE_CHECKING:
-    pass
+    from walshkv.codecs.calibration import CalibrationLike
 
 __all__ = [
     "LMCACHE_PEERS",
@@ -59,7 +60,6 @@ __all__ = [
     "VllmUniformValue",
     "engine_peer_spec",
     "is_engine_peer",
-    "is_vllm_peer",
     "lmcache_signs",
     "parse_lmcache_tq_args",
     "parse_vllm_tq_args",
@@ -98,11 +98,6 @@ LMCACHE_PEERS: dict[str, str] = {
 
 _WIDTHS = (3, 4)
 FP8_MAX = 448.0  # float8 e4m3fn's largest finite value
-
-
-def is_vllm_peer(name: str) -> bool:
-    """Whether ``name`` is written ``vllm:NAME`` (a vLLM cache dtype, known or not)."""
-    return isinstance(name, str) and name.strip().lower().startswith("vllm:")
 
 
 def is_engine_peer(name: str) -> bool:
@@ -191,8 +186,10 @@ def _lloyd_max(d: int, bits: int) -> tuple[float, ...]:
     return tuple(c)
 
 
+@lru_cache(maxsize=32)
 def vllm_centroids(head_dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(centroids, midpoints)`` as vLLM's TurboQuant uses them: float32 ``[2**bits]`` and ``[2**bits - 1]``."""
+    """``(centroids, midpoints)`` as vLLM's TurboQuant uses them: float32 ``[2**bits]`` and ``[2**bits - 1]`` (cached:
+    every encode and decode reads them; treat them as read-only)."""
     c = torch.tensor(_lloyd_max(head_dim, bits), dtype=torch.float32).sort().values
     return c, (c[:-1] + c[1:]) / 2
 
@@ -290,6 +287,12 @@ def lmcache_signs(head_dim: int, layer: int) -> torch.Tensor:
     return torch.randint(0, 2, (head_dim,), generator=gen).float() * 2 - 1
 
 
+@lru_cache(maxsize=32)
+def _lmcache_midpoints(d: int, bits: int) -> torch.Tensor:
+    """LMCache's TurboQuant cell boundaries: float32 of the float64 midpoints of :func:`_lloyd_max`'s levels."""
+    return torch.tensor([(a + b) / 2.0 for a, b in itertools.pairwise(_lloyd_max(d, bits))], dtype=torch.float32)
+
+
 @dataclass(frozen=True, repr=False)
 class LmcacheTurboKey(VllmTurboKey):
     """``lmcache-tq:B[:nc]``: LMCache's TurboQuant keys, vLLM's with a rotation ``H diag(s)`` per layer.
@@ -304,7 +307,8 @@ class LmcacheTurboKey(VllmTurboKey):
     def _spec(self) -> str:
         return "lmcache" + super()._spec()[len("vllm") :]
 
-    def bind(self, layer_idx: int, kind: str, calibration: object = None) -> Codec:
+    def bind(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None = None) -> Codec:
+        """This codec with ``layer_idx``'s signs (LMCache's rotation of that layer; no calibration is read)."""
         return self if self.layer == layer_idx else replace(self, layer=layer_idx)
 
     def _signs(self, d: int, device: torch.device) -> torch.Tensor:
@@ -317,8 +321,7 @@ class LmcacheTurboKey(VllmTurboKey):
 
     def _midpoints(self, d: int) -> torch.Tensor:
         """LMCache rounds the float64 midpoints of the float64 levels to float32 (vLLM's differ in the last bit)."""
-        c = _lloyd_max(d, self.bits)
-        return torch.tensor([(a + b) / 2.0 for a, b in itertools.pairwise(c)], dtype=torch.float32)
+        return _lmcache_midpoints(d, self.bits)
 
     def _rotate(self, u: torch.Tensor) -> torch.Tensor:
         return (u * self._signs(u.shape[-1], u.device)) @ _sylvester(u.shape[-1]).to(u.device)
@@ -441,7 +444,9 @@ def rht_signs(block: int) -> torch.Tensor:
 
 
 def _wht(x: torch.Tensor) -> torch.Tensor:
-    """The unnormalized Walsh-Hadamard transform over the last dimension (a power of two), butterflies in order."""
+    """The unnormalized Walsh-Hadamard transform over the last dimension (a power of two), butterflies in vLLM's
+    order. Not :func:`walshkv.ops.hadamard.fwht`: that one scales by ``n ** -0.5``, and undoing the scale rounds
+    differently from vLLM's unscaled sums, which the int4 codes must match byte for byte."""
     d, h = x.shape[-1], 1
     while h < d:
         pairs = x.reshape(*x.shape[:-1], d // (2 * h), 2, h)
