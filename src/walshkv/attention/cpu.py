@@ -425,14 +425,22 @@ def _desc(
     scale_ptr, s0, s1, s2 = 0, 0, 0, 0
     if f.scale_field is not None:
         scale = packed.tensors.get(f.scale_field)
-        if scale is None or scale.dtype != torch.float16 or scale.shape != (*shape[:3], f.scales):
-            raise ValueError(f"packed {what} field {f.scale_field!r} must be float16 [batch, heads, seq, {f.scales}]")
+        as_bytes = scale is not None and scale.dtype == torch.uint8  # its raw bytes (a page slot's view)
+        if scale is None or not (
+            (scale.dtype == torch.float16 and scale.shape == (*shape[:3], f.scales))
+            or (as_bytes and scale.shape == (*shape[:3], 2 * f.scales))
+        ):
+            raise ValueError(
+                f"packed {what} field {f.scale_field!r} must be float16 [batch, heads, seq, {f.scales}] (or its "
+                f"bytes, uint8 [..., {2 * f.scales}])"
+            )
         if scale.stride(3) != 1:
             scale = scale.contiguous()
         keep.append(scale)
         scale_ptr = scale.data_ptr()
         s0, s1, s2, _ = scale.stride()
-        s0, s1, s2 = 2 * s0, 2 * s1, 2 * s2
+        if not as_bytes:
+            s0, s1, s2 = 2 * s0, 2 * s1, 2 * s2
     desc = [ptr, st[0], st[1], st[2], scale_ptr, s0, s1, s2, fmt_id, f.bits, f.row_bytes, head_dim, f.length]
     desc += [f.offset, end]
     if f.bands:
@@ -607,7 +615,12 @@ def _nsplit(n: int, t: int, threads: int) -> int:
 
 
 def fused_decode_cpu(
-    q: torch.Tensor, plan: CpuPlan, packed_k: Packed, packed_v: Packed, start: int = 0
+    q: torch.Tensor,
+    plan: CpuPlan,
+    packed_k: Packed,
+    packed_v: Packed,
+    start: int = 0,
+    paged: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Unnormalised attention of one query step over packed K/V, with the C++ kernel.
 
@@ -620,6 +633,11 @@ def fused_decode_cpu(
         plan: :func:`cpu_plan` of the K and V codecs at this head_dim and softmax scale.
         packed_k, packed_v: CPU fields ``[batch, kv_heads, seq_len, ...]`` written by those codecs.
         start: position of packed token 0 (``prerope+`` only; sink tokens come before it).
+        paged: ``(block_table, seq_lens)``, int32 ``[batch, max_blocks]`` and ``[batch]``: the packed fields are
+            pages ``[num_blocks, kv_heads, block_size, ...]`` and request ``b``'s token ``t`` is row
+            ``t % block_size`` of block ``block_table[b, t // block_size]``; each request reads its own
+            ``seq_lens[b]`` tokens (at positions ``0 ..``; ``start`` must be 0). ``None``: fields are
+            ``[batch, kv_heads, seq_len, ...]``.
 
     Returns:
         ``(m, l, acc)``: running max ``[batch, kv_heads, group]`` of the scaled scores, softmax denominator
@@ -633,6 +651,18 @@ def fused_decode_cpu(
     kdesc, keep_k = _desc(packed_k, plan.k, d, "K", kernel.FORMATS[plan.k.fmt])
     vdesc, keep_v = _desc(packed_v, plan.v, d, "V", kernel.FORMATS[plan.v.fmt])
     t = packed_k.seq_len
+    paging: list[int] = []
+    keep_g: list[torch.Tensor] = []
+    if paged is not None:
+        table, lens = (x.to(torch.int32).contiguous() for x in paged)
+        if table.dim() != 2 or lens.shape != (b,) or table.shape[0] < b or start != 0:
+            raise ValueError(
+                f"paged decode needs block_table [{b}, max_blocks] and seq_lens [{b}] (start 0), got "
+                f"{tuple(table.shape)} and {tuple(lens.shape)}"
+            )
+        t = int(lens.max()) if b else 0  # the longest request: the RoPE table's reach (prerope+)
+        paging = [table.data_ptr(), table.stride(0), packed_k.seq_len, lens.data_ptr(), packed_k.batch_size]
+        keep_g = [table, lens]
     kpost: list[int] = []
     keep_p: list[torch.Tensor] = []
     if plan.prerope is not None:
@@ -660,8 +690,9 @@ def fused_decode_cpu(
         nsplit,
         threads,
         int_dot=int_dot_scores(),
+        paging=paging,
     )
-    del keep_k, keep_v, keep_p
+    del keep_k, keep_v, keep_p, keep_g
     if plan.out_map is not None:
         acc = acc @ plan.out_map
     return m, l_sum, acc

@@ -24,6 +24,45 @@
 
 namespace py = pybind11;
 
+// A block table (vLLM's paged cache): request b's token t is row t % block_size of block table[b * table_stride +
+// t / block_size]; the request has lens[b] tokens. table == nullptr: rows are (batch, token) as the strides say.
+struct Paging {
+  const int32_t* table = nullptr;
+  const int32_t* lens = nullptr;
+  int64_t table_stride = 0, block_size = 0;
+};
+
+// Paging from its descriptor: empty, or [table pointer, table row stride, block size, lens pointer, number of
+// blocks]. Every block a request's tokens need is checked against the number of blocks here, before any read.
+static Paging make_paging(const std::vector<int64_t>& a, int64_t B, int64_t& T) {
+  Paging pg;
+  if (a.empty()) return pg;
+  if (a.size() != 5 || a[1] < 0 || a[2] < 1 || a[4] < 0)
+    throw std::invalid_argument("walshkv decode attention: bad paging descriptor");
+  pg.table = reinterpret_cast<const int32_t*>(a[0]);
+  pg.table_stride = a[1];
+  pg.block_size = a[2];
+  pg.lens = reinterpret_cast<const int32_t*>(a[3]);
+  T = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = pg.lens[b];
+    if (n < 0) throw std::invalid_argument("walshkv paged decode: a negative sequence length");
+    if ((n + pg.block_size - 1) / pg.block_size > pg.table_stride)
+      throw std::invalid_argument("walshkv paged decode: a sequence needs more blocks than a block-table row has");
+    for (int64_t j = 0; j < (n + pg.block_size - 1) / pg.block_size; ++j) {
+      const int64_t blk = pg.table[b * pg.table_stride + j];
+      if (blk < 0 || blk >= a[4])
+        throw std::invalid_argument("walshkv paged decode: request " + std::to_string(b) + " names block " +
+                                    std::to_string(blk) + " but the pages hold blocks 0.." +
+                                    std::to_string(a[4] - 1) +
+                                    ": a block table from another cache, or one the engine did not fill; pass the "
+                                    "layer's own pages and block table");
+    }
+    T = std::max(T, n);
+  }
+  return pg;
+}
+
 // One (batch, head, token range): online softmax over tiles. q: [G][LK] (zero columns pad), acc: [G][LV];
 // m, l: [G]. LK, LV are multiples of VW; buffers 64-byte aligned.
 static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, const KPost& kp,
@@ -31,33 +70,41 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
                       int64_t LK, int64_t LV, float* __restrict m, float* __restrict l, float* __restrict acc,
                       float* __restrict ktile, float* __restrict ztile, float* __restrict vtile,
                       float* __restrict sc, uint16_t* __restrict abf, IdotFn idot, const IQuery* __restrict iq,
-                      int nch) {
+                      int nch, const Paging& pg) {
   // LKD: floats per decoded K row; LK: per scored row (the query's length: LKD, or kp.ld for prerope+)
   // iq: the heads' integer queries where K's 4-bit codes are scored by byte dot products (idot), else nullptr
+  // pg: with a block table, token t of request b is row t % block_size of block table[b][t / block_size] (the
+  // codes' "batch" is the block); tiles stop at block ends. Positions (prerope+) stay the request's own t.
   const int64_t nk = LK / VW, nv = LV / VW;
   float rsk[TILE], rsv[TILE];
   bool first = true;
-  for (int64_t tb = t0; tb < t1; tb += TILE) {
-    const int nt = (int)std::min<int64_t>(TILE, t1 - tb);
+  for (int64_t tb = t0, nt = 0; tb < t1; tb += nt) {
+    nt = std::min<int64_t>(TILE, t1 - tb);
+    int64_t rb = b, rt = tb;  // where the rows are: (batch, token), or (block, row in block) when paged
+    if (pg.table) {
+      nt = std::min<int64_t>(nt, pg.block_size - tb % pg.block_size);
+      rb = pg.table[b * pg.table_stride + tb / pg.block_size];
+      rt = tb % pg.block_size;
+    }
     if (iq) {
-      idot(K, b, h, tb, nt, iq, G, nch, sc);
+      idot(K, rb, h, rt, (int)nt, iq, G, nch, sc);
     } else {
-      const bool pairs = decode_k_tile(K, kdec, kp, b, h, tb, nt, ktile, LKD, rsk, abf);
+      const bool pairs = decode_k_tile(K, kdec, kp, rb, h, rt, (int)nt, ktile, LKD, rsk, abf);
       if (kp.on && had_fused(kp) && !pairs) {  // Hadamard form: each key scored in registers where it is made
-        had_score_tile(kp, h, tb, nt, ktile, LKD, rsk, q, G, LK, sc);
+        had_score_tile(kp, h, tb, (int)nt, ktile, LKD, rsk, q, G, LK, sc);
       } else {
         const float* kscore = ktile;
         if (kp.on) {  // keys before RoPE: to the model's basis and rotated to their positions (row factor folded)
-          transform_keys(kp, h, tb, nt, ktile, LKD, rsk, ztile, abf, pairs);
+          transform_keys(kp, h, tb, (int)nt, ktile, LKD, rsk, ztile, abf, pairs);
           for (int i = 0; i < nt; ++i) rsk[i] = 1.0f;
           kscore = ztile;
         }
-        score_tile(kscore, q, G, LK, nk, nt, rsk, sc);
+        score_tile(kscore, q, G, LK, nk, (int)nt, rsk, sc);
       }
     }
-    softmax_tile(sc, nt, G, first, m, l, acc, LV, nv);
+    softmax_tile(sc, (int)nt, G, first, m, l, acc, LV, nv);
     first = false;
-    vdec(V, b, h, tb, nt, vtile, LV, rsv);
+    vdec(V, rb, h, rt, (int)nt, vtile, LV, rsv);
     for (int i = nt; i < TILE; ++i) rsv[i] = 0.0f;
     for (int64_t j = 0; j < G; ++j)  // the weights times V's row factors
       for (int v = 0; v < TILE / VW; ++v) ((vf*)(sc + j * TILE))[v] *= *(const vfu*)(rsv + v * VW);
@@ -65,10 +112,10 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
       const float* w = sc + j0 * TILE;
       float* a = acc + j0 * LV;
       switch (std::min<int64_t>(JB, G - j0)) {
-        case 1: acc_block<1>(w, vtile, nt, LV, nv, a); break;
-        case 2: acc_block<2>(w, vtile, nt, LV, nv, a); break;
-        case 3: acc_block<3>(w, vtile, nt, LV, nv, a); break;
-        default: acc_block<4>(w, vtile, nt, LV, nv, a); break;
+        case 1: acc_block<1>(w, vtile, (int)nt, LV, nv, a); break;
+        case 2: acc_block<2>(w, vtile, (int)nt, LV, nv, a); break;
+        case 3: acc_block<3>(w, vtile, (int)nt, LV, nv, a); break;
+        default: acc_block<4>(w, vtile, (int)nt, LV, nv, a); break;
       }
     }
   }
@@ -87,9 +134,12 @@ static float* alloc_floats(int64_t n) {  // 64-byte aligned, zeroed
 // q: float [B*H][G][K.L] (scaled, in K's buffer order). Outputs: m, l: [B*H][G]; acc: [B*H][G][V.L] (V's
 // buffer order). The T tokens are cut into nsplit ranges run in parallel, then merged.
 // kpost: empty, or the prerope+ descriptor (make_kpost); then q is [B*H][G][d] in the model's basis.
+// paging: empty, or a block table (make_paging): then B is the number of requests, T is taken from their lengths,
+// and the codes' batch strides step over blocks.
 static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& vdesc, const std::vector<int64_t>& kpost,
                 int64_t q_ptr, int64_t m_ptr, int64_t l_ptr, int64_t acc_ptr, int64_t B, int64_t H, int64_t G, int64_t T,
-                int64_t nsplit, int64_t nthreads, bool int_dot) {
+                int64_t nsplit, int64_t nthreads, bool int_dot, const std::vector<int64_t>& paging) {
+  const Paging pg = make_paging(paging, B, T);
   const Src K = make_src(kdesc), V = make_src(vdesc);
   const KPost kp = make_kpost(kpost, H, T);
   if (kp.on && kp.L != K.L) throw std::invalid_argument("walshkv decode attention: prerope matrix rows != K row length");
@@ -134,11 +184,11 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < N * nsplit; ++task) {
         const int64_t n = task / nsplit, sp = task % nsplit;
-        const int64_t t0 = sp * per, t1 = std::min<int64_t>(T, t0 + per);
+        const int64_t t0 = sp * per, t1 = std::min<int64_t>(pg.lens ? pg.lens[n / H] : T, t0 + per);
         if (t0 < t1)
           run_range(K, V, kdec, vdec, kp, qp + n * G * LK, n / H, n % H, t0, t1, G, LKD, LK, LV, pm.data() + task * G,
                     pl.data() + task * G, pacc + task * G * LV, ktile, ztile, vtile, sc, abf, idot,
-                    iqs ? iqs + n * G : nullptr, nch);
+                    iqs ? iqs + n * G : nullptr, nch, pg);
       }
       std::free(ktile);
       amx_scratch_free(abf);
@@ -222,7 +272,8 @@ static std::string tcq_path(const std::vector<int64_t>& desc) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("run", &run, "fused decode attention over packed K/V (see walshkv.attention.cpu)", py::arg("kdesc"),
           py::arg("vdesc"), py::arg("kpost"), py::arg("q"), py::arg("m"), py::arg("l"), py::arg("acc"), py::arg("B"),
-          py::arg("H"), py::arg("G"), py::arg("T"), py::arg("nsplit"), py::arg("nthreads"), py::arg("int_dot") = true);
+          py::arg("H"), py::arg("G"), py::arg("T"), py::arg("nsplit"), py::arg("nthreads"), py::arg("int_dot") = true,
+          py::arg("paging") = std::vector<int64_t>{});
   mod.def("decode_rows", &decode_rows, "packed rows to floats, as the kernel reads them (prefill tiles)");
   mod.def("tq_pack", &tq_pack, "tq's encoder after its rotation: rows to packed codes (TurboQuant._encode)");
   mod.def("tcq_encode", &tcq_encode, "tcq's encoder after its rotation: rows to trellis codes (TrellisQuant._encode)");

@@ -91,6 +91,22 @@ class SideLayout:
             tensors[f.name] = chunk.view(f.field.dtype).reshape(*lead, *f.field.shape)
         return Packed(tensors, self.head_dim, dtype)
 
+    def page_view(self, pages: torch.Tensor, dtype: torch.dtype) -> Packed:
+        """This side's fields as views of a page tensor, ``[num_blocks, kv_heads, block_size, ...]``: no copy.
+
+        ``uint8`` fields keep their shape; wider ones (fp16 scales, norms) stay raw bytes ``[..., nbytes]``, since a
+        slot does not align them (:func:`walshkv.attention.decode_attention_paged` reads both forms).
+
+        Args:
+            pages: ``uint8 [num_blocks, block_size, num_kv_heads, slot_bytes]``.
+            dtype: the dtype :meth:`walshkv.codecs.Codec.decode` returns (the model's).
+        """
+        tensors: dict[str, torch.Tensor] = {}
+        for f in self.fields:
+            view = pages[..., f.offset : f.stop].transpose(1, 2)  # [blocks, kv_heads, block_size, nbytes]
+            tensors[f.name] = view.unflatten(-1, f.field.shape) if f.field.dtype == torch.uint8 else view
+        return Packed(tensors, self.head_dim, dtype)
+
 
 @dataclass(frozen=True)
 class SlotLayout:
@@ -136,6 +152,10 @@ class SlotLayout:
     def to_bytes(self, packed_k: Packed, packed_v: Packed) -> torch.Tensor:
         """Packed K and V ``[batch, kv_heads, seq_len, ...]`` as slots ``[batch, kv_heads, seq_len, slot_bytes]``."""
         return torch.cat([self.k.to_bytes(packed_k), self.v.to_bytes(packed_v)], dim=-1)
+
+    def page_views(self, pages: torch.Tensor, dtype: torch.dtype) -> tuple[Packed, Packed]:
+        """K's and V's fields as views of ``pages`` (:meth:`SideLayout.page_view`)."""
+        return self.k.page_view(pages, dtype), self.v.page_view(pages, dtype)
 
     def from_bytes(self, raw: torch.Tensor, dtype: torch.dtype) -> tuple[Packed, Packed]:
         """Slots ``[batch, kv_heads, seq_len, slot_bytes]`` back to packed K and V."""

@@ -11,12 +11,12 @@ tensors vLLM hands it, and the tests call them directly. Conventions are vLLM's:
 - ``block_table[r, j]`` is the block holding positions ``j * block_size ...`` of request ``r``, ``seq_lens[r]``
   how many positions it has (the tokens being computed included: they are written before attention runs).
 
-Decode reads a request's pages back into walshkv :class:`~walshkv.codecs.Packed` K and V and calls
-:func:`walshkv.attention.decode_attention` (the fused CPU or Triton kernel where it reads the codecs, else the
-reference). Prefill decodes the cached context to float and runs causal scaled-dot-product attention: in
-``exact`` mode the prompt's own K/V join in full precision (for ``center+`` keys shifted by the same K mean the
-decoded keys lack, so every key a query sees is shifted alike), in ``quantized`` mode they are read back from the
-pages too.
+Decode hands the pages (as views) and the block table to :func:`walshkv.attention.decode_attention_paged`: one fused
+CPU kernel call for all requests where the kernel reads the codecs, else each request's rows gathered and read by
+:func:`walshkv.attention.decode_attention` (the Triton kernel on CUDA, else the reference). Prefill decodes the
+cached context to float and runs causal scaled-dot-product attention: in ``exact`` mode the prompt's own K/V join in
+full precision (for ``center+`` keys shifted by the same K mean the decoded keys lack, so every key a query sees is
+shifted alike), in ``quantized`` mode they are read back from the pages too.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
-from walshkv.attention import decode_attention
+from walshkv.attention import decode_attention_paged
 from walshkv.codecs import Codec, Packed, find_wrapper
 from walshkv.codecs.center import Centered
 
@@ -159,6 +159,9 @@ def decode_paged(
 ) -> torch.Tensor:
     """One decode step per request: ``query[r]`` attends over the ``seq_lens[r]`` tokens in its pages.
 
+    All requests go through :func:`walshkv.attention.decode_attention_paged`: on the CPU one fused kernel call that
+    follows the block table itself (no per-request loop, nothing gathered); elsewhere one call per request.
+
     Args:
         query: ``[num_reqs, num_q_heads, head_dim]``, one token per request.
         pages, layout: the layer's page tensor and slot layout.
@@ -171,17 +174,24 @@ def decode_paged(
     Returns:
         ``[num_reqs, num_q_heads, head_dim]`` in ``query``'s dtype.
     """
-    lens = [int(x) for x in seq_lens]
-    if len(lens) != query.shape[0]:
-        raise ValueError(f"{query.shape[0]} decode queries but {len(lens)} sequence lengths")
-    _check_requests(block_table, lens)
-    out = torch.empty_like(query)
-    for r, n in enumerate(lens):
-        pk, pv = read_sequence(pages, layout, block_table[r], n, query.dtype)
-        q = query[r].unsqueeze(0).unsqueeze(2)  # [1, q_heads, 1, head_dim]
-        o = decode_attention(q, pk, pv, k_codec, v_codec, scale=scale, backend=backend)  # type: ignore[arg-type]
-        out[r] = o[0, :, 0]
-    return out
+    _check_pages(pages, layout)
+    lens = torch.as_tensor(seq_lens)
+    if lens.dim() != 1 or lens.shape[0] != query.shape[0]:
+        raise ValueError(f"{query.shape[0]} decode queries but {lens.numel()} sequence lengths")
+    _check_requests(block_table, lens.tolist() if lens.device.type == "cpu" else [])
+    pk, pv = layout.page_views(pages, query.dtype)
+    out = decode_attention_paged(
+        query.unsqueeze(2),
+        pk,
+        pv,
+        k_codec,
+        v_codec,
+        block_table,
+        lens,
+        scale=scale,
+        backend=backend,  # type: ignore[arg-type]
+    )
+    return out.squeeze(2)
 
 
 def _decoded(codec: Codec, packed: Packed) -> torch.Tensor:
