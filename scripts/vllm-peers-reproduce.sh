@@ -40,3 +40,7 @@ walshkv eval --model smollm2-135m --text "$TEXT" --windows "${WINDOWS:-8}" --qui
   --codec lmcache:turboquant_k3v4_nc --codec lmcache:turboquant_3bit_nc \
   --json "$OUT/lmcache-smollm2-135m.json" --markdown "$OUT/lmcache-smollm2-135m.md"
 python scripts/update_readme.py "$OUT/lmcache-smollm2-135m.md" docs/serving.md lmcache-peers
+# Intervals (window bootstrap) and each engine cache paired with walshkv:4.5, from the files above.
+python scripts/peer_intervals.py
+python scripts/update_readme.py "$OUT/intervals.md" docs/serving.md peer-intervals
+python scripts/update_readme.py "$OUT/intervals.md" docs/baselines.md peer-intervals

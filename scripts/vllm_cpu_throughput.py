@@ -14,7 +14,9 @@ one token), over all steps of ``--repeats`` batches after a warm-up. walshkv dty
 prefill (``WALSHKV_VLLM_PREFILL=quantized``), the harness's convention, unless ``--prefill exact``.
 
 Writes docs/results/vllm/cpu-throughput.{json,md} (each dtype's tokens/s and its ratio to ``auto`` in the same run,
-the CPU, thread count and code commit); ``scripts/update_readme.py`` pastes the table into docs/serving.md.
+the CPU, thread count and code commit, and a last line with each dtype's decode ratios and the context from
+which it is faster); ``scripts/update_readme.py`` pastes the table into docs/serving.md. ``--render JSON`` rewrites
+the markdown of an earlier run without running anything.
 """
 
 from __future__ import annotations
@@ -166,6 +168,18 @@ def _table(meta: dict, rows: list[dict]) -> str:
         lines.append(
             f"| {r['ctx']:,} | {r['dtype']} | {r['decode_tok_s']:.1f} | {dx} | {r['prefill_tok_s']:.0f} | {px} |"
         )
+    for dtype in dict.fromkeys(r["dtype"] for r in rows if r["dtype"] != "auto" and "error" not in r):
+        pairs = [
+            (r["ctx"], r["decode_tok_s"] / base[r["ctx"]]["decode_tok_s"])
+            for r in rows
+            if r["dtype"] == dtype and "error" not in r and r["ctx"] in base
+        ]
+        if not pairs:
+            continue
+        faster = next((c for c, x in pairs if x >= 1 and all(y >= 1 for cc, y in pairs if cc >= c)), None)
+        where = f"faster from {faster:,} tokens on" if faster is not None else "not faster at any context measured"
+        ratios = ", ".join(f"{x:.2f}x at {c:,}" for c, x in pairs)
+        lines += ["", f"{dtype} decode against auto: {ratios}; {where}."]
     return "\n".join(lines) + "\n"
 
 
@@ -184,8 +198,15 @@ def main() -> int:
     ap.add_argument("--kv-space", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 4)")
     ap.add_argument("--model", default=str(MODEL), help="a Hugging Face model folder (walshkv eval writes this one)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "vllm"))
+    ap.add_argument("--render", metavar="JSON", help="only write the markdown of an earlier run's json (no runs)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        text = _table(data["meta"], data["rows"])
+        Path(args.render).with_suffix(".md").write_text(text)
+        print(text)
+        return 0
     if args.child:
         _child(args.child[0], int(args.child[1]), args)
         return 0

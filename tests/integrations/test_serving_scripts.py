@@ -1,0 +1,86 @@
+"""scripts/peer_intervals.py and scripts/vllm_cpu_throughput.py's tables: rules on hand-made rows, and the committed
+results they produced."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+intervals = _load("peer_intervals")
+throughput = _load("vllm_cpu_throughput")
+
+
+def _row(name: str, windows: list[float], bits: float = 4.0) -> dict:
+    return {
+        "codec": name,
+        "preset": name,
+        "bits_per_element": bits,
+        "kld_mean": sum(windows) / len(windows),
+        "kld_mean_ci95": [min(windows), max(windows)],
+        "top1_agreement": 0.9,
+        "window_kld_mean": windows,
+    }
+
+
+def test_paired_column_is_each_row_minus_the_anchor(tmp_path: Path) -> None:
+    rows = [
+        _row("fp16", [0.0, 0.0, 0.0, 0.0], 16),
+        _row("walshkv:4.5", [0.01, 0.02, 0.01, 0.02]),
+        _row("worse", [0.05, 0.06, 0.05, 0.06], 8),
+        _row("tie", [0.011, 0.019, 0.012, 0.018], 8),
+    ]
+    meta = {"model": {"name": "m"}, "windows": 4, "ctx": 512, "scored_tokens": 1020, "versions": {"commit": "abc"}}
+    path = tmp_path / "m-exact.json"
+    path.write_text(json.dumps({"meta": meta, "results": rows}))
+    text = intervals.table(path)
+    assert "#### m, exact prefill" in text and "code abc" in text
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines() if ln.startswith("| ")}
+    assert "fp16" not in lines  # the reference row says nothing
+    assert lines["walshkv:4.5"].rstrip().endswith("|  |  |")  # no pair with itself
+    assert "+0.0400 | [+0.0400, +0.0400]" in lines["worse"]  # every window 0.04 worse: a verdict
+    low, high = lines["tie"].split(" | ")[-1].strip("| []").split(", ")
+    assert float(low) <= 0 <= float(high)  # straddles zero: a tie
+
+
+def test_committed_intervals_match_their_files() -> None:
+    out = ROOT / "docs" / "results" / "vllm-peers" / "intervals.md"
+    for name in ("smollm2-135m-quantized.json", "qwen2.5-1.5b-quantized.json", "lmcache-smollm2-135m.json"):
+        assert intervals.table(ROOT / "docs" / "results" / "vllm-peers" / name) in out.read_text()
+
+
+@pytest.mark.parametrize(
+    ("ratios", "verdict"),
+    [
+        ([0.5, 0.9, 1.1, 1.2], "faster from 4,096 tokens on"),
+        ([0.5, 1.1, 0.9, 1.2], "faster from 8,000 tokens on"),  # a dip later moves the crossover
+        ([0.5, 0.6, 0.7, 0.8], "not faster at any context measured"),
+    ],
+)
+def test_throughput_verdict_line(ratios: list[float], verdict: str) -> None:
+    rows = []
+    for ctx, x in zip((512, 2048, 4096, 8000), ratios, strict=True):
+        rows.append({"dtype": "auto", "ctx": ctx, "decode_tok_s": 100.0, "prefill_tok_s": 300.0})
+        rows.append({"dtype": "walshkv_x", "ctx": ctx, "decode_tok_s": 100.0 * x, "prefill_tok_s": 300.0})
+    meta = {"cpu": "c", "threads": 2, "commit": "abc", "requests": 8, "new": 32, "repeats": 1, "prefill": "quantized"}
+    text = throughput._table(meta, rows)
+    assert text.rstrip().splitlines()[-1].endswith(verdict + ".")
+    assert f"{ratios[0]:.2f}x at 512" in text
+
+
+def test_committed_throughput_renders_from_its_json() -> None:
+    data = json.loads((ROOT / "docs" / "results" / "vllm" / "cpu-throughput.json").read_text())
+    assert throughput._table(data["meta"], data["rows"]) == (ROOT / "docs/results/vllm/cpu-throughput.md").read_text()
+    assert "dirty" not in data["meta"]["commit"]
