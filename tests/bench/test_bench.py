@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from walshkv.bench import (
+    AttentionBenchConfig,
     GenerationBenchConfig,
     bench_attention,
     bench_generation,
@@ -19,7 +21,7 @@ from walshkv.cli import main
 
 def test_attention_rows():
     codecs = ["int4", "rot+int3", "vht2:5,5,4,3", "tq:4/tq:2.5", "vzc"]
-    rows = bench_attention([64, 100], codecs, repeats=1, progress=False)
+    rows = bench_attention(AttentionBenchConfig([64, 100], codecs, repeats=1, progress=False))
     assert len(rows) == 2 * (3 + 5)
     for r in rows:
         assert r["seconds"] > 0 and r["cache_bytes"] > 0 and r["speedup_vs_sdpa_fp16"] > 0
@@ -35,7 +37,9 @@ def test_attention_rows():
 def test_attention_reference_backend_and_check():
     """What benchmarks/decode_attention.py did besides ``walshkv bench``: the reference backend timed too, and
     every packed result checked against SDPA over the decoded cache."""
-    rows = bench_attention([64], ["int4", "vzc"], repeats=1, reference=True, check=True, progress=False)
+    rows = bench_attention(
+        AttentionBenchConfig([64], ["int4", "vzc"], repeats=1, reference=True, check=True, progress=False)
+    )
     methods = [r["method"] for r in rows]
     assert methods == ["sdpa-fp16", "sdpa-bf16", "sdpa-fp32", "int4", "int4 (reference)", "vzc", "vzc (reference)"]
     by = {r["method"]: r for r in rows}
@@ -44,7 +48,7 @@ def test_attention_reference_backend_and_check():
     for m in methods[3:]:
         assert by[m]["max_abs_err_vs_sdpa_on_decoded"] < 1e-4
     assert "encode_ms" in by["int4"] and "encode_ms" not in by["int4 (reference)"]
-    plain = bench_attention([64], ["int4"], repeats=1, progress=False)
+    plain = bench_attention(AttentionBenchConfig([64], ["int4"], repeats=1, progress=False))
     assert "max_abs_err_vs_sdpa_on_decoded" not in plain[-1] and len(plain) == 4  # off by default
 
 
@@ -164,10 +168,35 @@ def test_targets_and_markdown():
 
 def test_device_errors():
     with pytest.raises(ValueError, match="cpu or cuda"):
-        bench_attention([16], ["int4"], repeats=1, device="tpu", progress=False)
+        AttentionBenchConfig([16], ["int4"], device="tpu")
     if not __import__("torch").cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
-            bench_attention([16], ["int4"], repeats=1, device="cuda", progress=False)
+            bench_attention(AttentionBenchConfig([16], ["int4"], repeats=1, device="cuda", progress=False))
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"kv_lens": []}, "non-empty list of token counts"),
+        ({"kv_lens": 4096}, "non-empty list of token counts"),
+        ({"kv_lens": [64, 0]}, "at least 1"),
+        ({"codecs": "int4"}, r"give \['int4'\]"),
+        ({"codecs": []}, "name at least one"),
+        ({"head_dim": 0}, "head_dim must be a whole number"),
+        ({"repeats": 1.5}, "repeats must be a whole number"),
+        ({"q_heads": 8, "kv_heads": 3}, "multiple of kv_heads"),
+        ({"layer": -1}, "layer index"),
+        ({"calibrations": {"walshkv:3.5": {}}}, "not among codecs"),
+    ],
+)
+def test_attention_config_refuses_before_any_work(fields, match):
+    with pytest.raises(ValueError, match=match):
+        AttentionBenchConfig(**fields)
+
+
+def test_attention_config_keeps_tuples():
+    config = AttentionBenchConfig([64, 128], ["int4"])
+    assert config.kv_lens == (64, 128) and config.codecs == ("int4",)
 
 
 def test_prerope_rows_time_their_key_transform_alone():
@@ -179,15 +208,10 @@ def test_prerope_rows_time_their_key_transform_alone():
 
     path = shipped_preset_file("smollm2-135m", "walshkv:4.5")
     cal = read_kv_mean_center(path)
-    rows = bench_attention(
-        [64, 1000],
-        ["walshkv:4.5", "rot+int4"],
-        calibration=cal,
-        layer=3,
-        model="smollm2-135m",
-        repeats=1,
-        progress=False,
+    config = AttentionBenchConfig(
+        [64, 1000], ["walshkv:4.5", "rot+int4"], calibration=cal, layer=3, model="smollm2-135m", repeats=1
     )
+    rows = bench_attention(replace(config, progress=False))
     assert [r["method"] for r in rows[:5]] == ["sdpa-fp16", "sdpa-bf16", "sdpa-fp32", "walshkv:4.5", "rot+int4"]
     pre = [r for r in rows if r["method"] == "walshkv:4.5"]
     assert pre[1]["k_transform_macs"] == 3 * 1000 * 64 * 64  # kv heads x keys x head_dim^2

@@ -53,6 +53,7 @@ from walshkv.bench.attention import (
     DEFAULT_ATTENTION_CODECS,
     DEFAULT_KV_LENS,
     SDPA_DTYPES,
+    AttentionBenchConfig,
     attention_shapes,
     bench_attention,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "DEFAULT_KV_LENS",
     "DYNAMIC_DTYPES",
     "SDPA_DTYPES",
+    "AttentionBenchConfig",
     "GenerationBenchConfig",
     "GenerationCodec",
     "attention_shapes",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,6 +15,7 @@ from walshkv.attention.cpu import prerope_key_map
 from walshkv.attention.keys import split_prerope
 from walshkv.bench.machine import available_memory, interleaved_seconds, median_seconds
 from walshkv.codecs import CacheSpec, Packed, parse_cache_spec
+from walshkv.codecs.spec import check_spec_list
 from walshkv.constants import Backend
 from walshkv.identity import head_dim_of
 from walshkv.models import layout_config
@@ -27,6 +29,7 @@ __all__ = [
     "DEFAULT_KV_LENS",
     "SDPA_DTYPES",
     "TRANSFORM_SUFFIX",
+    "AttentionBenchConfig",
     "attention_shapes",
     "bench_attention",
 ]
@@ -77,10 +80,10 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def _check_device(device: str) -> None:
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this torch has no CUDA device; use --device cpu")
     if not (device == "cpu" or device.startswith("cuda")):
         raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this torch has no CUDA device; use --device cpu")
 
 
 #: Bytes per cached element a case holds at once: K and V in float32 (the source) and in each SDPA dtype
@@ -103,40 +106,21 @@ def _check_memory(kv_lens: Sequence[int], elements_per_token: int, device: str) 
         )
 
 
-@torch.inference_mode()
-def bench_attention(
-    kv_lens: Sequence[int] = DEFAULT_KV_LENS,
-    codecs: Sequence[str] = DEFAULT_ATTENTION_CODECS,
-    *,
-    head_dim: int = 64,
-    kv_heads: int = 3,
-    q_heads: int = 9,
-    batch: int = 1,
-    repeats: int = 7,
-    seed: int = 0,
-    device: str = "cpu",
-    reference: bool = False,
-    check: bool = False,
-    calibration: CalibrationLike | None = None,
-    calibrations: Mapping[str, CalibrationLike] | None = None,
-    layer: int = 0,
-    model: str | None = None,
-    progress: bool = True,
-) -> list[dict[str, Any]]:
-    """Time one decode step per method and kv_len (see :mod:`walshkv.bench`).
+@dataclass(frozen=True)
+class AttentionBenchConfig:
+    """What :func:`bench_attention` times: the contexts, the caches, the attention's shape and how it is timed.
 
     Random K/V ``[batch, kv_heads, kv_len, head_dim]`` and one query token ``[batch, q_heads, 1, head_dim]``
-    (GQA; the defaults are smollm2-135m's attention). ``device="cuda"`` times the same steps on a GPU
-    (SDPA on CUDA tensors against the Triton backend, which ``decode_attention`` picks for CUDA tensors;
-    codecs it does not read use the reference).
+    (GQA; the defaults are smollm2-135m's attention, :func:`attention_shapes` gives another model's).
 
-    Args:
-        kv_lens: cached tokens per case.
-        codecs: cache specs to time.
-        head_dim, kv_heads, q_heads, batch: the attention's shape.
+    Attributes:
+        kv_lens: cached tokens per case. Kept as a tuple.
+        codecs: cache specs or presets to time. Kept as a tuple.
+        head_dim, kv_heads, q_heads, batch: the attention's shape (``q_heads`` a multiple of ``kv_heads``).
         repeats: timed rounds at least (more while within the time budget).
         seed: seed of the random K/V and queries.
-        device: ``cpu`` or ``cuda[:N]``.
+        device: ``cpu`` or ``cuda[:N]`` (SDPA on CUDA tensors against the Triton backend, which
+            ``decode_attention`` picks for CUDA tensors; codecs it does not read use the reference).
         reference: also time every codec on the pure-torch reference backend (rows ``SPEC (reference)``).
         check: record each codec row's ``max_abs_err_vs_sdpa_on_decoded``: the largest difference between
             its output and SDPA in float32 over the decoded cache.
@@ -145,11 +129,73 @@ def bench_attention(
             or statistics; the codecs are bound to ``layer`` (its kv heads and head_dim must be the bench's).
             A spec's ``sink:N:`` tokens are left out (N full-precision tokens join the window at decode).
         calibrations: ``{codec: calibration}`` for codecs that take their own (e.g. two presets with their own
-            files, side by side); the others take ``calibration``.
+            files, side by side); the others take ``calibration``. Its keys must be among ``codecs``.
         layer: the layer whose calibration (and, for a ``layers:`` spec, whose codecs) a row uses.
         model: the model whose shipped spec a preset stands for (``walshkv models list``; the bench's shapes must be
             its), unless its calibration file names one; ``None``: the built-in spec.
         progress: show a progress bar.
+
+    Raises:
+        ValueError: ``device`` not ``cpu`` or ``cuda[:N]``; ``kv_lens`` or ``codecs`` empty, ``codecs`` a single
+            string; a token count, shape, ``repeats`` or ``layer`` out of range; ``q_heads`` not a multiple of
+            ``kv_heads``; a ``calibrations`` key that is not one of ``codecs``.
+    """
+
+    kv_lens: Sequence[int] = DEFAULT_KV_LENS
+    codecs: Sequence[str] = DEFAULT_ATTENTION_CODECS
+    head_dim: int = 64
+    kv_heads: int = 3
+    q_heads: int = 9
+    batch: int = 1
+    repeats: int = 7
+    seed: int = 0
+    device: str = "cpu"
+    reference: bool = False
+    check: bool = False
+    calibration: CalibrationLike | None = None
+    calibrations: Mapping[str, CalibrationLike] | None = field(default=None, compare=False)
+    layer: int = 0
+    model: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not (self.device == "cpu" or str(self.device).startswith("cuda")):
+            raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if isinstance(self.kv_lens, (int, str)) or not self.kv_lens:
+            raise ValueError(f"kv_lens (--kv-len) is a non-empty list of token counts, got {self.kv_lens!r}")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.kv_lens):
+            raise ValueError(f"kv_lens (--kv-len) must be token counts of at least 1, got {list(self.kv_lens)}")
+        check_spec_list(self.codecs, "cache specs or presets")
+        if not self.codecs:
+            raise ValueError("codecs (--codec) is empty: name at least one cache spec or preset, e.g. ['rot+int4']")
+        for name in ("head_dim", "kv_heads", "q_heads", "batch", "repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
+        if self.q_heads % self.kv_heads:
+            raise ValueError(
+                f"q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads}): each kv head serves "
+                "q_heads / kv_heads query heads"
+            )
+        if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0:
+            raise ValueError(f"layer (--layer) must be a layer index of at least 0, got {self.layer!r}")
+        unknown = sorted(set(self.calibrations or {}) - set(self.codecs))
+        if unknown:
+            raise ValueError(
+                f"calibrations names {unknown}, which are not among codecs {list(self.codecs)}: key each calibration "
+                "by a codec it calibrates"
+            )
+        object.__setattr__(self, "kv_lens", tuple(self.kv_lens))
+        object.__setattr__(self, "codecs", tuple(self.codecs))
+
+
+@torch.inference_mode()
+def bench_attention(config: AttentionBenchConfig | None = None) -> list[dict[str, Any]]:
+    """Time one decode step per method and kv_len (see :mod:`walshkv.bench`).
+
+    Args:
+        config: the contexts, caches and shapes (default ``AttentionBenchConfig()``: the default codecs at
+            :data:`DEFAULT_KV_LENS` in smollm2-135m's shapes).
 
     Returns:
         Rows ``{"kv_len", "method", "seconds", "ms", "cache_bytes", "gb_per_s", "backend",
@@ -168,12 +214,18 @@ def bench_attention(
         maps every key at torch's matmul rate could reach at most).
 
     Raises:
-        ValueError: an unknown device, CUDA without a CUDA device, or a spec that does not fit ``head_dim``.
+        ValueError: CUDA without a CUDA device, a spec that does not fit ``head_dim``, or K/V copies that cannot fit
+            in the device's memory.
     """
+    config = AttentionBenchConfig() if config is None else config
+    kv_lens, codecs, device = config.kv_lens, config.codecs, config.device
+    head_dim, kv_heads, batch, repeats = config.head_dim, config.kv_heads, config.batch, config.repeats
+    calibration, model, layer, seed = config.calibration, config.model, config.layer, config.seed
+    reference = config.reference
     _check_device(device)
     cuda = device.startswith("cuda")
     supports = triton_supports if cuda else cpu_supports
-    own = dict(calibrations or {})
+    own = dict(config.calibrations or {})
     names: dict[str, str] = {}
     cal_of: dict[str, CalibrationLike | None] = {}
     for codec in codecs:
@@ -192,11 +244,11 @@ def bench_attention(
     gen = torch.Generator().manual_seed(seed)
     rows: list[dict[str, Any]] = []
     jobs = len(kv_lens) * (len(SDPA_DTYPES) + len(codecs) * (2 if reference else 1))
-    bar = tqdm(total=jobs, desc="bench attention", unit="case", disable=not progress)
+    bar = tqdm(total=jobs, desc="bench attention", unit="case", disable=not config.progress)
     for n in kv_lens:
         k = torch.randn(batch, kv_heads, n, head_dim, generator=gen).to(device)
         v = torch.randn(batch, kv_heads, n, head_dim, generator=gen).to(device)
-        q = torch.randn(batch, q_heads, 1, head_dim, generator=gen).to(device)
+        q = torch.randn(batch, config.q_heads, 1, head_dim, generator=gen).to(device)
         fns: dict[str, Callable[[], Any]] = {}
         info: dict[str, tuple[int, str]] = {}  # method -> (cache bytes, backend)
         for name, dt in SDPA_DTYPES.items():
@@ -227,7 +279,7 @@ def bench_attention(
             if reference:
                 fns[spec_name + REFERENCE_SUFFIX] = _step(q, pk, pv, spec, "reference")
                 info[spec_name + REFERENCE_SUFFIX] = (info[spec_name][0], "reference")
-            if check:
+            if config.check:
                 want = _sdpa(q.float(), spec.k.decode(pk, spec.sink).float(), spec.v.decode(pv, spec.sink).float())
                 for method in (spec_name, spec_name + REFERENCE_SUFFIX) if reference else (spec_name,):
                     errors[method] = float((fns[method]().float() - want).abs().max())

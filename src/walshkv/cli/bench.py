@@ -157,9 +157,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         calibration = read_kv_mean_center(args.kv_mean_center) if args.kv_mean_center and args.codec else None
         shapes = bench.attention_shapes(args.model)
         meta["attention_model"] = {"model": args.model, **shapes}
-        att = bench.bench_attention(
-            args.kv_len,
-            args.codec or bench.DEFAULT_ATTENTION_CODECS,
+        att_config = bench.AttentionBenchConfig(
+            kv_lens=args.kv_len,
+            codecs=args.codec or bench.DEFAULT_ATTENTION_CODECS,
             **shapes,
             repeats=args.repeats,
             device=args.device,
@@ -170,6 +170,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             model=args.model,
             progress=not args.quiet,
         )
+        att = bench.bench_attention(att_config)
         result["attention"] = att
         print(bench.format_attention_table(att, meta["copy_bandwidth_gb_per_s"]))
     if generation is not None:
