@@ -123,8 +123,10 @@ import platform
 import re
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -269,18 +271,74 @@ def build_kernel(flags: list[str], source: str | None = None) -> Any:
     from torch.utils import cpp_extension  # slow to import (setuptools); only the first use pays it
 
     source = kernel_source() if source is None else source
-    tag = f"{source}{flags}{platform.machine()}{torch.backends.cpu.get_cpu_capability()}"
-    name = "walshkv_decode_attn_" + hashlib.sha256(tag.encode()).hexdigest()[:12]
+    name = kernel_name(source, flags)
     # without the implicit <torch/extension.h> (all of ATen) the build is much shorter
     lean = "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters
-    return cpp_extension.load_inline(
-        name=name,
-        cpp_sources=[source],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-        **({"no_implicit_headers": True} if lean else {}),
-    )
+    with build_lock(name):
+        return cpp_extension.load_inline(
+            name=name,
+            cpp_sources=[source],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+            **({"no_implicit_headers": True} if lean else {}),
+        )
+
+
+def kernel_name(source: str, flags: list[str]) -> str:
+    """The extension's name for this source and these flags on this CPU (its folder in torch's extension cache):
+    any edit, flag or vector capability builds anew."""
+    tag = f"{source}{flags}{platform.machine()}{torch.backends.cpu.get_cpu_capability()}"
+    return "walshkv_decode_attn_" + hashlib.sha256(tag.encode()).hexdigest()[:12]
+
+
+#: Seconds one process waits for another that is building the same kernel (a build takes 10-60 s).
+BUILD_WAIT_SECONDS = 900.0
+
+
+@contextmanager
+def build_lock(name: str, wait_seconds: float = BUILD_WAIT_SECONDS) -> Iterator[None]:
+    """Hold an OS file lock on the build of extension ``name``, and clear a stale torch build lock under it.
+
+    torch marks a build in progress with a file, ``<build dir>/lock``, that only the builder removes: a build that
+    was killed (Ctrl-C, a CI timeout, the OOM killer) leaves it, and every later process that loads the same
+    extension waits for it forever, without a word. Every walshkv build of ``name`` runs under
+    ``<build dir>.walshkv-lock``, an OS lock that dies with its holder; so a torch lock file found while holding it
+    was left by a dead build, and is removed (with a warning naming it) before the build.
+
+    Args:
+        name: the extension's name (its build folder in torch's extension directory).
+        wait_seconds: how long to wait for another process building the same extension.
+
+    Raises:
+        RuntimeError: another process held the build for ``wait_seconds`` (names the lock file and what to do).
+    """
+    from filelock import FileLock, Timeout
+    from torch.utils import cpp_extension
+
+    build_directory = getattr(cpp_extension, "_get_build_directory", None)  # private: absent, build unguarded
+    if build_directory is None:
+        yield
+        return
+    build_dir = Path(build_directory(name, verbose=False))
+    lock_path = build_dir.with_name(build_dir.name + ".walshkv-lock")
+    try:
+        with FileLock(str(lock_path), timeout=wait_seconds):
+            stale = build_dir / "lock"
+            if stale.exists():
+                warnings.warn(
+                    f"walshkv: removed {stale}, a build lock left by a build of the CPU kernel that was killed; "
+                    "building it again",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                stale.unlink(missing_ok=True)
+            yield
+    except Timeout as err:
+        raise RuntimeError(
+            f"another process has been building the CPU kernel {name} for over {wait_seconds:.0f} s (it holds "
+            f"{lock_path}): wait for it, or stop it; the lock goes with the process that holds it"
+        ) from err
 
 
 def load_kernel() -> Any:
