@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SHARED = Path(__file__).resolve().parent.parent / "shared"
 
@@ -205,3 +206,24 @@ def logits_in_splits(model, cache, ids: torch.Tensor, splits: list[int]) -> torc
             outs.append(model(input_ids=ids[:, s:e], cache=cache).logits)
             s = e
     return torch.cat(outs, dim=1)
+
+
+class NoHostReads(TorchDispatchMode):
+    """Within it, an op that reads a tensor's value back to the host fails: ``.item()``, ``bool()``/``int()`` of a
+    tensor, boolean-mask indexing, ``nonzero``, ``tolist``. On a GPU each of those waits for the device, and a CUDA
+    graph cannot capture it; on CPU tensors this mode finds them (ops of C++ extensions are not seen)."""
+
+    FORBIDDEN = frozenset(
+        ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "unique", "_unique2")
+    )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.FORBIDDEN:
+            raise AssertionError(f"a host read: aten.{func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def no_host_reads() -> type[NoHostReads]:
+    """:class:`NoHostReads`, the dispatch mode that fails on every read of a tensor's value back to the host."""
+    return NoHostReads

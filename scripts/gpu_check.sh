@@ -6,9 +6,12 @@
 #     batch 2, lengths that are not a multiple of any block, start positions after sink tokens;
 #  2. `walshkv bench attention --device cuda` for the presets' codecs against torch SDPA (flash /
 #     efficient attention) over fp16/bf16/fp32 caches at 16k and 64k cached tokens, the copy bandwidth
-#     of the GPU measured in the same run.
+#     of the GPU measured in the same run;
+#  3. scripts/gpu_paged_check.py (issue 36): the vLLM plugin's paged cache on CUDA, 8 requests in one Triton
+#     launch against the reference and against SDPA over bf16/fp16, and one write+decode step captured in a
+#     CUDA graph and replayed.
 #
-# Writes docs/results/gpu/{check.json,bench.*,machine.txt}. Commit them with the device named (the files
+# Writes docs/results/gpu/{check.json,bench.*,paged_check.json,machine.txt}. Commit them with the device named (the files
 # record nvidia-smi's name). Nothing here needs a network: the presets' calibrations ship with walshkv.
 #
 # Usage: bash scripts/gpu_check.sh            (OUT=dir to write elsewhere; KV_LEN=16384,65536 by default)
@@ -84,4 +87,6 @@ walshkv bench attention --device cuda --kv-len "${KV_LEN:-16384,65536}" \
   --codec walshkv:3.5 \
   --codec rot+int4 --codec q4_0 --codec tq:4/tq:2.5 --repeats 20 --quiet --no-plot --out "$out" \
   || echo "bench failed (see above): a finding too"
+PYTHONPATH=plugins/vllm/src${PYTHONPATH:+:$PYTHONPATH} python scripts/gpu_paged_check.py --out "$out" \
+  || echo "paged check failed (see above): a finding too"
 echo "wrote $out"

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +87,17 @@ def test_committed_throughput_renders_from_its_json() -> None:
     data = json.loads((ROOT / "docs" / "results" / "vllm" / "cpu-throughput.json").read_text())
     assert throughput._table(data["meta"], data["rows"]) == (ROOT / "docs/results/vllm/cpu-throughput.md").read_text()
     assert "dirty" not in data["meta"]["commit"]
+
+
+def test_gpu_paged_check_runs_its_correctness_part_on_the_cpu(tmp_path: Path) -> None:
+    """The prepared GPU script (scripts/gpu_check.sh step 3) in its smoke mode: the Triton kernel under its
+    interpreter, so that a GPU session does not find it broken."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "plugins" / "vllm" / "src"), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_paged_check.py"), "--device", "cpu", "--ctx", "40"]
+    cmd += ["--requests", "2", "--spec", "rot+int4", "--spec", "tq:4/tq:3", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads((tmp_path / "paged_check.json").read_text())["rows"]
+    assert [r["spec"] for r in rows] == ["rot+int4", "tq:4/tq:3"]
+    assert all(r["max_abs_err_vs_reference"] < 1e-4 for r in rows)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from walshkv.attention import decode_attention, decode_attention_reference
-from walshkv.codecs import find_wrapper
+from walshkv.codecs import accelerated, find_wrapper
 from walshkv.codecs.center import Centered
 
 from vllm_helpers import HEAD_DIM, KV_HEADS, Q_HEADS, SPECS, bound, kv
@@ -94,6 +94,34 @@ def _owner(table: torch.Tensor, slot: torch.Tensor) -> int:
 
 def _round_trip(codec, x: torch.Tensor) -> torch.Tensor:
     return codec.decode(codec.encode(x.transpose(0, 1).unsqueeze(0)))[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("first", ["padding", "real"])
+@pytest.mark.parametrize("spec_text", [*SPECS, "q8_0/int4", "rot+int8/q5_1"])
+def test_device_write_stores_the_host_writes_bytes(spec_text: str, first: str, no_host_reads) -> None:
+    """The write CUDA uses (nothing read back to the host, padding written as copies of a real row) stores the same
+    pages as the host write, and reads no value back (checked on CPU tensors by a dispatch mode)."""
+    layout, k_codec, v_codec, want, _, _, (key, value, slots) = _fill(spec_text, [7, 1, 12])
+    order = torch.argsort((slots >= 0).to(torch.int8), stable=True, descending=first == "real")
+    key, value, slots = key[order], value[order], slots[order]
+    pages = torch.zeros_like(want)
+    with accelerated.reference_only(), no_host_reads():  # the torch encoders, as on CUDA (not the C++ kernel's)
+        write_slots(pages, layout, k_codec, v_codec, key, value, slots, on_device=True)
+    assert torch.equal(pages, want)
+    before = pages.clone()
+    write_slots(pages, layout, k_codec, v_codec, key, value, torch.full_like(slots, -1), on_device=True)
+    assert torch.equal(pages, before)  # padding alone changes nothing
+
+
+def test_device_write_checks_on_the_device() -> None:
+    layout, k_codec, v_codec, pages, *_ = _fill("rot+int4", [3])
+    k, v = kv(2)
+    with pytest.raises(RuntimeError, match="past the pages"):
+        write_slots(pages, layout, k_codec, v_codec, k, v, torch.tensor([0, pages.shape[0] * BLOCK]), on_device=True)
+    k[1, 0, 3] = float("inf")
+    with pytest.raises(RuntimeError, match="NaN or Inf"):
+        write_slots(pages, layout, k_codec, v_codec, k, v, torch.tensor([0, 1]), on_device=True)
+    write_slots(pages, layout, k_codec, v_codec, k, v, torch.tensor([0, -1]), on_device=True)  # Inf in padding: fine
 
 
 def test_write_refuses_bad_input() -> None:

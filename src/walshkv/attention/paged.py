@@ -10,7 +10,13 @@ the batch and the row in the block as the token: any strides, so views into an e
 - on the CPU, where the fused kernel reads both codecs, all requests and kv heads go through **one kernel call**
   that follows the block table itself (tiles stop at block ends; each request's softmax stops at its length;
   ``prerope+`` keys are rotated to their positions in the request). Nothing is gathered or copied.
-- elsewhere (other codecs, CUDA tensors) each request's rows are gathered from the pages and read by
+- on CUDA (or ``backend="triton"``), where the Triton kernel reads both codecs, all requests go through **one
+  launch** that follows the block table the same way (:func:`~walshkv.attention.triton_decode.fused_decode_triton`
+  with ``paged``). Its checks (lengths, block ids, a finite query) are device-side asserts and the lengths are read
+  on the device: nothing in the step reads a value back to the host, so a CUDA graph can capture it
+  (``tests/attention/test_paged_triton.py`` checks that under a dispatch mode that fails on every read back).
+  ``prerope+`` K is not read by it yet.
+- elsewhere (other codecs, ``prerope+`` K on CUDA) each request's rows are gathered from the pages and read by
   :func:`~walshkv.attention.decode.decode_attention`, one call per request (correct; as slow as the loop it is).
 
 A field whose codec stores a wider dtype (fp16 scales, norms) may be given as its raw bytes (``uint8`` with the
@@ -26,9 +32,11 @@ import torch
 from walshkv.attention.cpu import fused_decode_cpu
 from walshkv.attention.cpu_formats import cpu_plan
 from walshkv.attention.decode import BACKENDS, decode_attention
-from walshkv.attention.peeling import peel_equalizer
-from walshkv.attention.reference import as_codec
+from walshkv.attention.peeling import peel, peel_equalizer
+from walshkv.attention.reference import as_codec, rotate, unrotate
+from walshkv.attention.triton_decode import fused_decode_triton, triton_available, triton_supports
 from walshkv.codecs.base import Codec, Packed
+from walshkv.codecs.prerope import PreRope
 from walshkv.constants import Backend
 
 __all__ = ["decode_attention_paged", "gather_pages"]
@@ -58,11 +66,42 @@ def _check(
         raise ValueError(f"block_table must be integer [num_reqs >= {r}, max_blocks], got {tuple(block_table.shape)}")
     if seq_lens.shape != (r,) or seq_lens.dtype.is_floating_point:
         raise ValueError(f"seq_lens must be integer [{r}] (a length per request), got {tuple(seq_lens.shape)}")
-    if r and int(seq_lens.min()) < 1:
+    return r, kv, block_size
+
+
+def _check_values(q: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """On the host (it waits for the values): every request has a token, the query is finite."""
+    if q.shape[0] and int(seq_lens.min()) < 1:
         raise ValueError(f"every request attends to at least one token (its own), got seq_lens {seq_lens.tolist()}")
     if not bool(torch.isfinite(q).all()):
         raise ValueError("q contains NaN or Inf; check the model's activations before the attention")
-    return r, kv, block_size
+
+
+def _assert_on_device(
+    q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """The checks of :func:`_check_values` and the block ids' range, as device-side asserts: nothing waits for the
+    GPU (CUDA-graph safe); a failure raises at once on the CPU and at the next synchronisation on CUDA."""
+    r = q.shape[0]
+    lens = seq_lens.to(torch.int64)
+    need = (lens + block_size - 1) // block_size
+    torch._assert_async(
+        (lens >= 1).all(), "paged decode: every request attends to at least one token (its own); a seq_lens entry is 0"
+    )
+    torch._assert_async(
+        (need <= block_table.shape[1]).all(),
+        f"paged decode: a request needs more blocks than a block-table row has ({block_table.shape[1]})",
+    )
+    ids = block_table[:r].to(device=lens.device, dtype=torch.int64)
+    used = torch.arange(block_table.shape[1], device=lens.device)[None, :] < need[:, None]
+    torch._assert_async(
+        (~used | ((ids >= 0) & (ids < num_blocks))).all(),
+        f"paged decode: a request names a block outside the pages' blocks 0..{num_blocks - 1}: a block table from "
+        "another cache, or one the engine did not fill; pass the layer's own pages and block table",
+    )
+    torch._assert_async(
+        torch.isfinite(q).all(), "q contains NaN or Inf; check the model's activations before the attention"
+    )
 
 
 def gather_pages(pages: Packed, codec: Codec, block_row: torch.Tensor, stop: int) -> Packed:
@@ -122,8 +161,10 @@ def decode_attention_paged(
         block_table: integer ``[num_reqs, max_blocks]``.
         seq_lens: integer ``[num_reqs]``, each request's token count (at least 1).
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
-        backend: ``"auto"`` (the one-call CPU kernel where it reads both codecs, else per request),
-            ``"cpu"`` (the kernel, or an error naming the codec), or ``"reference"``/``"triton"`` (per request).
+        backend: ``"auto"`` (the one-call CPU kernel, or on CUDA the one-launch Triton kernel, where it reads both
+            codecs, else per request), ``"cpu"`` (the kernel, or an error naming the codec), ``"triton"`` (the
+            one-launch kernel; CPU tensors under ``TRITON_INTERPRET=1``; per request where it does not read the
+            codecs) or ``"reference"`` (per request).
 
     Returns:
         ``[num_reqs, num_q_heads, 1, head_dim]`` in ``q``'s dtype.
@@ -131,6 +172,8 @@ def decode_attention_paged(
     Raises:
         ValueError: mismatched shapes, a block outside the pages, an empty request, a NaN/Inf query, or
             ``backend="cpu"`` with a codec the kernel does not read.
+        RuntimeError: on the Triton path, the same value problems as device-side asserts (at once on CPU tensors,
+            at the next synchronisation on CUDA).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -140,6 +183,10 @@ def decode_attention_paged(
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     k_eq, k_core = peel_equalizer(k_codec)
     v_eq, v_core = peel_equalizer(v_codec)
+    if _batched_triton(q, k_core, v_core, backend):
+        _assert_on_device(q, block_table, seq_lens, pages_k.batch_size, pages_k.seq_len)
+        return _paged_triton(q, pages_k, pages_v, k_core, v_core, k_eq, v_eq, block_table[:r], seq_lens, sm_scale)
+    _check_values(q, seq_lens)
     plan = cpu_plan(k_core, v_core, d, sm_scale) if backend in ("auto", "cpu") and q.device.type == "cpu" else None
     state = None
     if plan is not None and r:
@@ -165,3 +212,43 @@ def decode_attention_paged(
         pv = gather_pages(pages_v, v_codec, block_table[i], n)
         out[i : i + 1] = decode_attention(q[i : i + 1], pk, pv, k_codec, v_codec, scale=sm_scale, backend=backend)
     return out
+
+
+def _batched_triton(q: torch.Tensor, k_core: Codec, v_core: Codec, backend: Backend) -> bool:
+    """Whether the paged Triton kernel takes this step: ``backend="triton"``, or ``"auto"`` on CUDA with triton
+    importable; both codecs read by it (``prerope+`` K is not, yet: it goes request by request)."""
+    if backend not in ("auto", "triton") or (backend == "auto" and q.device.type != "cuda") or not q.shape[0]:
+        return False
+    d = q.shape[-1]
+    if isinstance(k_core, PreRope) or not (triton_supports(k_core, d) and triton_supports(v_core, d)):
+        return False
+    return triton_available()
+
+
+def _paged_triton(
+    q: torch.Tensor,
+    pages_k: Packed,
+    pages_v: Packed,
+    k_core: Codec,
+    v_core: Codec,
+    k_eq: torch.Tensor | None,
+    v_eq: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Every request in one Triton launch (:func:`fused_decode_triton` with ``paged``): the query mapped into the K
+    codec's basis once, the V sum out of V's once, as :func:`~walshkv.attention.decode.decode_attention` does."""
+    r, hq, _, d = q.shape
+    kv = pages_k.num_heads
+    q0 = q.reshape(r, kv, hq // kv, d).to(torch.float32)
+    if k_eq is not None:  # eq+ K: q . A⁻¹y = (A⁻ᵀq) . y
+        q0 = torch.einsum("bhge,hed->bhgd", q0, k_eq.to(device=q.device, dtype=torch.float32))
+    k_rots, k_store = peel(k_core)
+    v_rots, v_store = peel(v_core)
+    qk = rotate(q0 * sm_scale, k_rots)
+    _, l_sum, acc = fused_decode_triton(qk, pages_k, pages_v, k_store, v_store, paged=(block_table, seq_lens))
+    acc = unrotate(acc, v_rots)
+    if v_eq is not None:  # eq+ V: sum p A⁻¹y = A⁻¹ sum p y
+        acc = torch.einsum("hed,bhgd->bhge", v_eq.to(device=q.device, dtype=torch.float32), acc)
+    return (acc / l_sum.unsqueeze(-1)).reshape(q.shape).to(q.dtype)

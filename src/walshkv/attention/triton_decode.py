@@ -217,8 +217,9 @@ def triton_supports(codec: Codec, head_dim: int) -> bool:
 
 def _fields(
     packed: Packed, fmt: tuple[int, int, int, int, str], what: str, scales: int = 1
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The codes (uint8, last dim contiguous) and, for intB, vht2 and tq, the fp16 scales (tq: norms)."""
+) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """The codes (uint8, last dim contiguous), for intB, vht2 and tq the fp16 scales (tq: norms), and whether those
+    are given as their raw bytes (``uint8 [..., 2 * scales]``, a page slot's view: the kernel reads them bytewise)."""
     kind, _, row_bytes, _, name = fmt
     codes = packed.tensors.get(name)
     if codes is None or codes.dtype != torch.uint8 or codes.dim() != 4 or codes.shape[3] != row_bytes:
@@ -230,20 +231,26 @@ def _fields(
     if codes.stride(3) != 1:
         codes = codes.contiguous()
     if kind not in (FMT_INT, FMT_BANDED, FMT_TQ, FMT_TCQ):
-        return codes, None
+        return codes, None, False
     field = "norm" if kind in (FMT_TQ, FMT_TCQ) else "scale"
     scale = packed.tensors.get(field)
-    if scale is None or scale.dtype != torch.float16 or tuple(scale.shape) != (*codes.shape[:3], scales):
-        raise ValueError(f"packed {what} field {field!r} must be float16 [batch, heads, seq, {scales}]")
+    lead = (*codes.shape[:3],)
+    raw = scale is not None and scale.dtype == torch.uint8 and tuple(scale.shape) == (*lead, 2 * scales)
+    if scale is None or not (raw or (scale.dtype == torch.float16 and tuple(scale.shape) == (*lead, scales))):
+        raise ValueError(
+            f"packed {what} field {field!r} must be float16 [batch, heads, seq, {scales}] (or its bytes, uint8 "
+            f"[..., {2 * scales}])"
+        )
     if scale.stride(3) != 1:
         scale = scale.contiguous()
-    return codes, scale
+    return codes, scale, raw
 
 
 def _side(
     packed: Packed, core: Codec, fmt: tuple[int, int, int, int, str], d: int, device: torch.device, what: str
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One side's kernel inputs: codes, scales, position table, second codes tensor, levels, basis.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+    """One side's kernel inputs: codes, scales, position table, second codes tensor, levels, basis, and whether the
+    scales are raw bytes (:func:`_fields`).
 
     Inputs a format does not read are stand-ins (the codes again, with their strides): any pointer will do.
     """
@@ -253,7 +260,7 @@ def _side(
     if isinstance(core, VHT2Codec):
         table, basis = _band_table(core, d, device)
         scales = len(core.bands(d))
-    codes, scale = _fields(packed, fmt, what, scales)
+    codes, scale, raw = _fields(packed, fmt, what, scales)
     if isinstance(core, (TurboQuant, TrellisQuant)):
         table, levels, basis = (
             _tq_table(core, d, device) if isinstance(core, TurboQuant) else _tcq_table(core, d, device)
@@ -261,7 +268,7 @@ def _side(
         segments = core.segments(d) if isinstance(core, TurboQuant) else core.rotation.segments(d)
         if len(segments) == 2:
             name, start, stop, bits = segments[1]
-            codes2, _ = _fields(packed, (fmt[0], 0, packed_nbytes(stop - start, bits), 0, name), what)
+            codes2, _, _ = _fields(packed, (fmt[0], 0, packed_nbytes(stop - start, bits), 0, name), what)
             if tuple(codes2.shape[:3]) != tuple(codes.shape[:3]):
                 raise ValueError(f"packed {what} fields {fmt[4]!r} and {name!r} hold different token counts")
     stand_in = codes
@@ -272,6 +279,7 @@ def _side(
         codes2 if codes2 is not None else stand_in,
         levels if levels is not None else stand_in,
         basis,
+        raw,
     )
 
 
@@ -299,6 +307,7 @@ def fused_decode_triton(
     k_core: Codec,
     v_core: Codec,
     block_n: int | None = None,
+    paged: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unnormalised attention of one query step over packed K/V, with the Triton kernel.
 
@@ -306,9 +315,16 @@ def fused_decode_triton(
         q: float32 ``[batch, kv_heads, group, head_dim]``, already multiplied by the softmax scale and
             rotated into ``k_core``'s basis (rotation wrappers peeled by the caller).
         packed_k, packed_v: fields ``[batch, kv_heads, seq_len, ...]`` written by ``k_core`` / ``v_core``,
-            on ``q``'s device (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+            on ``q``'s device (CUDA, or CPU under ``TRITON_INTERPRET=1``). fp16 scales may be given as their bytes
+            (``uint8 [..., 2 * scales]``).
         k_core, v_core: the codecs that store the codes (no rotation or centering wrapper).
         block_n: tokens per block (power of two; default 64 for head_dim <= 64, else 32).
+        paged: ``(block_table, seq_lens)``, integer ``[batch, max_blocks]`` and ``[batch]`` on ``q``'s device: the
+            fields are pages ``[num_blocks, kv_heads, block_size, ...]`` and request ``b``'s token ``t`` is row
+            ``t % block_size`` of block ``block_table[b, t // block_size]``, ``seq_lens[b]`` tokens (read on the
+            device: nothing here waits for the GPU, so the launch can be captured in a CUDA graph). The caller
+            checks the block ids (:func:`walshkv.attention.decode_attention_paged`); the kernel clamps them into
+            the pages. ``None``: fields ``[batch, kv_heads, seq_len, ...]``.
 
     Returns:
         ``(m, l, acc)``: running max ``[batch, kv_heads, group]`` of the scores, softmax denominator
@@ -323,8 +339,8 @@ def fused_decode_triton(
     fk, fv = _format(k_core, d), _format(v_core, d)
     _check_launch(fk, fv, k_core.spec, v_core.spec, d, q.device)
     assert fk is not None and fv is not None
-    kc, ks, kt_t, kc2, kl, k_basis = _side(packed_k, k_core, fk, d, q.device, "K")
-    vc, vs, vt_t, vc2, vl, v_basis = _side(packed_v, v_core, fv, d, q.device, "V")
+    kc, ks, kt_t, kc2, kl, k_basis, k_raw = _side(packed_k, k_core, fk, d, q.device, "K")
+    vc, vs, vt_t, vc2, vl, v_basis, v_raw = _side(packed_v, v_core, fv, d, q.device, "V")
     ks_t = ks if ks is not None else kc  # (unused by the ggml branch: any pointer will do)
     vs_t = vs if vs is not None else vc
     if k_basis is not None:  # the query in the order the kernel unpacks K's coefficients
@@ -332,6 +348,14 @@ def fused_decode_triton(
     kss = ks.stride()[:3] if ks is not None else (0, 0, 0)
     vss = vs.stride()[:3] if vs is not None else (0, 0, 0)
     t = packed_k.seq_len
+    table, lens = kc, kc  # stand-ins when not paged (any pointer will do)
+    if paged is not None:
+        table, lens = (x.to(device=q.device, dtype=torch.int32).contiguous() for x in paged)
+        if table.dim() != 2 or table.shape[0] < b or lens.shape != (b,):
+            raise ValueError(
+                f"paged decode needs block_table [{b}, max_blocks] and seq_lens [{b}], got {tuple(table.shape)} "
+                f"and {tuple(lens.shape)}"
+            )
     qc = q.to(torch.float32).contiguous()
     m = torch.empty(b, kv, g, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
@@ -340,11 +364,13 @@ def fused_decode_triton(
     bn = block_n if block_n is not None else (64 if block_d <= 64 else 32)
     kernel = build_kernel()
     kernel[(b * kv * g,)](
-        qc, kc, ks_t, kt_t, vc, vs_t, vt_t, kc2, kl, vc2, vl, m, l_sum, acc, t, kv, g,
+        qc, kc, ks_t, kt_t, vc, vs_t, vt_t, kc2, kl, vc2, vl, m, l_sum, acc, table, lens, t, kv, g,
         *kc.stride()[:3], *kss, *vc.stride()[:3], *vss, *kc2.stride()[:3], *vc2.stride()[:3],
+        table.stride(0) if paged is not None else 0, packed_k.batch_size,
         D=d, BLOCK_D=block_d, BLOCK_N=bn,
         K_FMT=fk[0], K_BITS=fk[1], K_ROW=fk[2], K_QMAX=fk[3],
         V_FMT=fv[0], V_BITS=fv[1], V_ROW=fv[2], V_QMAX=fv[3],
+        K_RAW=k_raw, V_RAW=v_raw, PAGED=paged is not None, BS=t if paged is not None else 1,
     )  # fmt: skip
     if v_basis is not None:  # the V sum from coefficient order back to v_core's (model) basis
         acc = acc @ v_basis.T
@@ -454,8 +480,10 @@ def fused_decode_triton_prerope(
     assert fk is not None and fv is not None
     if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot), got {block_n}")
-    kc, ks, kt_t, kc2, kl, _ = _side(packed_k, parts.core, fk, d, q.device, "K")
-    vc, vs, vt_t, vc2, vl, v_basis = _side(packed_v, v_core, fv, d, q.device, "V")
+    kc, ks, kt_t, kc2, kl, _, k_raw = _side(packed_k, parts.core, fk, d, q.device, "K")
+    vc, vs, vt_t, vc2, vl, v_basis, v_raw = _side(packed_v, v_core, fv, d, q.device, "V")
+    if k_raw or v_raw:
+        raise ValueError("the prerope+ Triton kernel reads typed float16 scales, not their bytes (a page view)")
     ks_t = ks if ks is not None else kc  # (unused by the ggml branch: any pointer will do)
     vs_t = vs if vs is not None else vc
     kss = ks.stride()[:3] if ks is not None else (0, 0, 0)

@@ -76,29 +76,26 @@ def _rows(
     tab_ptr,
     codes2_ptr,
     lev_ptr,
-    b,
-    h,
-    offs_n,
+    offc,
+    offs,
+    offc2,
     mask_n,
     offs_d,
     mask_d,
-    cs0,
-    cs1,
-    cs2,
-    ss0,
-    ss1,
-    ss2,
-    c2s0,
-    c2s1,
-    c2s2,
     FMT: tl.constexpr,
     BITS: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     QMAX: tl.constexpr,
     ROW_D: tl.constexpr,
+    S_RAW: tl.constexpr,
 ):
-    """Unpacked rows ``[BLOCK_N, BLOCK_D]`` (block scales applied) and per-token scales ``[BLOCK_N]``."""
-    row = codes_ptr + b * cs0 + h * cs1 + offs_n[:, None] * cs2
+    """Unpacked rows ``[BLOCK_N, BLOCK_D]`` (block scales applied) and per-token scales ``[BLOCK_N]``.
+
+    ``offc``, ``offs``, ``offc2`` ``[BLOCK_N]``: where each token's codes, scales and second codes start (elements
+    from the pointers: the caller resolves batch, head, token or a block table into them). ``S_RAW``: the fp16
+    scales are given as their bytes (``scale_ptr`` uint8, ``offs`` in bytes; a page slot does not align them).
+    """
+    row = codes_ptr + offc[:, None]
     m2 = mask_n[:, None] & mask_d[None, :]
     if FMT == 0:  # intB, LSB-first bit stream, one fp16 scale per token
         bit = offs_d * BITS
@@ -113,7 +110,12 @@ def _rows(
             hi = tl.load(row + byte + 1, mask=m2 & (byte + 1 < ROW_BYTES), other=0).to(tl.int32)
             code = ((lo | (hi << 8)) >> shift) & ((1 << BITS) - 1)
         vals = tl.where(m2, (code - QMAX).to(tl.float32), 0.0)
-        tok = tl.load(scale_ptr + b * ss0 + h * ss1 + offs_n * ss2, mask=mask_n, other=0.0).to(tl.float32)
+        if S_RAW:
+            slo = tl.load(scale_ptr + offs, mask=mask_n, other=0).to(tl.uint16)
+            shi = tl.load(scale_ptr + offs + 1, mask=mask_n, other=0).to(tl.uint16)
+            tok = (slo | (shi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            tok = tl.load(scale_ptr + offs, mask=mask_n, other=0.0).to(tl.float32)
     elif FMT == 3:  # vht2 bands: per position bit offset, width, band, mul, offset (tab_ptr [5, D])
         bitpos = tl.load(tab_ptr + offs_d, mask=mask_d, other=0)
         width = tl.load(tab_ptr + ROW_D + offs_d, mask=mask_d, other=0)
@@ -126,8 +128,13 @@ def _rows(
         lo = tl.load(row + byte, mask=mk, other=0).to(tl.int32)
         hi = tl.load(row + byte + 1, mask=mk & (byte + 1 < ROW_BYTES), other=0).to(tl.int32)
         code = ((lo | (hi << 8)) >> shift) & ((1 << width) - 1)[None, :]
-        srow = scale_ptr + b * ss0 + h * ss1 + offs_n[:, None] * ss2 + band[None, :]
-        bsc = tl.load(srow, mask=mk, other=0.0).to(tl.float32)
+        if S_RAW:
+            srow = scale_ptr + offs[:, None] + 2 * band[None, :]
+            blo = tl.load(srow, mask=mk, other=0).to(tl.uint16)
+            bhi = tl.load(srow + 1, mask=mk, other=0).to(tl.uint16)
+            bsc = (blo | (bhi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            bsc = tl.load(scale_ptr + offs[:, None] + band[None, :], mask=mk, other=0.0).to(tl.float32)
         vals = tl.where(mk, (code * mul[None, :] - off[None, :]).to(tl.float32) * bsc, 0.0)
         tok = tl.where(mask_n, 1.0, 0.0)
     elif FMT == 4:  # tq: per position bit offset, width, segment, first level, segment row bytes
@@ -136,7 +143,7 @@ def _rows(
         seg = tl.load(tab_ptr + 2 * ROW_D + offs_d, mask=mask_d, other=0)
         first = tl.load(tab_ptr + 3 * ROW_D + offs_d, mask=mask_d, other=0)
         nbytes = tl.load(tab_ptr + 4 * ROW_D + offs_d, mask=mask_d, other=0)
-        row2 = codes2_ptr + b * c2s0 + h * c2s1 + offs_n[:, None] * c2s2
+        row2 = codes2_ptr + offc2[:, None]
         byte = (bitpos // 8)[None, :]
         shift = (bitpos % 8)[None, :]
         in0 = m2 & (seg == 0)[None, :]
@@ -147,9 +154,14 @@ def _rows(
         hi += tl.load(row2 + byte + 1, mask=in1 & more, other=0).to(tl.int32)
         code = ((lo | (hi << 8)) >> shift) & ((1 << width) - 1)[None, :]
         vals = tl.load(lev_ptr + first[None, :] + code, mask=m2, other=0.0)
-        tok = tl.load(scale_ptr + b * ss0 + h * ss1 + offs_n * ss2, mask=mask_n, other=0.0).to(tl.float32)
+        if S_RAW:
+            slo = tl.load(scale_ptr + offs, mask=mask_n, other=0).to(tl.uint16)
+            shi = tl.load(scale_ptr + offs + 1, mask=mask_n, other=0).to(tl.uint16)
+            tok = (slo | (shi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            tok = tl.load(scale_ptr + offs, mask=mask_n, other=0.0).to(tl.float32)
     elif FMT == 5:  # tcq: BITS taps, each (source bit offset, width, segment, segment row bytes, state shift)
-        row2 = codes2_ptr + b * c2s0 + h * c2s1 + offs_n[:, None] * c2s2
+        row2 = codes2_ptr + offc2[:, None]
         state = tl.zeros(m2.shape, dtype=tl.int32)
         for t in tl.static_range(BITS):
             base = t * 5 * ROW_D
@@ -171,7 +183,12 @@ def _rows(
             code = ((lo | (hi << 8)) >> shift) & ((1 << width) - 1)[None, :]
             state = state | tl.where(use, code << tl.where(sh < 32, sh, 0)[None, :], 0)
         vals = tl.load(lev_ptr + (state & QMAX), mask=m2, other=0.0)
-        tok = tl.load(scale_ptr + b * ss0 + h * ss1 + offs_n * ss2, mask=mask_n, other=0.0).to(tl.float32)
+        if S_RAW:
+            slo = tl.load(scale_ptr + offs, mask=mask_n, other=0).to(tl.uint16)
+            shi = tl.load(scale_ptr + offs + 1, mask=mask_n, other=0).to(tl.uint16)
+            tok = (slo | (shi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            tok = tl.load(scale_ptr + offs, mask=mask_n, other=0.0).to(tl.float32)
     else:  # ggml q4_0 / q8_0: 32-value blocks, fp16 d first
         j = offs_d % 32
         base = (offs_d // 32) * (18 if FMT == 1 else 34)  # block bytes
@@ -205,6 +222,8 @@ def _decode_kernel(
     m_ptr,
     l_ptr,
     acc_ptr,
+    bt_ptr,
+    lens_ptr,
     T,
     KV,
     G,
@@ -226,6 +245,8 @@ def _decode_kernel(
     vc2s0,
     vc2s1,
     vc2s2,
+    BT_STRIDE,
+    NUM_BLOCKS,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -237,7 +258,15 @@ def _decode_kernel(
     V_BITS: tl.constexpr,
     V_ROW: tl.constexpr,
     V_QMAX: tl.constexpr,
+    K_RAW: tl.constexpr = False,
+    V_RAW: tl.constexpr = False,
+    PAGED: tl.constexpr = False,
+    BS: tl.constexpr = 1,
 ):
+    """One program per (batch or request, query head). ``PAGED``: the fields are pages whose "batch" is the block
+    and "token" the row in it (``BS`` rows a block); request ``b`` has ``lens[b]`` tokens and its token ``t`` is row
+    ``t % BS`` of block ``bt[b * BT_STRIDE + t // BS]`` (ids clamped to ``0 .. NUM_BLOCKS - 1``: the caller checks
+    them on the device). Else token ``t`` of batch ``b`` is at the strides, ``T`` tokens each."""
     pid = tl.program_id(0)  # (batch * kv + kv head) * group + query head in the group
     n = pid // G
     b = (n // KV).to(tl.int64)
@@ -248,13 +277,27 @@ def _decode_kernel(
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for start in range(0, T, BLOCK_N):
+    if PAGED:  # noqa: SIM108  (a constexpr branch: Triton compiles one side)
+        t_end = tl.load(lens_ptr + b).to(tl.int32)
+    else:
+        t_end = T
+    for start in range(0, t_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < T
+        mask_n = offs_n < t_end
         offs_n64 = offs_n.to(tl.int64)
+        if PAGED:
+            blk = tl.load(bt_ptr + b * BT_STRIDE + offs_n64 // BS, mask=mask_n, other=0).to(tl.int64)
+            blk = tl.minimum(tl.maximum(blk, 0), NUM_BLOCKS - 1)
+            rown = offs_n64 % BS
+        else:
+            blk = b
+            rown = offs_n64
+        kofc = blk * kcs0 + h * kcs1 + rown * kcs2
+        kofs = blk * kss0 + h * kss1 + rown * kss2
+        kofc2 = blk * kc2s0 + h * kc2s1 + rown * kc2s2
         kv_rows, ktok = _rows(
-            kc_ptr, ks_ptr, kt_ptr, kc2_ptr, kl_ptr, b, h, offs_n64, mask_n, offs_d, mask_d,
-            kcs0, kcs1, kcs2, kss0, kss1, kss2, kc2s0, kc2s1, kc2s2, K_FMT, K_BITS, K_ROW, K_QMAX, D,
+            kc_ptr, ks_ptr, kt_ptr, kc2_ptr, kl_ptr, kofc, kofs, kofc2, mask_n, offs_d, mask_d,
+            K_FMT, K_BITS, K_ROW, K_QMAX, D, K_RAW,
         )  # fmt: skip
         s = tl.sum(kv_rows * q[None, :], axis=1) * ktok
         s = tl.where(mask_n, s, -float("inf"))
@@ -262,9 +305,12 @@ def _decode_kernel(
         alpha = tl.exp(m_i - m_new)  # 0 on the first block (m_i = -inf)
         p = tl.exp(s - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=0)
+        vofc = blk * vcs0 + h * vcs1 + rown * vcs2
+        vofs = blk * vss0 + h * vss1 + rown * vss2
+        vofc2 = blk * vc2s0 + h * vc2s1 + rown * vc2s2
         v_rows, vtok = _rows(
-            vc_ptr, vs_ptr, vt_ptr, vc2_ptr, vl_ptr, b, h, offs_n64, mask_n, offs_d, mask_d,
-            vcs0, vcs1, vcs2, vss0, vss1, vss2, vc2s0, vc2s1, vc2s2, V_FMT, V_BITS, V_ROW, V_QMAX, D,
+            vc_ptr, vs_ptr, vt_ptr, vc2_ptr, vl_ptr, vofc, vofs, vofc2, mask_n, offs_d, mask_d,
+            V_FMT, V_BITS, V_ROW, V_QMAX, D, V_RAW,
         )  # fmt: skip
         acc = acc * alpha + tl.sum((p * vtok)[:, None] * v_rows, axis=0)
         m_i = m_new
@@ -364,8 +410,9 @@ def _prerope_kernel(
         mask_n = offs_n < T
         offs_n64 = offs_n.to(tl.int64)
         k_rows, ktok = _rows(
-            kc_ptr, ks_ptr, kt_ptr, kc2_ptr, kl_ptr, b, h, offs_n64, mask_n, offs_d, mask_d,
-            kcs0, kcs1, kcs2, kss0, kss1, kss2, kc2s0, kc2s1, kc2s2, K_FMT, K_BITS, K_ROW, K_QMAX, D,
+            kc_ptr, ks_ptr, kt_ptr, kc2_ptr, kl_ptr, b * kcs0 + h * kcs1 + offs_n64 * kcs2,
+            b * kss0 + h * kss1 + offs_n64 * kss2, b * kc2s0 + h * kc2s1 + offs_n64 * kc2s2, mask_n, offs_d, mask_d,
+            K_FMT, K_BITS, K_ROW, K_QMAX, D, False,
         )  # fmt: skip
         k_rows = k_rows * ktok[:, None]
         mt1 = tl.load(mt_row, mask=mask_mt, other=0.0)  # (re-read per block from cache: fewer live registers)
@@ -386,8 +433,9 @@ def _prerope_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows, vtok = _rows(
-            vc_ptr, vs_ptr, vt_ptr, vc2_ptr, vl_ptr, b, h, offs_n64, mask_n, offs_d, mask_d,
-            vcs0, vcs1, vcs2, vss0, vss1, vss2, vc2s0, vc2s1, vc2s2, V_FMT, V_BITS, V_ROW, V_QMAX, D,
+            vc_ptr, vs_ptr, vt_ptr, vc2_ptr, vl_ptr, b * vcs0 + h * vcs1 + offs_n64 * vcs2,
+            b * vss0 + h * vss1 + offs_n64 * vss2, b * vc2s0 + h * vc2s1 + offs_n64 * vc2s2, mask_n, offs_d, mask_d,
+            V_FMT, V_BITS, V_ROW, V_QMAX, D, False,
         )  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p, v_rows * vtok[:, None], input_precision="ieee")
         m_i = m_new

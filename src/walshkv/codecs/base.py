@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 import torch
 
 from walshkv.constants import MAX_WRAPPERS
-from walshkv.ops.quant import FP16_MAX, finite_absmax
+from walshkv.ops.quant import FP16_MAX, checks_on_device, device_checks, finite_absmax
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
@@ -43,6 +43,7 @@ __all__ = [
     "check_kv",
     "check_start",
     "check_wrapper_order",
+    "checks_on_device",
     "find_wrapper",
     "rewrap",
     "unwrap",
@@ -140,14 +141,22 @@ def check_kv(x: torch.Tensor, what: str = "K/V") -> None:
     _checked_absmax(x, what)
 
 
-def _checked_absmax(x: torch.Tensor, what: str = "K/V") -> float:
-    """:func:`check_kv`, returning ``max |x|`` (0 for an empty block) from the same pass."""
+def _checked_absmax(x: torch.Tensor, what: str = "K/V", on_device: bool = False) -> float:
+    """:func:`check_kv`, returning ``max |x|`` (0 for an empty block) from the same pass; ``on_device``: the
+    NaN/Inf refusal as a device-side assert (:func:`checks_on_device`), and ``nan`` for the unread maximum."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 4:
         raise ValueError(f"{what} must have shape [batch, num_kv_heads, seq_len, head_dim], got {tuple(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{what} must be a float tensor (float16, bfloat16, float32, float64), got {x.dtype}")
+    if on_device:
+        torch._assert_async(
+            torch.isfinite(x).all(),
+            f"{what} contains NaN or Inf values; walshkv codecs refuse non-finite K/V instead of spreading them "
+            "through a shared scale. Find where the model overflows (run it in float32 or bfloat16)",
+        )
+        return math.nan
     return finite_absmax(x, what)
 
 
@@ -240,13 +249,22 @@ class Codec(ABC):
             x: the block, any float dtype; :meth:`decode` returns that dtype.
             start: position of the block's first token (token ``i`` is at ``start + i``).
         """
-        peak = _checked_absmax(x)
+        on_device = device_checks()
+        peak = _checked_absmax(x, on_device=on_device)
         self.check_head_dim(x.shape[-1])
         check_start(start)
         x = x.contiguous()  # the same bytes for a view and its copy (matmul and rounding follow the strides)
         packed = self._encode_checked(x, start)
         packed.dtype = x.dtype
-        if x.dtype == torch.float16 and peak > FP16_TRIAL_ABOVE:
+        if x.dtype == torch.float16 and on_device:
+            decoded = self._decode_at(packed, start).to(torch.float32).abs()
+            torch._assert_async(
+                (decoded < FP16_MAX + 16).all(),
+                f"{self.spec} would decode this float16 block to values past the float16 maximum 65504 (its "
+                "scales round up near the top of the range). Run the model (and so the cache) in bfloat16 or "
+                "float32, or use a codec that keeps the range (fp16, fp32)",
+            )
+        elif x.dtype == torch.float16 and peak > FP16_TRIAL_ABOVE:
             self._check_fp16_range(x, packed, start)
         return packed
 

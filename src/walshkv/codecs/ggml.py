@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from walshkv.codecs.base import Codec, Field, Packed
-from walshkv.ops.quant import FP16_MAX
+from walshkv.ops.quant import FP16_MAX, device_checks
 
 __all__ = [
     "GGML_BLOCK_BYTES",
@@ -168,6 +168,13 @@ def _check_fp16(name: str, what: str, value: torch.Tensor, xb: torch.Tensor) -> 
     if not value.numel():
         return
     bad = ~(value.abs() <= FP16_MAX)  # NaN too (only from float32 overflow of huge inputs)
+    if device_checks():  # nothing read back (checks_on_device): the same refusal as a device-side assert
+        torch._assert_async(
+            ~bad.any(),
+            f"{name}: a block of 32 values needs {what} beyond the fp16 range (max {FP16_MAX}) of ggml's block "
+            "format; values this large are not K/V of a healthy model. Rescale the input or use a float codec",
+        )
+        return
     if bool(bad.any()):
         rows = bad.reshape(-1)
         peak = float(xb[rows].abs().max())

@@ -42,7 +42,7 @@ from walshkv.codecs.base import Codec, Field, Packed
 from walshkv.ops.hadamard import _check_size, hadamard_transform, signed_hadamard, signs_for
 from walshkv.ops.lloyd_max import LloydMax, lloyd_max, threshold_codes
 from walshkv.ops.packing import pack_bits, pack_bits_span, packed_nbytes, unpack_bits
-from walshkv.ops.quant import FP16_MAX, check_finite, cpu_scalar, min_max
+from walshkv.ops.quant import FP16_MAX, check_finite, cpu_scalar, device_checks, min_max
 
 __all__ = [
     "CODEBOOKS",
@@ -191,7 +191,13 @@ class TurboQuant(Codec):
         """
         d = x.shape[-1]
         smallest = 0.0
-        if norm16.numel():
+        if device_checks():  # no read back: the where() below always, the range as a device assert
+            torch._assert_async(
+                (norm16 <= FP16_MAX).all(),
+                f"{spec}: a K/V vector holds NaN/Inf or has an L2 norm past the fp16 maximum {FP16_MAX}; values like "
+                "these are not K/V of a healthy model",
+            )
+        elif norm16.numel():
             smallest, biggest = min_max(norm16)
             if not biggest <= FP16_MAX:  # an Inf norm, or NaN from a NaN/Inf input (a wrapper's output)
                 check_finite(x, "K/V")

@@ -10,15 +10,20 @@ zeros (never NaN).
 
 from __future__ import annotations
 
+import contextvars
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 __all__ = [
     "FP16_MAX",
     "check_finite",
+    "checks_on_device",
     "cpu_scalar",
     "dequantize_symmetric",
+    "device_checks",
     "divide_by_scale",
     "finite_absmax",
     "fp16_scale_up",
@@ -29,6 +34,32 @@ __all__ = [
 ]
 
 FP16_MAX = 65504.0
+
+_ON_DEVICE: contextvars.ContextVar[bool] = contextvars.ContextVar("walshkv_checks_on_device", default=False)
+
+
+@contextmanager
+def checks_on_device() -> Iterator[None]:
+    """Within the block, encoding checks values on the tensors' device instead of reading them back to the host.
+
+    By default a codec's ``encode`` reads ``max |x|`` and its scales' range back to the host, to refuse NaN/Inf and
+    fp16 overflow (and to pick a faster path when no scale is 0): on a GPU each read waits for the device, and a
+    CUDA graph cannot capture it. Here the same refusals are device-side asserts (``torch._assert_async``, with the
+    same message: raised at once on the CPU, at the next synchronisation on CUDA, where a failed device assert ends
+    the process's CUDA context as in any CUDA code) and the general path is taken; every float16 block gets its
+    range trial. Shape, dtype and head size are still checked first (they are metadata). A serving engine's write
+    path uses it (the vLLM plugin on CUDA); ``tests`` check that nothing in it reads a value back.
+    """
+    token = _ON_DEVICE.set(True)
+    try:
+        yield
+    finally:
+        _ON_DEVICE.reset(token)
+
+
+def device_checks() -> bool:
+    """Whether :func:`checks_on_device` is in effect (checks as device-side asserts, no value read back)."""
+    return _ON_DEVICE.get()
 
 
 def symmetric_qmax(bits: int) -> int:
@@ -109,7 +140,13 @@ def quantize_symmetric_codes(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, 
     absmax = xf.abs().amax(dim=-1, keepdim=True)
     scale32 = absmax / cpu_scalar(qmax, absmax)
     smallest, biggest = 0.0, 0.0
-    if scale32.numel():
+    if device_checks():  # no read back: the general path (a zero scale allowed), the range as a device assert
+        torch._assert_async(
+            (scale32 <= FP16_MAX).all(),
+            f"a vector needs a scale beyond the fp16 scale range (max {FP16_MAX}) of int{bits}, or holds NaN/Inf; "
+            "values like these are not K/V of a healthy model. Rescale the input or use a float codec (fp32, bf16).",
+        )
+    elif scale32.numel():
         smallest, biggest = min_max(scale32)
     if biggest > FP16_MAX:
         raise ValueError(

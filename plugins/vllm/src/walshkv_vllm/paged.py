@@ -12,11 +12,13 @@ tensors vLLM hands it, and the tests call them directly. Conventions are vLLM's:
   how many positions it has (the tokens being computed included: they are written before attention runs).
 
 Decode hands the pages (as views) and the block table to :func:`walshkv.attention.decode_attention_paged`: one fused
-CPU kernel call for all requests where the kernel reads the codecs, else each request's rows gathered and read by
-:func:`walshkv.attention.decode_attention` (the Triton kernel on CUDA, else the reference). Prefill decodes the
-cached context to float and runs causal scaled-dot-product attention: in ``exact`` mode the prompt's own K/V join in
-full precision (for ``center+`` keys shifted by the same K mean the decoded keys lack, so every key a query sees is
-shifted alike), in ``quantized`` mode they are read back from the pages too.
+CPU kernel call for all requests where the kernel reads the codecs, one Triton launch on CUDA, else each request's
+rows gathered and read by :func:`walshkv.attention.decode_attention`. On CUDA the write (:func:`write_slots`) and
+the decode read no value back to the host (checks are device-side asserts), so a CUDA graph can capture them.
+
+Prefill decodes the cached context to float and runs causal scaled-dot-product attention: in ``exact`` mode the
+prompt's own K/V join in full precision (for ``center+`` keys shifted by the same K mean the decoded keys lack, so
+every key a query sees is shifted alike), in ``quantized`` mode they are read back from the pages too.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 from walshkv.attention import decode_attention_paged
-from walshkv.codecs import Codec, Packed, find_wrapper
+from walshkv.codecs import Codec, Packed, checks_on_device, find_wrapper
 from walshkv.codecs.center import Centered
 
 from walshkv_vllm.layout import SlotLayout
@@ -66,6 +68,8 @@ def write_slots(
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    on_device: bool | None = None,
 ) -> None:
     """Encode each token's K and V and store them in its slot (in place); slots ``< 0`` are padding, skipped.
 
@@ -75,9 +79,15 @@ def write_slots(
         k_codec, v_codec: the layer's bound codecs.
         key, value: ``[num_tokens, num_kv_heads, head_dim]`` (rows past ``len(slot_mapping)`` are ignored).
         slot_mapping: ``[n]`` int slots, ``n <= num_tokens``.
+        on_device: check the values on the device and never read one back to the host (no wait for the GPU, so
+            a CUDA graph can capture the write): slot bounds and NaN/Inf become device-side asserts
+            (:func:`walshkv.codecs.checks_on_device`), padding rows are written as copies of a real row instead
+            of being dropped by a mask. ``None``: on for CUDA pages, off on the CPU (where reading back is free
+            and the errors are :class:`ValueError` with the offending slot).
 
     Raises:
-        ValueError: mismatched shapes, or a slot past the end of the pages.
+        ValueError: mismatched shapes, or (host checks) a slot past the end of the pages.
+        RuntimeError: (device checks, on the CPU at once) a slot past the end of the pages, or NaN/Inf K/V.
     """
     _check_pages(pages, layout)
     n = slot_mapping.shape[0]
@@ -89,8 +99,11 @@ def write_slots(
             f"{tuple(key.shape)}/{tuple(value.shape)}"
         )
     slots = slot_mapping.to(device=pages.device, dtype=torch.long)
-    keep = slots >= 0
     k, v = key[:n], value[:n]
+    if on_device if on_device is not None else pages.device.type == "cuda":
+        _write_on_device(pages, layout, k_codec, v_codec, k, v, slots)
+        return
+    keep = slots >= 0
     if not bool(keep.all()):
         k, v, slots = k[keep], v[keep], slots[keep]
     if slots.numel() == 0:
@@ -103,6 +116,46 @@ def write_slots(
     pv = v_codec.encode(v.transpose(0, 1).unsqueeze(0))
     raw = layout.to_bytes(pk, pv)[0].transpose(0, 1)  # [n, kv_heads, slot_bytes]
     pages[slots // block_size, slots % block_size] = raw.to(pages.device)
+
+
+def _write_on_device(
+    pages: torch.Tensor,
+    layout: SlotLayout,
+    k_codec: Codec,
+    v_codec: Codec,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """:func:`write_slots` with nothing read back to the host. Every row is encoded (padding too: its K/V are
+    whatever the engine left there, replaced by zeros so that the NaN check sees only real rows); a padding row
+    then writes the bytes of the first real row to that row's slot, so the scatter has a fixed size and two
+    writes to one slot always carry the same bytes. With no real row, each padding row rewrites slot 0's bytes."""
+    n = slots.shape[0]
+    if n == 0:
+        return
+    num_blocks, block_size = pages.shape[:2]
+    keep = slots >= 0
+    torch._assert_async(
+        (slots < num_blocks * block_size).all(),
+        f"slot_mapping names a slot past the pages' {num_blocks} blocks of {block_size} tokens",
+    )
+    mask = keep[:, None, None]
+    k = torch.where(mask, k, torch.zeros((), dtype=k.dtype, device=k.device))
+    v = torch.where(mask, v, torch.zeros((), dtype=v.dtype, device=v.device))
+    with checks_on_device():
+        pk = k_codec.encode(k.transpose(0, 1).unsqueeze(0))  # [1, kv_heads, n, ...]
+        pv = v_codec.encode(v.transpose(0, 1).unsqueeze(0))
+    raw = layout.to_bytes(pk, pv)[0].transpose(0, 1).to(pages.device)  # [n, kv_heads, slot_bytes]
+    # index tensors of shape [1], never 0-d: indexing with a 0-d tensor reads it back to the host
+    first = torch.argmax(keep.to(torch.int8)).reshape(1)  # the first real row (0 when there is none)
+    any_real = keep.any()
+    zero = torch.zeros_like(first)
+    target = torch.where(keep, slots, torch.where(any_real, slots.index_select(0, first), zero))
+    flat = pages.view(num_blocks * block_size, *pages.shape[2:])
+    # the first real row's bytes, or (no real row: every target is slot 0) slot 0's own bytes
+    filler = torch.where(any_real, raw.index_select(0, first), flat.index_select(0, zero))
+    flat.index_put_((target,), torch.where(keep[:, None, None], raw, filler))
 
 
 def read_sequence(
@@ -160,7 +213,8 @@ def decode_paged(
     """One decode step per request: ``query[r]`` attends over the ``seq_lens[r]`` tokens in its pages.
 
     All requests go through :func:`walshkv.attention.decode_attention_paged`: on the CPU one fused kernel call that
-    follows the block table itself (no per-request loop, nothing gathered); elsewhere one call per request.
+    follows the block table itself (no per-request loop, nothing gathered); on CUDA one Triton launch that does the
+    same, with its checks as device-side asserts (nothing read back to the host); other codecs request by request.
 
     Args:
         query: ``[num_reqs, num_q_heads, head_dim]``, one token per request.

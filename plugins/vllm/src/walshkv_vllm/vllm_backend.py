@@ -289,7 +289,9 @@ class WalshKVAttentionImpl(AttentionImpl[WalshKVMetadata]):
                 k_codec,
                 v_codec,
                 attn_metadata.block_table[:nd],
-                seq_lens[:nd],
+                # on a GPU the lengths the device holds: read there by the kernel, nothing copied from the host (a
+                # CUDA graph replays the step with the lengths of its batch)
+                attn_metadata.seq_lens[:nd] if q.is_cuda else seq_lens[:nd],
                 self.scale,
                 backend=self.settings.decode_backend,
             )
