@@ -110,12 +110,6 @@ def _rows(
             hi = tl.load(row + byte + 1, mask=m2 & (byte + 1 < ROW_BYTES), other=0).to(tl.int32)
             code = ((lo | (hi << 8)) >> shift) & ((1 << BITS) - 1)
         vals = tl.where(m2, (code - QMAX).to(tl.float32), 0.0)
-        if S_RAW:
-            slo = tl.load(scale_ptr + offs, mask=mask_n, other=0).to(tl.uint16)
-            shi = tl.load(scale_ptr + offs + 1, mask=mask_n, other=0).to(tl.uint16)
-            tok = (slo | (shi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-        else:
-            tok = tl.load(scale_ptr + offs, mask=mask_n, other=0.0).to(tl.float32)
     elif FMT == 3:  # vht2 bands: per position bit offset, width, band, mul, offset (tab_ptr [5, D])
         bitpos = tl.load(tab_ptr + offs_d, mask=mask_d, other=0)
         width = tl.load(tab_ptr + ROW_D + offs_d, mask=mask_d, other=0)
@@ -154,12 +148,6 @@ def _rows(
         hi += tl.load(row2 + byte + 1, mask=in1 & more, other=0).to(tl.int32)
         code = ((lo | (hi << 8)) >> shift) & ((1 << width) - 1)[None, :]
         vals = tl.load(lev_ptr + first[None, :] + code, mask=m2, other=0.0)
-        if S_RAW:
-            slo = tl.load(scale_ptr + offs, mask=mask_n, other=0).to(tl.uint16)
-            shi = tl.load(scale_ptr + offs + 1, mask=mask_n, other=0).to(tl.uint16)
-            tok = (slo | (shi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-        else:
-            tok = tl.load(scale_ptr + offs, mask=mask_n, other=0.0).to(tl.float32)
     elif FMT == 5:  # tcq: BITS taps, each (source bit offset, width, segment, segment row bytes, state shift)
         row2 = codes2_ptr + offc2[:, None]
         state = tl.zeros(m2.shape, dtype=tl.int32)
@@ -183,12 +171,6 @@ def _rows(
             code = ((lo | (hi << 8)) >> shift) & ((1 << width) - 1)[None, :]
             state = state | tl.where(use, code << tl.where(sh < 32, sh, 0)[None, :], 0)
         vals = tl.load(lev_ptr + (state & QMAX), mask=m2, other=0.0)
-        if S_RAW:
-            slo = tl.load(scale_ptr + offs, mask=mask_n, other=0).to(tl.uint16)
-            shi = tl.load(scale_ptr + offs + 1, mask=mask_n, other=0).to(tl.uint16)
-            tok = (slo | (shi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-        else:
-            tok = tl.load(scale_ptr + offs, mask=mask_n, other=0.0).to(tl.float32)
     else:  # ggml q4_0 / q8_0: 32-value blocks, fp16 d first
         j = offs_d % 32
         base = (offs_d // 32) * (18 if FMT == 1 else 34)  # block bytes
@@ -204,6 +186,13 @@ def _rows(
             vals = qs.to(tl.int8, bitcast=True).to(tl.float32) * dsc
         vals = tl.where(m2, vals, 0.0)
         tok = tl.where(mask_n, 1.0, 0.0)
+    if FMT == 0 or FMT == 4 or FMT == 5:  # one fp16 factor per token: intB's scale, tq's and tcq's norm
+        if S_RAW:
+            slo = tl.load(scale_ptr + offs, mask=mask_n, other=0).to(tl.uint16)
+            shi = tl.load(scale_ptr + offs + 1, mask=mask_n, other=0).to(tl.uint16)
+            tok = (slo | (shi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            tok = tl.load(scale_ptr + offs, mask=mask_n, other=0.0).to(tl.float32)
     return vals, tok
 
 
