@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-from walshkv.eval.provenance import code_commit, cpu_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
@@ -66,6 +65,25 @@ def _capacity(log: str) -> int | None:
     return int(m[-1].replace(",", "")) if m else None
 
 
+def _commit() -> str:  # not walshkv.eval.provenance: .venv-vllm has walshkv without its dependencies
+    try:
+        return subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", action="append", help="kv cache dtype, repeatable (default: walshkv_q8_0 auto)")
@@ -107,13 +125,7 @@ def main() -> int:
         run["greedy_identical_to_auto"] = same
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "commit": code_commit(),
-        "cpu": cpu_meta()["model"],
-        "prompts": PROMPTS,
-        "tokens": args.tokens,
-        "model": args.model,
-    }
+    meta = {"commit": _commit(), "cpu": _cpu(), "prompts": PROMPTS, "tokens": args.tokens, "model": args.model}
     (out / "cpu-e2e.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1) + "\n")
     lines = [
         f"vLLM on CPU ({meta['cpu']}), code {meta['commit']}; smollm2-135m float32, max_model_len 512, 1 GiB KV "

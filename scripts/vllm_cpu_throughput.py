@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-from walshkv.eval.provenance import code_commit, cpu_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path("~/.cache/walshkv/float/smollm2-135m").expanduser()
@@ -128,6 +127,25 @@ def _child(dtype: str, ctx: int, args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def _commit() -> str:  # not walshkv.eval.provenance: .venv-vllm has walshkv without its dependencies
+    try:
+        return subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _table(meta: dict, rows: list[dict]) -> str:
     lines = [
         f"vLLM on CPU ({meta['cpu']}, {meta['threads']} threads), code {meta['commit']}; smollm2-135m float32, "
@@ -212,8 +230,8 @@ def main() -> int:
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("runs", "error")}), flush=True)
     threads = next((r["threads"] for r in rows if "threads" in r), os.cpu_count())
     meta = {
-        "commit": code_commit(),
-        "cpu": cpu_meta()["model"],
+        "commit": _commit(),
+        "cpu": _cpu(),
         "threads": threads,
         "requests": args.requests,
         "new": args.new,
