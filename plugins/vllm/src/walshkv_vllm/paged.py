@@ -16,9 +16,10 @@ CPU kernel call for all requests where the kernel reads the codecs, one Triton l
 rows gathered and read by :func:`walshkv.attention.decode_attention`. On CUDA the write (:func:`write_slots`) and
 the decode read no value back to the host (checks are device-side asserts), so a CUDA graph can capture them.
 
-Prefill decodes the cached context to float and runs causal scaled-dot-product attention: in ``exact`` mode the
-prompt's own K/V join in full precision (for ``center+`` keys shifted by the same K mean the decoded keys lack, so
-every key a query sees is shifted alike), in ``quantized`` mode they are read back from the pages too.
+Prefill decodes the cached context to float and runs causal scaled-dot-product attention (``is_causal`` for a whole
+prompt, which torch runs fused; a mask for a later chunk): in ``exact`` mode the prompt's own K/V join in full
+precision (for ``center+`` keys shifted by the same K mean the decoded keys lack, so every key a query sees is
+shifted alike), in ``quantized`` mode they are read back from the pages too.
 """
 
 from __future__ import annotations
@@ -329,7 +330,11 @@ def prefill_paged(
         k_all = torch.cat(ks).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, d]
         v_all = torch.cat(vs).transpose(0, 1).unsqueeze(0)
         q = query[a:b].to(torch.float32).transpose(0, 1).unsqueeze(0)  # [1, q_heads, q_len, d]
-        allowed = torch.arange(n, device=q.device)[None, :] <= (ctx + torch.arange(q_len, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, scale=scale, enable_gqa=hq != hk)
+        if ctx == 0:  # a whole prompt: plain causal attention, which torch runs fused (no q_len x n mask built)
+            o = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, scale=scale, enable_gqa=hq != hk)
+        else:  # a later chunk: every cached position, then causal within the chunk
+            pos = torch.arange(n, device=q.device)
+            allowed = pos[None, :] <= (ctx + torch.arange(q_len, device=q.device))[:, None]
+            o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, scale=scale, enable_gqa=hq != hk)
         out[a:b] = o[0].transpose(0, 1).to(query.dtype)
     return out
