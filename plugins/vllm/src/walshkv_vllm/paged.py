@@ -16,10 +16,12 @@ CPU kernel call for all requests where the kernel reads the codecs, one Triton l
 rows gathered and read by :func:`walshkv.attention.decode_attention`. On CUDA the write (:func:`write_slots`) and
 the decode read no value back to the host (checks are device-side asserts), so a CUDA graph can capture them.
 
-Prefill decodes the cached context to float and runs causal scaled-dot-product attention (``is_causal`` for a whole
-prompt, which torch runs fused; a mask for a later chunk): in ``exact`` mode the prompt's own K/V join in full
-precision (for ``center+`` keys shifted by the same K mean the decoded keys lack, so every key a query sees is
-shifted alike), in ``quantized`` mode they are read back from the pages too.
+Prefill, per request: a whole prompt is one causal scaled-dot-product attention (torch's fused path); a later chunk
+runs :func:`walshkv.attention.chunked_attention`: the cached context decoded tile by tile, each tile through torch's
+fused CPU attention (causal within the chunk), merged by log-sum-exp, with no mask of the chunk's queries by every
+key. In ``exact`` mode the prompt's own K/V join in full precision (for ``center+`` keys
+shifted by the same K mean the decoded keys lack, so every key a query sees is shifted alike); in ``quantized``
+mode they are read back from the pages too.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
-from walshkv.attention import decode_attention_paged
+from walshkv.attention import chunked_attention, decode_attention_paged
 from walshkv.codecs import Codec, Packed, checks_on_device, find_wrapper
 from walshkv.codecs.center import Centered
 
@@ -249,11 +251,6 @@ def decode_paged(
     return out.squeeze(2)
 
 
-def _decoded(codec: Codec, packed: Packed) -> torch.Tensor:
-    """``[T, kv_heads, head_dim]`` float32 from packed ``[1, kv_heads, T, ...]``."""
-    return codec.decode(packed)[0].transpose(0, 1).to(torch.float32)
-
-
 def _k_offset(k_codec: Codec) -> torch.Tensor | None:
     """What decoding leaves subtracted from K (``center+``), ``[kv_heads, head_dim]``, else ``None``."""
     centered = find_wrapper(k_codec, Centered)
@@ -318,23 +315,24 @@ def prefill_paged(
         if ctx < 0:
             raise ValueError(f"request {r} has {q_len} query tokens but a sequence of only {n}")
         cached = ctx if mode == "exact" else n
-        ks, vs = [], []
+        pk = pv = window_k = window_v = None
         if cached > 0:
             pk, pv = read_sequence(pages, layout, block_table[r], cached, query.dtype)
-            ks.append(_decoded(k_codec, pk))
-            vs.append(_decoded(v_codec, pv))
-        if mode == "exact":
+        if mode == "exact":  # the chunk's own K/V in full precision, after the cached ones
             k_new = key[a:b].to(torch.float32)
-            ks.append(k_new if offset is None else k_new - offset.to(k_new.device))
-            vs.append(value[a:b].to(torch.float32))
-        k_all = torch.cat(ks).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, d]
-        v_all = torch.cat(vs).transpose(0, 1).unsqueeze(0)
-        q = query[a:b].to(torch.float32).transpose(0, 1).unsqueeze(0)  # [1, q_heads, q_len, d]
-        if ctx == 0:  # a whole prompt: plain causal attention, which torch runs fused (no q_len x n mask built)
-            o = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, scale=scale, enable_gqa=hq != hk)
-        else:  # a later chunk: every cached position, then causal within the chunk
-            pos = torch.arange(n, device=q.device)
-            allowed = pos[None, :] <= (ctx + torch.arange(q_len, device=q.device))[:, None]
-            o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, scale=scale, enable_gqa=hq != hk)
+            k_new = k_new if offset is None else k_new - offset.to(k_new.device)
+            window_k = k_new.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, d]
+            window_v = value[a:b].to(torch.float32).transpose(0, 1).unsqueeze(0)
+        q = query[a:b].transpose(0, 1).unsqueeze(0)  # [1, q_heads, q_len, d]
+        if ctx == 0:  # a whole prompt: one causal attention over it, which torch runs fused
+            k_all = window_k if pk is None else k_codec.decode(pk).to(torch.float32)
+            v_all = window_v if pv is None else v_codec.decode(pv).to(torch.float32)
+            o = F.scaled_dot_product_attention(
+                q.to(torch.float32), k_all, v_all, is_causal=True, scale=scale, enable_gqa=hq != hk
+            )
+        else:  # a later chunk: tiles of decoded keys, fused attention per tile, merged by log-sum-exp (no mask)
+            o = chunked_attention(
+                q, pk, pv, k_codec, v_codec, offset=ctx, scale=scale, window_k=window_k, window_v=window_v
+            )
         out[a:b] = o[0].transpose(0, 1).to(query.dtype)
     return out
