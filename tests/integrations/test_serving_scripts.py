@@ -83,9 +83,10 @@ def test_throughput_verdict_line(ratios: list[float], verdict: str) -> None:
     assert f"{ratios[0]:.2f}x at 512" in text
 
 
-def test_committed_throughput_renders_from_its_json() -> None:
-    data = json.loads((ROOT / "docs" / "results" / "vllm" / "cpu-throughput.json").read_text())
-    assert throughput._table(data["meta"], data["rows"]) == (ROOT / "docs/results/vllm/cpu-throughput.md").read_text()
+@pytest.mark.parametrize("name", ["cpu-throughput", "cpu-throughput-xeon"])
+def test_committed_throughput_renders_from_its_json(name: str) -> None:
+    data = json.loads((ROOT / "docs" / "results" / "vllm" / f"{name}.json").read_text())
+    assert throughput._table(data["meta"], data["rows"]) == (ROOT / f"docs/results/vllm/{name}.md").read_text()
     assert "dirty" not in data["meta"]["commit"]
 
 
