@@ -97,7 +97,22 @@ MATRIX: tuple[tuple[str, str, str], ...] = (
         "paged cache (vLLM core)",
         "plugins/vllm/tests/test_paged.py",
         "slot writes and block-table reads against walshkv's own decode; slots and block ids past the pages (or "
-        "negative), fewer block-table rows than requests, row offsets past the queries: refused by name",
+        "negative), fewer block-table rows than requests, row offsets past the queries: refused by name; the "
+        "write CUDA uses (checks on the device) stores the host write's bytes, reads no value back to the host, "
+        "and refuses a slot past the pages and NaN/Inf by message",
+    ),
+    (
+        "paged decode (Triton)",
+        "tests/attention/test_paged_triton.py",
+        "every request in one launch against each alone (Triton's interpreter); block ids past the pages or "
+        "negative, too few blocks, an empty request, a NaN query: device-side asserts that name the problem; the "
+        "step reads no value back to the host",
+    ),
+    (
+        "kernel build lock",
+        "tests/attention/test_build_lock.py",
+        "a build lock left by a killed build is removed with a warning (a real build behind it), a live build is "
+        "waited for with a bound, then refused naming the lock",
     ),
     (
         "long generation",
