@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,10 @@ def test_a_stale_torch_lock_is_removed_with_a_warning(ext_dir: Path) -> None:
     stale.write_text("")
     with pytest.warns(RuntimeWarning, match="killed"), cpu.build_lock("walshkv_test_stale"):
         assert not stale.exists()
-    with cpu.build_lock("walshkv_test_stale"):  # nothing stale: no warning (pytest's filterwarnings would show one)
-        pass
+    with warnings.catch_warnings():  # nothing stale now: no warning
+        warnings.simplefilter("error")
+        with cpu.build_lock("walshkv_test_stale"):
+            pass
 
 
 def test_a_live_build_is_waited_for_with_a_bound(ext_dir: Path) -> None:

@@ -19,9 +19,9 @@ the decode read no value back to the host (checks are device-side asserts), so a
 Prefill, per request: a whole prompt is one causal scaled-dot-product attention (torch's fused path); a later chunk
 runs :func:`walshkv.attention.chunked_attention`: the cached context decoded tile by tile, each tile through torch's
 fused CPU attention (causal within the chunk), merged by log-sum-exp, with no mask of the chunk's queries by every
-key. In ``exact`` mode the prompt's own K/V join in full precision (for ``center+`` keys
-shifted by the same K mean the decoded keys lack, so every key a query sees is shifted alike); in ``quantized``
-mode they are read back from the pages too.
+key. In ``exact`` mode the prompt's own K/V join in full precision (for ``center+`` keys shifted by the same K mean
+the decoded keys lack, so every key a query sees is shifted alike); in ``quantized`` mode they are read back from
+the pages too.
 """
 
 from __future__ import annotations
