@@ -21,9 +21,9 @@ from walshkv.presets import (
     dense_key_map,
     known_model,
     model_presets,
+    name_specs,
     resolve_engine_preset,
     resolve_preset,
-    resolve_specs,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,11 @@ def test_known_model_resolves_to_its_shipped_spec():
         p = resolve_preset("walshkv:3.5", model=model)
         assert p.spec == want and p.source == "shipped:smollm2-135m" and not p.note
         assert p.provenance["selected_on"] == "python-docs[select]"
-    assert resolve_specs(["walshkv:3.5", "q4_0"], model="smollm2-135m") == ([want, "q4_0"], {want: "walshkv:3.5"})
+    named = name_specs(["walshkv:3.5", "q4_0"], model="smollm2-135m")
+    assert [(n.text, n.label, n.source) for n in named] == [
+        (want, "walshkv:3.5", "shipped:smollm2-135m"),
+        ("q4_0", None, None),
+    ]
 
 
 def test_unknown_model_keeps_the_builtin_spec_and_is_told_about_recommend(tiny_llama):

@@ -24,9 +24,9 @@ from walshkv.presets import (
     PRESET_BUDGETS,
     dense_key_map,
     is_fast_preset,
+    name_specs,
     preset_name_for_bits,
     resolve_preset,
-    resolve_specs,
 )
 from walshkv.recommend import (
     CANDIDATES,
@@ -102,10 +102,14 @@ def test_preset_file_round_trip_and_model_check(hd64_lm, tmp_path):
     chosen = read_kv_mean_center(tmp_path / "q.gguf", model_arch="llama")
     assert resolve_preset("walshkv:4.5", chosen).spec == "center+rot+int4"
     assert resolve_preset("walshkv:3.5", chosen).spec == BUILTIN["walshkv:3.5"]  # other names: built-in
-    assert resolve_specs(["int8", "walshkv:4.5"], chosen) == (
-        ["int8", "center+rot+int4"],
-        {"center+rot+int4": "walshkv:4.5"},
-    )
+    named = name_specs(["int8", "walshkv:4.5"], chosen)
+    assert [(n.asked, n.text, n.label) for n in named] == [
+        ("int8", "int8", None),
+        ("walshkv:4.5", "center+rot+int4", "walshkv:4.5"),
+    ]
+    assert named[1].source.endswith("q.gguf")
+    again = name_specs(named, None)  # the objects again, without the file: the preset's built-in spec
+    assert again[0] is named[0] and again[1].text == BUILTIN["walshkv:4.5"]
     cache = CompressedCache.from_preset(hd64_lm.model, "walshkv:4.5", calibration=chosen)
     assert cache.preset.spec == "center+rot+int4" and cache.preset.source.endswith("q.gguf")
     ids = torch.randint(3, 96, (1, 40))

@@ -35,7 +35,7 @@ from walshkv.export import KMeanBias, read_kv_mean_center
 from walshkv.identity import model_identity
 from walshkv.models import MODELS, ModelShape, is_cached, layout_config, load_model
 from walshkv.preset_file import calibration_needs
-from walshkv.presets import model_presets, resolve_specs
+from walshkv.presets import model_presets, name_specs
 from walshkv.shipped import (
     CalibrationSet,
     ShippedCalibrationError,
@@ -270,9 +270,9 @@ def _eval_text():
 
 
 def _klds(lm, calibration) -> dict[str, float]:
-    specs, preset_of = resolve_specs(list(PINNED_KLD), calibration, model=lm)  # each preset's shipped spec
-    result = evaluate(lm, _eval_text()[1], specs, calibration=calibration, progress=False, **FIXED)
-    return {preset_of[r["codec"]]: r["kld_mean"] for r in result.results}
+    named = name_specs(list(PINNED_KLD), calibration, model=lm)  # each preset's shipped spec
+    result = evaluate(lm, _eval_text()[1], named, calibration=calibration, progress=False, **FIXED)
+    return {r["preset"]: r["kld_mean"] for r in result.results}
 
 
 def _made_here() -> bool:

@@ -30,7 +30,7 @@ from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from walshkv.codecs import parse_cache_spec
+from walshkv.codecs import NamedSpec, SpecLike, name_spec, parse_cache_spec
 from walshkv.codecs.base import find_wrapper
 from walshkv.codecs.builtin_presets import (
     BUILTIN,
@@ -62,10 +62,10 @@ __all__ = [
     "is_preset",
     "known_model",
     "model_presets",
+    "name_specs",
     "preset_name_for_bits",
     "resolve_engine_preset",
     "resolve_preset",
-    "resolve_specs",
     "spec_name",
     "spec_parts",
 ]
@@ -289,25 +289,35 @@ def resolve_engine_preset(
     )
 
 
-def resolve_specs(
-    codecs: Sequence[str], calibration: CalibrationLike | None = None, *, model: Any = None
-) -> tuple[list[str], dict[str, str]]:
-    """Replace preset names by their specs (:func:`resolve_preset`, with the same ``calibration`` and ``model``).
+def name_specs(
+    codecs: Sequence[SpecLike], calibration: CalibrationLike | None = None, *, model: Any = None
+) -> list[NamedSpec]:
+    """A run's codecs as :class:`~walshkv.codecs.NamedSpec` objects, presets resolved by :func:`resolve_preset`.
 
-    Notes on the choices (an unknown model) are not returned: use :func:`resolve_preset` to read them.
+    A preset name (or a :class:`~walshkv.codecs.NamedSpec` asked as one) resolves with ``calibration`` and
+    ``model`` (the file's spec, then the model's shipped one, then the built-in one), keeping its name as the
+    label, where its spec came from and any note; anything else is named as :func:`~walshkv.codecs.name_spec`
+    names it. A command resolves once before calibrating (to check the specs against the model) and again with
+    the calibration it then holds: the objects go in, the objects come out, no spec text is parsed twice.
 
-    Returns:
-        ``(specs, presets)``: the specs in order, and ``{spec: preset name}`` for the replaced ones.
+    Args:
+        codecs: the run's codecs: text as given, parsed specs, or :class:`~walshkv.codecs.NamedSpec`.
+        calibration: the run's calibration (a preset file may name the preset's spec), or ``None``.
+        model: the model the presets run on (a name, a :class:`~walshkv.models.LoadedModel`, a transformers model),
+            or ``None`` for the built-in specs.
+
+    Raises:
+        ValueError: an unknown preset name or a spec that does not parse (the message lists what exists).
     """
-    out, names = [], {}
-    for c in codecs:
-        if is_preset(c):
-            p = resolve_preset(c, calibration, model=model)
-            out.append(p.spec)
-            names[p.spec] = p.name
+    out = []
+    for codec in codecs:
+        asked = codec.asked if isinstance(codec, NamedSpec) else codec
+        if is_preset(asked):
+            p = resolve_preset(str(asked), calibration, model=model)
+            out.append(NamedSpec(p.name, parse_cache_spec(p.spec), label=p.name, source=p.source, note=p.note))
         else:
-            out.append(c)
-    return out, names
+            out.append(name_spec(codec))
+    return out
 
 
 def dense_key_map(spec: str | CacheSpec) -> bool:

@@ -8,6 +8,7 @@ models slow-marked (qwen2.5-1.5b takes 7 GB in float32; qwen2.5-0.5b is a 491 MB
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -17,6 +18,7 @@ from transformers import LlamaConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 import walshkv.cli.eval
+import walshkv.codecs.spec
 import walshkv.models
 from walshkv.cli import main
 from walshkv.cli.eval import MAIN_CODECS, fit_codecs
@@ -56,7 +58,9 @@ def _registry_config(name: str, tmp_path, monkeypatch):
 def test_default_codecs_fit_every_listed_model_before_anything_runs(name, tmp_path, monkeypatch):
     for config in (_registry_config(name, tmp_path, monkeypatch), layout_config(name)):
         kept, left_out = fit_specs(MAIN_CODECS, config, model=name, required=False)
-        assert left_out == {} and kept == list(MAIN_CODECS)
+        assert left_out == {} and [n.asked for n in kept] == list(MAIN_CODECS)
+        # the model's own presets, parsed once: what the run goes on with
+        assert [n.text for n in kept if n.source] == [resolve_preset(c, model=name).spec for c in MAIN_CODECS[1:4]]
 
 
 def test_registry_layout_of_gemma3_has_its_sliding_layers(tmp_path, monkeypatch):
@@ -85,7 +89,7 @@ def test_default_set_leaves_out_what_a_model_cannot_hold_with_a_note(capsys):
     kept = fit_codecs(list(MAIN_CODECS), config, "phi-like", required=False)
     # the Walsh-Hadamard transform needs a power-of-two head size; vLLM's fp8 keys and uniform values do not, and its
     # int4_per_token_head transforms blocks of 16 (the largest power of two dividing 80)
-    assert kept == ["fp16", "kivi4", "kivi2", "vllm:turboquant_k8v4", "vllm:int4_per_token_head"]
+    assert [n.asked for n in kept] == ["fp16", "kivi4", "kivi2", "vllm:turboquant_k8v4", "vllm:int4_per_token_head"]
     err = capsys.readouterr().err
     assert err.count("is left out of the default set on phi-like") == len(MAIN_CODECS) - 5
     assert "note: rot+q4_0 is left out of the default set on phi-like: the Walsh-Hadamard transform needs" in err
@@ -105,10 +109,20 @@ def test_default_eval_runs_on_every_listed_model(name, tmp_path, monkeypatch, ca
     monkeypatch.setattr(
         walshkv.cli.eval, "fit_specs", lambda *a, **k: checked.append(a[0]) or real_fit(*a, **k)
     )  # the up-front check ran, on every codec
+    parsed: collections.Counter[str] = collections.Counter()  # each spec text, as the one parser saw it
+    real_parse = walshkv.codecs.spec.parse_cache_spec
+    monkeypatch.setattr(
+        walshkv.codecs.spec,
+        "parse_cache_spec",
+        lambda spec: parsed.update([spec] if isinstance(spec, str) else []) or real_parse(spec),
+    )
     out = tmp_path / "run.json"
     argv = ["eval", "--model", name, "--windows", "1", "--ctx", "64", "--calib-tokens", "256", "--quiet"]
     assert main([*argv, "--json", str(out)]) == 0, capsys.readouterr().err
-    assert checked == [list(MAIN_CODECS)]
+    assert [[n.asked for n in codecs] for codecs in checked] == [list(MAIN_CODECS)]
+    # parsed once, by the CLI, then kept as objects to the report (a preset's spec text is parsed where it
+    # resolves: once for the check against the model, once with the calibration the run then holds)
+    assert {c: parsed[c] for c in MAIN_CODECS if not is_preset(c)} == {c: 1 for c in MAIN_CODECS if not is_preset(c)}
     assert "left out" not in capsys.readouterr().err
     rows = json.loads(out.read_text())["results"]
     expected = [

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
 import torch
 
+import walshkv.codecs.spec
 import walshkv.models
 from walshkv.cache import CompressedCache
 from walshkv.cli import main
-from walshkv.codecs import parse_cache_spec
+from walshkv.codecs import NamedSpec, name_spec, parse_cache_spec
 from walshkv.data import Text
 from walshkv.eval import compare_logits, evaluate, make_windows, scored_positions
 from walshkv.eval.metrics import bootstrap_ci95, paired_difference
@@ -288,6 +290,32 @@ def test_specs_travel_as_objects_and_a_repeated_spec_is_measured_once(tiny_lm):
     assert [r["codec"] for r in twice.results] == ["int4"]
     assert twice.results[0]["kld_mean"] == once.results[0]["kld_mean"]  # windows not counted twice
     assert twice.results[0]["scored_tokens"] == once.results[0]["scored_tokens"]
+
+
+def test_named_specs_are_never_parsed_again_and_rows_carry_their_names(tiny_lm, monkeypatch):
+    preset = NamedSpec("walshkv:4.5", parse_cache_spec("int8"), label="walshkv:4.5", source="a file")  # as resolved
+    named = [name_spec("int4"), name_spec("vllm:int4_per_token_head"), preset]
+    texts = [n.text for n in named]
+
+    def no_text(spec):  # what eval would do if it went back to the text
+        if isinstance(spec, str):
+            raise AssertionError(f"parsed {spec!r} again")
+        return real(spec)
+
+    real = walshkv.codecs.spec.parse_cache_spec
+    monkeypatch.setattr(walshkv.codecs.spec, "parse_cache_spec", no_text)
+    rows = evaluate(tiny_lm, TEXT, named, ctx=32, windows=1, progress=False).results
+    assert [r["codec"] for r in rows] == texts  # the canonical text, the one string form files carry
+    assert [r.get("preset") for r in rows] == [None, "vllm:int4_per_token_head", "walshkv:4.5"]
+
+
+def test_eval_command_and_harness_never_go_back_to_spec_text():
+    """The CLI parses each --codec once (:func:`name_spec`) and hands objects on; nothing downstream re-parses."""
+    import walshkv.cli.eval
+    import walshkv.eval.harness
+
+    for module in (walshkv.cli.eval, walshkv.eval.harness):
+        assert "parse_cache_spec" not in inspect.getsource(module), module.__name__
 
 
 def test_evaluate_runs_the_model_in_inference_mode(tiny_lm):

@@ -14,12 +14,12 @@ from walshkv.attention import cpu_supports, decode_attention, triton_supports
 from walshkv.attention.cpu import prerope_key_map
 from walshkv.attention.keys import split_prerope
 from walshkv.bench.machine import available_memory, interleaved_seconds, median_seconds
-from walshkv.codecs import CacheSpec, Packed, parse_cache_spec
+from walshkv.codecs import CacheSpec, NamedSpec, Packed
 from walshkv.codecs.spec import check_spec_list
 from walshkv.constants import Backend
 from walshkv.identity import head_dim_of
 from walshkv.models import layout_config
-from walshkv.presets import resolve_specs
+from walshkv.presets import name_specs
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
@@ -225,20 +225,21 @@ def bench_attention(config: AttentionBenchConfig | None = None) -> list[dict[str
     cuda = device.startswith("cuda")
     supports = triton_supports if cuda else cpu_supports
     own = dict(config.calibrations or {})
-    names: dict[str, str] = {}
-    cal_of: dict[str, CalibrationLike | None] = {}
+    named: dict[str, tuple[NamedSpec, CalibrationLike | None]] = {}  # canonical text: each spec measured once
     for codec in codecs:
         cal = own.get(codec, calibration)
-        (spec_str,), preset_of = resolve_specs([codec], cal, model=model)
-        names[spec_str] = preset_of.get(spec_str, spec_str)  # a preset's row is named by the preset
-        cal_of[spec_str] = cal
+        (n,) = name_specs([codec], cal, model=model)
+        named.setdefault(n.text, (n, cal))
     specs: dict[str, CacheSpec] = {}
     spec_text: dict[str, str] = {}
-    for spec_str, name in names.items():
-        parsed = parse_cache_spec(spec_str)
+    for n, cal in named.values():
+        parsed = n.spec
+        if not isinstance(parsed, CacheSpec):
+            raise ValueError(f"{n.asked}: the attention bench measures walshkv's kernels, not Hugging Face's caches")
         parsed.check_head_dim(head_dim)
-        specs[name] = parsed.bind(layer, cal_of[spec_str] if parsed.needs_calibration else None)  # a layers: part
-        spec_text[name] = spec_str
+        name = n.label if n.source is not None else n.text  # a preset's row is named by the preset
+        specs[name] = parsed.bind(layer, cal if parsed.needs_calibration else None)  # a layers: part
+        spec_text[name] = n.text
     _check_memory(kv_lens, batch * kv_heads * head_dim, device)
     gen = torch.Generator().manual_seed(seed)
     rows: list[dict[str, Any]] = []

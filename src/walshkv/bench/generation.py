@@ -6,7 +6,7 @@ Each run is a fresh subprocess (:func:`_generation_child`), so its peak resident
 (``walshkv:3.5``); :func:`resolve_generation_codecs` turns presets into the spec their calibration file chose
 and gets the calibration a spec needs (a ``walshkv calibrate --preset`` / ``recommend`` file, or statistics of
 a calibration text), with the functions ``walshkv eval`` uses
-(:func:`walshkv.eval.calibrated.calibration_for`, :func:`walshkv.presets.resolve_specs`). A run's settings are
+(:func:`walshkv.eval.calibrated.calibration_for`, :func:`walshkv.presets.name_specs`). A run's settings are
 one :class:`GenerationBenchConfig`, which :func:`bench_generation` takes.
 """
 
@@ -40,7 +40,7 @@ from walshkv.eval.calibrated import calibration_for
 from walshkv.eval.provenance import cpu_meta
 from walshkv.export import KMeanBias
 from walshkv.models import load_model
-from walshkv.presets import FAST_BUDGETS, PRESET_BUDGETS, is_preset, resolve_specs
+from walshkv.presets import FAST_BUDGETS, PRESET_BUDGETS, is_preset, name_specs
 from walshkv.shipped import check_file, shipped_file
 
 if TYPE_CHECKING:
@@ -264,9 +264,9 @@ def resolve_generation_codecs(
             eval_text=bench_text,
             progress=progress,
         )
-        specs, preset_of = resolve_specs(group, cal, model=lm)
+        named = name_specs(group, cal, model=lm)
         made_for = str((getattr(getattr(cal, "bias", cal), "meta", None) or {}).get(Keys.Preset.NAME, ""))
-        for codec, spec in zip(group, specs, strict=True):
+        for codec, n in zip(group, named, strict=True):
             if path and made_for and is_preset(codec) and made_for.lower() != codec.lower():
                 own = shipped_preset_file(model, codec)
                 raise ValueError(
@@ -274,15 +274,15 @@ def resolve_generation_codecs(
                     + (f" (walshkv ships {_display(own)})" if own else "")
                     + ", one preset per run, or leave out --gen-codec for the default table"
                 )
-            parsed = parse_cache_spec(spec)
+            parsed = n.spec
             parsed.check_head_dim(lm.shape.head_dim)
             source = None
             if parsed.needs_calibration:
                 parts = [] if isinstance(cal, KMeanBias) else [f"{calib_text} ({calib_tokens} tokens)"]
                 source = " + ".join([*parts, *([_display(path)] if path else [])])
             resolved[(codec, path)] = GenerationCodec(
-                parsed.spec,
-                preset_of.get(spec) if is_preset(codec) else None,
+                n.text,
+                n.label if n.source is not None else None,
                 cal if parsed.needs_calibration else None,
                 source,
             )

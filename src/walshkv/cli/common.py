@@ -20,10 +20,9 @@ from walshkv.defaults import CALIB_TOKENS, CTX, DEFAULT_MODEL, DEFAULT_TEXT, WIN
 from walshkv.eval.calibrated import calibration_for
 from walshkv.fileio import check_output_dir, check_output_path
 from walshkv.models import MODELS
-from walshkv.presets import resolve_preset
 
 if TYPE_CHECKING:
-    from walshkv.codecs import CacheSpec, HFCacheSpec
+    from walshkv.codecs import NamedSpec, SpecLike
     from walshkv.codecs.calibration import Calibration
     from walshkv.models import LoadedModel
 
@@ -171,7 +170,7 @@ def output_parent(
 
 def calibration_from_args(
     lm: LoadedModel,
-    specs: Sequence[str | CacheSpec | HFCacheSpec],
+    specs: Sequence[SpecLike],
     args: argparse.Namespace,
     text: Text,
 ) -> Calibration | None:
@@ -190,13 +189,13 @@ def calibration_from_args(
     )
 
 
-def print_presets(
-    preset_of: dict[str, str], calibration: Calibration | None, lm: LoadedModel, *, quiet: bool = False
-) -> None:
-    """Print on stderr which spec each preset stands for, where it came from, and any note (an unknown model)."""
-    for spec, name in preset_of.items():
-        preset = resolve_preset(name, calibration, model=lm)
+def print_presets(codecs: Sequence[NamedSpec], *, quiet: bool = False) -> None:
+    """Print on stderr which spec each preset of a run stands for, where it came from, and any note (an unknown
+    model); ``codecs`` as :func:`walshkv.presets.name_specs` resolved them."""
+    for named in codecs:
+        if named.source is None:  # not a preset
+            continue
         if not quiet:
-            print(f"{name} = {spec} ({preset.source})", file=sys.stderr, flush=True)
-        if preset.note:
-            print(f"note: {preset.note}", file=sys.stderr, flush=True)
+            print(f"{named.label} = {named.text} ({named.source})", file=sys.stderr, flush=True)
+        if named.note:
+            print(f"note: {named.note}", file=sys.stderr, flush=True)

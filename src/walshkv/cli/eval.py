@@ -16,8 +16,7 @@ from walshkv.cli.common import (
     print_presets,
     windows_parent,
 )
-from walshkv.codecs import parse_cache_spec
-from walshkv.codecs.vllm import is_engine_peer
+from walshkv.codecs import NamedSpec, SpecLike, name_spec
 from walshkv.constants import Feed, Prefill, Score
 from walshkv.data import Text
 from walshkv.defaults import CALIB_TOKENS
@@ -33,7 +32,7 @@ from walshkv.eval.report import (
     write_json,
     write_markdown,
 )
-from walshkv.presets import resolve_specs
+from walshkv.presets import name_specs
 from walshkv.recommend import split_text
 from walshkv.shipped import CalibrationSet
 
@@ -99,10 +98,10 @@ def shipped_note(calibration: CalibrationSet, text: Text) -> str:
     )
 
 
-def fit_codecs(codecs: list[str], config: Any, model: Any, *, required: bool) -> list[str]:
+def fit_codecs(codecs: list[SpecLike], config: Any, model: Any, *, required: bool) -> list[NamedSpec]:
     """The run's codecs checked against the model's config before any calibration or forward
     (:func:`walshkv.eval.fit.fit_specs`): asked-for codecs that do not fit are refused; default ones are left
-    out, each with a note on stderr saying why."""
+    out, each with a note on stderr saying why. Returns the kept ones as :class:`~walshkv.codecs.NamedSpec`."""
     kept, left_out = fit_specs(codecs, config, model=model, required=required)
     label = getattr(model, "name", model)
     for codec, why in left_out.items():
@@ -113,16 +112,15 @@ def fit_codecs(codecs: list[str], config: Any, model: Any, *, required: bool) ->
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    codecs = args.codec or list(MAIN_CODECS)
-    for c in codecs:  # fail before loading anything
-        parse_cache_spec(c)
+    # parsed once, here, before loading anything; from then on the run holds NamedSpec objects, not text
+    codecs: list[NamedSpec] = [name_spec(c) for c in args.codec or MAIN_CODECS]
     config = models.layout_config(args.model)  # a registry model's or a folder's: checked before loading
     if config is not None:
         codecs = fit_codecs(codecs, config, args.model, required=bool(args.codec))
     text = data.load_text(args.text)
     lm = models.load_model(args.model, progress=not args.quiet)
-    if config is None:  # only loading told (a .gguf file, a hub id): checked now, still before calibration
-        codecs = fit_codecs(codecs, lm.model.config, lm, required=bool(args.codec))
+    # only loading told (a .gguf file, a hub id): checked now, still before calibration; else the model's presets
+    codecs = fit_codecs(codecs, lm.model.config, lm, required=bool(args.codec)) if config is None else codecs
     # a calibration input given (a file, a text, a token count) wins over the files shipped with walshkv
     inputs = bool(args.calib_text or args.kv_mean_center)
     explicit = inputs or args.calib_tokens != CALIB_TOKENS
@@ -143,9 +141,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         calibration = collect_kv_stats(lm, calib, tokens=args.calib_tokens, progress=not args.quiet)
     else:
         calibration = calibration_from_args(lm, codecs, args, text)
-    peer_of = {parse_cache_spec(c).spec: c.strip().lower() for c in codecs if is_engine_peer(c)}
-    codecs, preset_of = resolve_specs(codecs, calibration, model=lm)
-    print_presets(preset_of, calibration, lm)
+    codecs = name_specs(codecs, calibration, model=lm)  # the presets again, now with the calibration (its file's spec)
+    print_presets(codecs)
     result = evaluate(
         lm,
         text,
@@ -160,11 +157,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         progress=not args.quiet,
     )
-    command = command_line(args)
-    result.meta["command"] = command
-    for row in result.results:  # a row of a preset or an engine's cache is named by it (the spec stays in "codec")
-        if row["codec"] in preset_of or row["codec"] in peer_of:
-            row["preset"] = preset_of.get(row["codec"]) or peer_of[row["codec"]]
+    result.meta["command"] = command_line(args)
     print(describe_run(result.meta))
     print(format_table(result.results))
     if note := decode_note(result.results):
@@ -176,7 +169,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         write_csv(args.csv, result.results)
         print(f"wrote {args.csv}")
     if args.markdown:
-        write_markdown(args.markdown, result.meta, result.results, command)
+        write_markdown(args.markdown, result.meta, result.results, result.meta["command"])
         print(f"wrote {args.markdown}")
     return 0
 

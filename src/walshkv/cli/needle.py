@@ -17,12 +17,12 @@ from walshkv.cli.common import (
     output_parent,
     print_presets,
 )
-from walshkv.codecs import parse_cache_spec
+from walshkv.codecs import name_spec
 from walshkv.constants import Prefill
 from walshkv.eval import needle
 from walshkv.eval.report import calibration_meta, command_line
 from walshkv.fileio import check_output_path
-from walshkv.presets import resolve_specs
+from walshkv.presets import name_specs
 
 __all__ = ["add_parsers"]
 
@@ -66,8 +66,7 @@ def _cmd_needle(args: argparse.Namespace) -> int:
         check_output_path(args.png, what="--png")
     raw = args.codec or list(needle.DEFAULT_NEEDLE_CODECS)
     codecs = [] if raw == ["none"] else raw
-    for c in codecs:
-        parse_cache_spec(c)
+    codecs = [name_spec(c) for c in codecs]  # parsed once, before loading anything
     tasks = list(dict.fromkeys(args.task or ["single"]))
     earlier = needle.load_needle_result(args.add_to) if args.add_to else None  # a bad file fails before any work
     text = data.load_text(args.text)
@@ -89,14 +88,14 @@ def _cmd_needle(args: argparse.Namespace) -> int:
             max_positions=_max_positions(lm),
         )
     calibration = calibration_from_args(lm, codecs, args, text)
-    codecs, preset_of = resolve_specs(codecs, calibration, model=lm)  # a known model's shipped specs
-    print_presets(preset_of, calibration, lm)
+    codecs = name_specs(codecs, calibration, model=lm)  # a known model's shipped specs, or the file's
+    print_presets(codecs)
     if earlier is not None:  # refused here, before the first trial, rather than after hours of them
         needle.check_can_add(
             earlier,
             model=lm.name,
             text=text.name,
-            codecs=codecs,
+            codecs=[c.text for c in codecs],
             trials=trials,
             settings={
                 "seed": args.seed,
@@ -118,7 +117,6 @@ def _cmd_needle(args: argparse.Namespace) -> int:
         fused=args.fused,
         share_prefix=not args.no_share_prefix,
         min_baseline=args.min_baseline,
-        presets=preset_of,
         progress=not args.quiet,
     )
     result = needle.run_needle(lm, text, trials, config, command=command_line(args), seed=args.seed)

@@ -40,7 +40,7 @@ from walshkv.eval.sweep import (
     substitute_head_dim,
 )
 from walshkv.integrations.ray import RayExecutor, require_ray
-from walshkv.presets import resolve_specs
+from walshkv.presets import name_specs
 
 __all__ = ["add_parsers", "executor_from_args", "ray_parent"]
 
@@ -160,9 +160,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     head_dim = lm.shape.head_dim
     specs = [substitute_head_dim(s, head_dim) for s in raw_specs]
     calibration = calibration_from_args(lm, specs, args, text)
-    specs, preset_of = resolve_specs(specs, calibration, model=lm)  # a preset file or the model may choose
-    print_presets(preset_of, calibration, lm, quiet=args.quiet)
-    config = replace(config, codecs=specs, calibration=calibration)
+    named = name_specs(specs, calibration, model=lm)  # a preset file or the model may choose
+    print_presets(named, quiet=args.quiet)
+    # a sweep's rows are files keyed by the canonical text (resumable, and sent to Ray workers as such)
+    config = replace(config, codecs=[n.text for n in named], calibration=calibration)
     out = Path(args.out or f"sweep-{slug(name)}-{slug(lm.name)}")
     with executor as runner:
         rows = run_sweep(lm, text, config, out, executor=runner)

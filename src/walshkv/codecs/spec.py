@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from walshkv.codecs.base import Codec
-from walshkv.codecs.builtin_presets import builtin_preset_spec
+from walshkv.codecs.builtin_presets import builtin_preset_spec, check_preset_name
 from walshkv.codecs.calibration import k_basis_of
 from walshkv.codecs.hf import HF_BACKENDS, HFCacheSpec, parse_hf_spec
 from walshkv.codecs.kivi import KiviCodec
@@ -51,10 +51,13 @@ __all__ = [
     "CodecFactory",
     "HFCacheSpec",
     "LayeredCacheSpec",
+    "NamedSpec",
+    "SpecLike",
     "WrapperFactory",
     "available_codecs",
     "check_spec_list",
     "codec_example",
+    "name_spec",
     "parse_cache_spec",
     "parse_codec",
     "parse_hf_spec",
@@ -379,7 +382,69 @@ def check_spec_list(codecs: object, what: str = "cache specs") -> None:
         raise ValueError(f"codecs is a list of {what}: give [{codecs!r}], not {codecs!r}")
 
 
-def parse_cache_spec(spec: str | CacheSpec | HFCacheSpec) -> CacheSpec | HFCacheSpec:
+@dataclass(frozen=True)
+class NamedSpec:
+    """One codec of a run as it was asked for, with the parsed spec it runs as.
+
+    What a command keeps from its argument parser to its report: the spec object (parsed once, never parsed
+    again from text) and the name a user knows it by, so a row can show both. ``spec.spec`` (:attr:`text`) is the
+    one canonical string form, for files and JSON. :func:`name_spec` makes one without a model (a preset name
+    gives its built-in spec); :func:`walshkv.presets.name_specs` resolves presets for a model and a calibration.
+
+    Attributes:
+        asked: the codec as given, stripped: ``"walshkv:3.5"``, ``"vllm:fp8"``, ``"rot+int4"``; a spec object
+            given as such is named by its canonical text.
+        spec: what runs.
+        label: the name rows carry next to the spec: the preset's (``walshkv:3.5``) or the engine cache's
+            (``vllm:fp8``), lower case; ``None`` for a plain spec.
+        source: where a preset's spec came from (``built-in``, ``shipped:MODEL``, the calibration file that chose
+            it); ``None`` for anything else.
+        note: what a user should know about that choice (a model walshkv has not measured); ``""`` when nothing.
+    """
+
+    asked: str
+    spec: CacheSpec | HFCacheSpec
+    label: str | None = None
+    source: str | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, (CacheSpec, HFCacheSpec)):
+            raise TypeError(f"NamedSpec.spec is a parsed spec (parse_cache_spec), got {type(self.spec).__name__}")
+
+    @property
+    def text(self) -> str:
+        """The spec's canonical text (``spec.spec``): the form files, JSON and rows' ``codec`` carry."""
+        return self.spec.spec
+
+
+#: Anything that names a cache spec: its text, a parsed spec, or a :class:`NamedSpec`.
+SpecLike = str | CacheSpec | HFCacheSpec | NamedSpec
+
+
+def name_spec(codec: SpecLike) -> NamedSpec:
+    """``codec`` as a :class:`NamedSpec`, without a model: a preset name stands for its built-in spec (as in
+    :func:`parse_cache_spec`; :func:`walshkv.presets.name_specs` gives a model's own), an engine cache's name for
+    the spec that stores what that cache stores; a spec object is named by its canonical text.
+
+    Raises:
+        ValueError: what :func:`parse_cache_spec` refuses.
+        TypeError: ``codec`` is not text, a spec or a :class:`NamedSpec`.
+    """
+    if isinstance(codec, NamedSpec):
+        return codec
+    spec = parse_cache_spec(codec)
+    if not isinstance(codec, str):
+        return NamedSpec(spec.spec, spec)
+    asked = codec.strip()
+    if asked.lower().startswith("walshkv:"):
+        return NamedSpec(asked, spec, label=check_preset_name(asked), source="built-in")
+    if is_engine_peer(asked):
+        return NamedSpec(asked, spec, label=asked.lower())
+    return NamedSpec(asked, spec)
+
+
+def parse_cache_spec(spec: SpecLike) -> CacheSpec | HFCacheSpec:
     """Parse ``"KSPEC/VSPEC"`` (e.g. ``"rot+int4/int3"``) or one spec for both K and V.
 
     ``hf-quanto:B``, ``hf-hqq:B`` and ``hf-fp8`` give an :class:`HFCacheSpec` (Hugging Face's own
@@ -388,9 +453,13 @@ def parse_cache_spec(spec: str | CacheSpec | HFCacheSpec) -> CacheSpec | HFCache
     see :meth:`walshkv.cache.CompressedCache.from_preset`). ``vllm:turboquant_k3v4_nc`` and the other names of
     :data:`walshkv.codecs.vllm.VLLM_PEERS` give the spec that stores what that vLLM cache dtype stores, and
     ``lmcache:NAME`` (:data:`walshkv.codecs.vllm.LMCACHE_PEERS`) what that LMCache serde stores.
+
+    A :class:`NamedSpec` gives the spec it holds; a parsed spec is returned as it is.
     """
     if isinstance(spec, (CacheSpec, HFCacheSpec)):
         return spec
+    if isinstance(spec, NamedSpec):
+        return spec.spec
     if not isinstance(spec, str):
         raise TypeError(f"a cache spec is a string like 'rot+int4/int3', got {type(spec).__name__}")
     if spec.strip().lower().startswith("sink:"):

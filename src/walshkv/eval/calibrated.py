@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from walshkv.calibration import MergedCalibration, collect_kv_stats
-from walshkv.codecs import parse_cache_spec
+from walshkv.codecs import name_spec
 from walshkv.codecs.base import unwrap, wrappers
 from walshkv.data import Text, load_text
 from walshkv.defaults import CALIB_TOKENS
@@ -23,7 +23,7 @@ from walshkv.presets import is_preset, resolve_preset
 from walshkv.shipped import CalibrationSet, shipped_calibration
 
 if TYPE_CHECKING:
-    from walshkv.codecs import CacheSpec, Codec, HFCacheSpec
+    from walshkv.codecs import CacheSpec, Codec, SpecLike
     from walshkv.codecs.calibration import Calibration
     from walshkv.models import LoadedModel
 
@@ -48,7 +48,7 @@ def only_centering(spec: CacheSpec) -> bool:
 
 def calibration_for(
     lm: LoadedModel,
-    specs: Sequence[str | CacheSpec | HFCacheSpec],
+    specs: Sequence[SpecLike],
     *,
     kv_mean_center: str | None = None,
     calib_text: str | None = None,
@@ -60,7 +60,7 @@ def calibration_for(
 
     Args:
         lm: the loaded model the specs will run on.
-        specs: cache specs (strings or parsed).
+        specs: cache specs (text, parsed, or :class:`~walshkv.codecs.NamedSpec`).
         kv_mean_center: a calibration file from ``walshkv calibrate`` / ``recommend`` (K mean for ``center+``,
             transforms for ``eq+``); it is checked against the model and returned even when no spec needs it.
         calib_text: a text name or path for the statistics (``order=variance``, ``auto@BITS``, ...).
@@ -78,7 +78,8 @@ def calibration_for(
         ValueError: a spec needs calibration and neither input can provide it, or ``calib_text`` is the
             evaluation text.
     """
-    parsed = [parse_cache_spec(s) for s in specs]
+    named = [name_spec(s) for s in specs]
+    parsed = [n.spec for n in named]
     bias = None
     if kv_mean_center:
         shape = lm.shape
@@ -88,7 +89,8 @@ def calibration_for(
         )
     if not any(s.needs_calibration for s in parsed):
         return bias
-    only_bias = all(only_centering(s) for s in parsed if s.needs_calibration)
+    # a preset's file (calibrate --preset, recommend) holds what its spec needs, in the basis its spec reads K in
+    only_bias = all(only_centering(n.spec) or is_preset(n.asked) for n in named if n.spec.needs_calibration)
     if bias is not None and only_bias:
         return bias
     if not calib_text:
@@ -101,20 +103,26 @@ def calibration_for(
     return stats if bias is None else MergedCalibration(stats, bias)
 
 
-def shipped_for(lm: LoadedModel, specs: Sequence[str | CacheSpec | HFCacheSpec]) -> CalibrationSet | None:
+def shipped_for(lm: LoadedModel, specs: Sequence[SpecLike]) -> CalibrationSet | None:
     """The shipped calibration of a run's presets (:func:`walshkv.shipped.shipped_calibration`), checked, or ``None``.
 
     It serves a run only where it serves all of it: some spec is a preset, every preset resolves to the model's
     shipped spec (:func:`walshkv.presets.resolve_preset`), and no other spec needs calibration. Otherwise ``None``,
     and the run's calibration comes from its inputs as before (:func:`calibration_for`).
 
+    Args:
+        lm: the loaded model.
+        specs: the run's codecs: text as given, or :class:`~walshkv.codecs.NamedSpec` (a preset is one asked by
+            its name).
+
     Raises:
         walshkv.shipped.ShippedCalibrationError: a shipped file is missing, damaged or made for another model
             (never replaced by a calibration in the run).
     """
-    presets = [s for s in specs if isinstance(s, str) and is_preset(s)]
-    others = [s for s in specs if not (isinstance(s, str) and is_preset(s))]
-    if not presets or any(parse_cache_spec(s).needs_calibration for s in others):
+    named = [name_spec(s) for s in specs]
+    presets = [n.asked for n in named if is_preset(n.asked)]
+    others = [n for n in named if not is_preset(n.asked)]
+    if not presets or any(n.spec.needs_calibration for n in others):
         return None
     if not all(resolve_preset(p, model=lm).source.startswith("shipped:") for p in presets):
         return None

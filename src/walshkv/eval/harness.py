@@ -33,7 +33,7 @@ from transformers import DynamicCache
 
 from walshkv.cache import Footprint, context_state, footprint, fp_bytes, make_cache, prefill_is_exact
 from walshkv.codecs.kivi import KiviCodec
-from walshkv.codecs.spec import CacheSpec, HFCacheSpec, parse_cache_spec
+from walshkv.codecs.spec import CacheSpec, HFCacheSpec, NamedSpec, SpecLike, name_spec
 from walshkv.constants import Feed, Prefill, Score
 from walshkv.data import describe_scored, make_windows, scored_positions
 from walshkv.defaults import CTX, WINDOWS
@@ -193,6 +193,7 @@ class _SpecRun:
     spec: CacheSpec | HFCacheSpec
     feed: Feed
     fp_window: int | None  # the full-precision window it keeps by design (KIVI, hf-*), else None
+    label: str | None = None  # the preset's or engine cache's name it was asked by (NamedSpec.label)
     metrics: TokenMetrics = field(default_factory=TokenMetrics)
     seconds: float = 0.0
     held: Footprint | None = None  # the cache after the first window
@@ -200,7 +201,8 @@ class _SpecRun:
     fp_context: list[tuple[int, int, int]] = field(default_factory=list)
 
     def row(self, fp16_bytes: int, prefill: Prefill, decode_chunk: int) -> ResultRow:
-        """The result row (its ``codec`` the spec's canonical text, the one string form files and JSON carry)."""
+        """The result row: its ``codec`` the spec's canonical text (the one string form files and JSON carry), and
+        ``preset`` the name it was asked by, for a preset or an engine's cache."""
         assert self.held is not None  # every run sees at least one window
         row: ResultRow = {
             "codec": self.spec.spec,
@@ -225,6 +227,8 @@ class _SpecRun:
                 row["decode_chunk"] = decode_chunk
         if self.fp_window is not None:
             row["fp_window"] = self.fp_window
+        if self.label is not None:
+            row["preset"] = self.label
         return row
 
 
@@ -232,7 +236,7 @@ class _SpecRun:
 def evaluate(
     lm: LoadedModel,
     text: Text,
-    codecs: Sequence[str | CacheSpec | HFCacheSpec] = DEFAULT_CODECS,
+    codecs: Sequence[SpecLike] = DEFAULT_CODECS,
     *,
     ctx: int = CTX,
     windows: int | None = WINDOWS,
@@ -249,7 +253,10 @@ def evaluate(
     Args:
         lm: the loaded model.
         text: evaluation text.
-        codecs: cache specs, as text (``"rot+int4"``, ``"int8/int4"``, ...) or parsed (:class:`CacheSpec`).
+        codecs: cache specs, as text (``"rot+int4"``, ``"int8/int4"``, ...), parsed (:class:`CacheSpec`) or named
+            (:class:`~walshkv.codecs.NamedSpec`: :func:`walshkv.presets.name_specs` gives a model's own presets; a
+            preset name as text stands for its built-in spec). A row's ``codec`` is the spec's canonical text; a
+            codec asked by a preset's or an engine cache's name also gets that name as ``preset``.
         ctx: tokens per window.
         windows: number of windows (``None``: every full window of the text).
         score: ``"half"`` (second half of each window) or ``"all"``.
@@ -269,8 +276,11 @@ def evaluate(
     Returns:
         An :class:`EvalResult`.
     """
-    # parsed once (fail fast on typos); a spec given twice (in any spelling) is measured once
-    specs = list({s.spec: s for s in map(parse_cache_spec, codecs)}.values())
+    # parsed once (fail fast on typos); a spec given twice (in any spelling) is measured once, under the first name
+    named: dict[str, NamedSpec] = {}
+    for n in map(name_spec, codecs):
+        named.setdefault(n.text, n)
+    specs = [n.spec for n in named.values()]
     if not specs:
         raise ValueError("give at least one --codec")
     if feed not in FEEDS:
@@ -293,7 +303,7 @@ def evaluate(
     win = make_windows(lm.tokenizer, text.content, ctx, windows)
     n_win = win.ids.shape[0]
     keep = ctx - first  # logits for positions first .. ctx-1; the last one has no target
-    runs = [_SpecRun(spec, _feed_for(spec, feed, prefill), _fp_window(spec)) for spec in specs]
+    runs = [_SpecRun(n.spec, _feed_for(n.spec, feed, prefill), _fp_window(n.spec), n.label) for n in named.values()]
     model = lm.model
     device = next(model.parameters()).device
     bar = tqdm(total=n_win * (len(specs) + 1), desc="eval", unit="fwd", disable=not progress)

@@ -27,7 +27,7 @@ from walshkv.cache import (
     make_cache,
 )
 from walshkv.codecs.kivi import KiviCodec
-from walshkv.codecs.spec import CacheSpec, HFCacheSpec, check_spec_list, parse_cache_spec
+from walshkv.codecs.spec import CacheSpec, HFCacheSpec, SpecLike, check_spec_list, name_spec
 from walshkv.constants import Prefill
 from walshkv.eval.needle.cells import BASELINE, MIN_BASELINE, NeedleResult
 from walshkv.eval.needle.scoring import complete_numbers, score_answer
@@ -54,7 +54,8 @@ class NeedleConfig:
     """How :func:`run_needle` runs its trials: the caches under test and how each reads a prompt.
 
     Attributes:
-        codecs: cache specs (presets resolved already: see :func:`walshkv.presets.resolve_specs`); may be empty
+        codecs: cache specs: text, parsed, or :class:`~walshkv.codecs.NamedSpec` (presets resolved for the model:
+            :func:`walshkv.presets.name_specs`; a preset name as text stands for its built-in spec); may be empty
             (the reference alone, to check that the model succeeds before measuring codecs). Kept as a tuple.
         calibration: what calibrated specs need (from other text than the haystack's).
         prefill: ``"quantized"`` (quantize on write, walshkv's convention) or ``"exact"`` (the prompt's chunks
@@ -69,7 +70,8 @@ class NeedleConfig:
             same answers up to float rounding, for less work. Caches that cannot be cropped to what a fresh one
             holds (KIVI, ``hf-*``, sliding windows, ``residual``) always start empty. ``reused_tokens`` in the rows.
         min_baseline: the reference accuracy a (task, length) needs for the codecs' numbers there to count.
-        presets: ``{spec: preset name}`` for rows of specs that stand for presets.
+        presets: ``{spec: preset name}`` for rows of specs that stand for presets, added to the names the
+            :class:`~walshkv.codecs.NamedSpec` codecs carry (their ``label``).
         progress: show a progress bar.
         specs: the parsed ``codecs`` (set from them; not an argument).
 
@@ -79,7 +81,7 @@ class NeedleConfig:
             ``[0, 1]``; ``residual`` below 0.
     """
 
-    codecs: Sequence[str] = DEFAULT_NEEDLE_CODECS
+    codecs: Sequence[SpecLike] = DEFAULT_NEEDLE_CODECS
     calibration: CalibrationLike | None = None
     prefill: Prefill = "quantized"
     residual: int = 0
@@ -101,14 +103,17 @@ class NeedleConfig:
             raise ValueError(f"--min-baseline must be a share in [0, 1] (0.8 = 80%), got {self.min_baseline}")
         if self.residual < 0:
             raise ValueError(f"--residual must be at least 0 tokens, got {self.residual}")
-        specs = tuple(parse_cache_spec(c) for c in self.codecs)
+        named = [name_spec(c) for c in self.codecs]
+        specs = tuple(n.spec for n in named)
         names = [s.spec for s in specs]
         if len(set(names)) != len(names) or BASELINE in names:
             raise ValueError(
                 f"each --codec once, and not {BASELINE!r} (the reference runs anyway): got {', '.join(names)}"
             )
+        labels = {n.text: n.label for n in named if n.label is not None}
         object.__setattr__(self, "codecs", tuple(self.codecs))
         object.__setattr__(self, "specs", specs)
+        object.__setattr__(self, "presets", {**labels, **(self.presets or {})} or None)
 
     @property
     def caches(self) -> list[_Cache]:

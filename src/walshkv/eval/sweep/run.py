@@ -307,9 +307,9 @@ class SweepConfig:
     """How :func:`run_sweep` measures a grid: its specs, the eval protocol's settings, and the report's words.
 
     Attributes:
-        codecs: cache specs (placeholders already substituted: :func:`substitute_head_dim`; presets resolved:
-            :func:`walshkv.presets.resolve_specs`); their grammar is checked here, their fit to the model by
-            :func:`run_sweep`, which measures each canonical spec once. Kept as a tuple.
+        codecs: cache specs as text (placeholders already substituted: :func:`substitute_head_dim`; presets
+            resolved: :func:`walshkv.presets.name_specs`, as their canonical text); their grammar is checked here,
+            their fit to the model by :func:`run_sweep`, which measures each canonical spec once. Kept as a tuple.
         ctx: tokens per window.
         windows: number of windows (``None``: every full window of the text).
         score: ``"half"`` (the second half of each window) or ``"all"``.
