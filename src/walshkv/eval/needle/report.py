@@ -269,13 +269,7 @@ def plot_heatmaps(result: NeedleResult, path: str | Path) -> Path:
                 ax.set_xlabel("context length", fontsize=8)
             ax.tick_params(labelsize=7)
     if image is not None:
-        fig.colorbar(
-            image,
-            ax=axes.ravel().tolist(),
-            shrink=0.8,
-            label="accuracy (exact match; multivalue: share found)",
-            pad=0.02,
-        )
+        fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy (exact match)", pad=0.02)
     fig.suptitle(
         f"{meta['model']['name']}: needle in a haystack ({meta['text']['name']}); n: trials per cell\nhatched: the "
         f"{BASELINE} model is below {meta['min_baseline']:.0%} there (not measurable)",
