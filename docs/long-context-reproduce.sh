@@ -91,10 +91,10 @@ for stage in $STAGES; do
       --calib-text python-docs --decode-chunk 64 --chunk 16 --reuse-rows --quiet --out "$OUT/kld/smollm2-135m/ctx8192"
     ;;
   needle)
-    # single needle, depths 0/0.5/1, one sample per cell (the 2-core budget; NEEDLE_SAMPLES=3 for more). Each part
-    # is skipped once its JSON exists (delete it to rerun). qwen2.5-1.5b runs in two parts added together
-    # (walshkv needle --add-to): 2k and 4k at every depth, then 16k at depth 0.5 alone (a 16k prefill is about a
-    # quarter of an hour per cache on 2 cores)
+    # single needle, depths 0/0.5/1, one sample per cell (the 2-core budget; NEEDLE_SAMPLES=5, the command's
+    # default, for intervals worth reading). Each part is skipped once its JSON exists (delete it to rerun).
+    # qwen2.5-1.5b runs in two parts added together (walshkv needle --add-to): 2k and 4k at every depth, then 16k
+    # at depth 0.5 alone (a 16k prefill is about a quarter of an hour per cache on 2 cores)
     for model in $MODELS; do
       dir="$OUT/needle/$model"
       mkdir -p "$dir"

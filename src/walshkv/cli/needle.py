@@ -28,7 +28,7 @@ __all__ = ["add_parsers"]
 
 _EXAMPLES = """\
 examples:
-  walshkv needle --codec rot+q4_0 --codec q4_0 --lengths 1024,2048 --depths 0,0.5,1 --samples 2
+  walshkv needle --codec rot+q4_0 --codec q4_0 --lengths 1024,2048 --depths 0,0.5,1 --samples 2   # a quick look
   walshkv needle --text ../shared/data/austen_emma.txt --lengths 1024,2048,4096,8192 --task single \\
       --task multikey --codec walshkv:3.5 --kv-mean-center smollm2-3.5.gguf \\
       --codec rot+q4_0 --codec kivi2 --json n.json --csv n.csv --markdown n.md --png n.png
@@ -142,8 +142,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "model's chat template when it has one), decode greedily with the uncompressed cache first, then with "
         "each --codec (quantize on write: the prompt's K/V compressed before attention reads it; prefilled in "
         "chunks), and score by exact match. A codec's accuracy is reported only in the cells (task, length, depth) "
-        "where the uncompressed model itself reaches --min-baseline; the rest is flagged. Lengths count the prompt "
-        "and the answer.",
+        "where the uncompressed model itself reaches --min-baseline; the rest is flagged. Every accuracy comes with "
+        "its 95% Wilson interval (the trial as the unit), and each codec with its paired difference from the "
+        "uncompressed model on the same trials (Newcombe's interval, exact McNemar p). Lengths count the prompt and "
+        "the answer.",
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[
@@ -151,7 +153,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
             calibration_parent(),
             output_parent(
                 json="write everything (meta, summaries, cells, every trial's answer) as JSON",
-                csv="write the cells (task, cache, length, depth: accuracy) as CSV",
+                csv="write the cells (task, cache, length, depth: accuracy and its interval) as CSV",
                 markdown="write the report (the run, a table per task, the needles lost) as markdown",
             ),
         ],
@@ -184,7 +186,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--samples",
         type=_int_at_least(1),
         default=needle.DEFAULT_SAMPLES,
-        help="trials per (length, depth), each with its own needle and haystack start (default %(default)s)",
+        help="trials per (task, length, depth), each with its own needle and haystack start; every accuracy comes "
+        "with its 95%% Wilson interval, so use at least 5 for numbers you publish (default %(default)s)",
     )
     np_.add_argument("--seed", type=int, default=0, help="base seed of needles and haystacks (default %(default)s)")
     np_.add_argument(

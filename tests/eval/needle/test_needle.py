@@ -261,7 +261,7 @@ def test_run_on_a_tiny_model(tiny_lm):
     assert all(s["measured_accuracy"] is None and s["flagged_depths"] == [0.5] for s in res.summary)
     table = needle.format_needle_table(res, "single")
     assert "n/a ⚑1" in table and "n/a" in table
-    assert "L=500 at depth 0.5 (0%)" in needle.flag_note(res, "single")
+    assert "L=500 at depth 0.5 (0%, 0 of 1)" in needle.flag_note(res, "single")
     exact = run_needle(
         tiny_lm, TEXT, trials[:1], NeedleConfig(["int4"], prefill="exact", prefill_chunk=128, progress=False)
     )
@@ -380,12 +380,18 @@ def test_the_command_writes_every_file(tiny_lm, text_file, tmp_path, monkeypatch
     assert payload["meta"]["tasks"] == ["single", "multikey"] and payload["meta"]["lengths"] == [500, 700]
     assert payload["meta"]["command"].startswith("walshkv needle --text") and payload["meta"]["seed"] == 0
     assert payload["meta"]["needles_per_trial"] == {"single": 1, "multikey": 2}
+    assert all(len(c["accuracy_ci95"]) == 2 for c in payload["cells"]) and "Wilson" in payload["meta"]["intervals"]
+    assert all("difference_ci95" in o and "mcnemar_p" in o for o in payload["overall"])
     assert len(payload["trials"]) == 2 * 2 * 2 * 2  # tasks x lengths x depths x (reference + 1 codec)
     with open(out["csv"], newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 2 * 2 * 2 * 2 and list(rows[0]) == list(needle.CSV_KEYS)
     md = out["md"].read_text()
-    assert "## single" in md and "## multikey" in md and "below 80% there: L=500 at depth 0 (0%), 1 (0%)" in md
+    assert (
+        "## single" in md
+        and "## multikey" in md
+        and "below 80% there: L=500 at depth 0 (0%, 0 of 1), 1 (0%, 0 of 1)" in md
+    )
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

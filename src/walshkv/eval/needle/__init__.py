@@ -33,6 +33,18 @@ Reported: a codec's accuracy only in the cells (task, length, depth) where the r
 other cells are flagged (hatched in the heatmaps, named under the tables), never hidden from the files.
 ``retained`` is the share of the trials the reference got right that the codec got right too.
 
+Intervals (:mod:`~walshkv.eval.needle.cells`; the trial is the unit). Every accuracy in the cells, summaries and
+overall rows, and ``retained``, has a 95% Wilson score interval beside it (``accuracy_ci95``,
+``measured_accuracy_ci95``, ... as ``[low, high]``); for ``multivalue`` a trial is right when every value is found,
+and the mean share found (``score``) has no interval. Each codec is also compared with the reference on the same
+trials, as pairs: ``lost`` and ``gained`` (the discordant pairs), ``difference`` (its accuracy minus the
+reference's) with Newcombe's paired score interval ``difference_ci95``, and the exact McNemar p-value
+``mcnemar_p``. Tables print ``80% [49, 94]``; the CSV splits each interval into ``*_ci95_low`` and
+``*_ci95_high``; the heatmaps name each cell's trials (``n=5``). With ``--samples 5`` (the default, and the least
+for a published grid) a cell where all 5 trials succeed still reads ``100% [57, 100]``: cells tell where retrieval
+breaks, the pooled rows how much a codec loses. Runs added together (``--add-to``) get their intervals from all
+their trials, never from the parts' intervals.
+
 The depths of one (task, length, sample) share their haystack up to the first needle: each cache runs them
 deepest needle first and keeps the tokens the previous prompt had in common (``cache.crop``), so a grid costs
 about 30% less prefill (``share_prefix``; the codes are the same, every token being compressed on its own).

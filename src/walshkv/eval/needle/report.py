@@ -1,4 +1,10 @@
-"""A ``walshkv needle`` result in words, tables, markdown, heatmaps and files."""
+"""A ``walshkv needle`` result in words, tables, markdown, heatmaps and files.
+
+Tables give each accuracy with its 95% Wilson interval in percent, ``80% [49, 94]``, and each codec's paired
+difference from the reference with Newcombe's interval and the exact McNemar p-value
+(:mod:`walshkv.eval.needle.cells`); the JSON holds the numbers (``*_ci95`` as ``[low, high]``), the CSV the cells
+with each interval as two columns (``*_ci95_low``, ``*_ci95_high``); the heatmaps name each cell's trials.
+"""
 
 from __future__ import annotations
 
@@ -58,6 +64,33 @@ def _pct(x: float | None) -> str:
     return "—" if x is None or x != x else f"{x:.0%}"
 
 
+def _with_ci(x: float | None, ci: Sequence[float] | None) -> str:
+    """A share and its 95% interval in percent, ``80% [49, 94]`` (the share alone where there is no interval)."""
+    if x is None or x != x or not ci or any(v != v for v in ci):
+        return _pct(x)
+    return f"{x:.0%} [{100 * ci[0]:.0f}, {100 * ci[1]:.0f}]"
+
+
+def _difference(row: Mapping[str, Any]) -> str:
+    """A codec's paired difference from the reference and its interval, in percentage points: ``-20 [-52, +14]``."""
+    d, ci = row.get("difference"), row.get("difference_ci95")
+    if d is None or ci is None:
+        return ""
+    return f"{_points(d)} [{_points(ci[0])}, {_points(ci[1])}]"
+
+
+def _points(x: float) -> str:
+    """A difference of shares in signed whole percentage points (``+14``, ``-52``; ``0`` unsigned)."""
+    v = round(100 * x)
+    return "0" if v == 0 else f"{v:+d}"
+
+
+def _p_value(p: float | None) -> str:
+    if p is None:
+        return ""
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
 def _caches(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return list(dict.fromkeys(r["codec"] for r in rows))
 
@@ -69,16 +102,21 @@ def _label(result: NeedleResult, codec: str) -> str:
 
 def format_needle_table(result: NeedleResult, task: str, fmt: str = "simple") -> str:
     """One task's table: a row per cache (the reference first) with its bits, the accuracy per length over the
-    measurable cells, the same over every measurable cell, what it retained and lost, and seconds per trial.
+    measurable cells, the same over every measurable cell, what it retained, lost and gained there, its paired
+    difference from the reference and McNemar's p, and seconds per trial.
 
-    A length with flagged depths (the reference below the threshold) carries ``⚑N`` in the reference's row (N
-    depths left out; :func:`flag_note` names them); a length without measurable cells reads ``n/a``.
+    Every accuracy and ``retained`` carries its 95% Wilson interval in percent (``80% [49, 94]``); ``Δ pp``: the
+    codec's accuracy minus the reference's on the same trials, in percentage points, with Newcombe's paired 95%
+    interval; ``p``: the exact McNemar p-value of the discordant pairs (``lost`` against ``gained``). A length with
+    flagged depths (the reference below the threshold) carries ``⚑N`` in the reference's row (N depths left out;
+    :func:`flag_note` names them); a length without measurable cells reads ``n/a``.
     """
     summary = [s for s in result.summary if s["task"] == task]
     lengths = sorted({s["length"] for s in summary})
     by = {(s["codec"], s["length"]): s for s in summary}
     over = {o["codec"]: o for o in result.overall if o["task"] == task}
-    headers = ["cache", "bits/el", *(f"L={n:,}" for n in lengths), "all", "retained", "lost", "s/trial"]
+    paired = ["retained", "lost", "gained", "Δ pp", "p"]
+    headers = ["cache", "bits/el", *(f"L={n:,}" for n in lengths), "all", *paired, "s/trial"]
     body = []
     for codec in _caches(summary):
         reference = codec == BASELINE
@@ -88,7 +126,8 @@ def format_needle_table(result: NeedleResult, task: str, fmt: str = "simple") ->
             if s is None:
                 cells.append("")
                 continue
-            text = "n/a" if s["measured_accuracy"] is None else _pct(s["measured_accuracy"])
+            measured = s["measured_accuracy"]
+            text = "n/a" if measured is None else _with_ci(measured, s.get("measured_accuracy_ci95"))
             if reference and s["flagged_depths"]:
                 text += f" ⚑{len(s['flagged_depths'])}"
             cells.append(text)
@@ -99,9 +138,12 @@ def format_needle_table(result: NeedleResult, task: str, fmt: str = "simple") ->
                 _label(result, codec),
                 f"{result.meta['codecs'][codec]['bits_per_element']:.3f}",
                 *cells,
-                _pct(o["measured_accuracy"]),
-                "" if reference else _pct(o["retained"]),
+                _with_ci(o["measured_accuracy"], o.get("measured_accuracy_ci95")),
+                "" if reference else _with_ci(o["retained"], o.get("retained_ci95")),
                 "" if reference else str(o["lost"]),
+                "" if reference else str(o["gained"]),
+                "" if reference else _difference(o),
+                "" if reference else _p_value(o.get("mcnemar_p")),
                 f"{seconds:.1f}",
             ]
         )
@@ -113,10 +155,14 @@ def flag_note(result: NeedleResult, task: str) -> str:
     ref = [s for s in result.summary if s["task"] == task and s["codec"] == BASELINE]
     cells = {(c["length"], c["depth"]): c for c in result.cells if c["task"] == task and c["codec"] == BASELINE}
     threshold = f"{result.meta['min_baseline']:.0%}"
-    own = ", ".join(f"L={s['length']:,} {_pct(s['accuracy'])}" for s in ref)
+    own = ", ".join(f"L={s['length']:,} {_with_ci(s['accuracy'], s.get('accuracy_ci95'))}" for s in ref)
+
+    def cell(length: int, depth: float) -> str:
+        c = cells[(length, depth)]
+        return f"{depth:g} ({_pct(c['accuracy'])}, {c['correct']} of {c['trials']})"
+
     flagged = [
-        f"L={s['length']:,} at depth "
-        + ", ".join(f"{d:g} ({_pct(cells[(s['length'], d)]['accuracy'])})" for d in s["flagged_depths"])
+        f"L={s['length']:,} at depth " + ", ".join(cell(s["length"], d) for d in s["flagged_depths"])
         for s in ref
         if s["flagged_depths"]
     ]
@@ -142,8 +188,17 @@ def needle_markdown(result: NeedleResult) -> str:
         f"Columns: accuracy (exact match) per length over its measurable cells (depths where the {BASELINE} model "
         f"reaches {meta['min_baseline']:.0%}); `all`: over every measurable cell; `retained`: of the trials the "
         f"{BASELINE} model got right there, the share the codec got right too; `lost`: those it got wrong; "
-        "`s/trial`: prefill and decoding, seconds per trial (depths after the first of a length and sample reuse "
-        "the haystack they share, so they cost less).",
+        f"`gained`: trials the {BASELINE} model got wrong and the codec right; `Δ pp`: the codec's accuracy minus the "
+        f"{BASELINE} model's on the same trials, in percentage points; `p`: exact McNemar p-value of `lost` against "
+        "`gained` (a small p: the disagreements lean one way more than chance would make them); `s/trial`: prefill "
+        "and decoding, seconds per trial (depths after the first of a length and sample reuse the haystack they "
+        "share, so they cost less).",
+        "",
+        "Brackets: 95% intervals in percent. Accuracies and `retained`: Wilson score intervals, the trial as the unit "
+        "(multivalue: a trial counts as right when every value is found). `Δ pp`: Newcombe's score interval for "
+        "paired proportions, since both caches answered the same prompts. Trials of one sample share their needle "
+        "across depths and lengths, so the intervals of pooled columns assume more independence than there is: "
+        "read them as a lower bound on the uncertainty.",
         "",
     ]
     for task in meta["tasks"]:
@@ -176,7 +231,8 @@ def needle_markdown(result: NeedleResult) -> str:
 def plot_heatmaps(result: NeedleResult, path: str | Path) -> Path:
     """Depth x length heatmaps of accuracy: a row of panels per task, a panel per cache (the reference first).
 
-    Cells where the reference is below the threshold are hatched.
+    Each cell is annotated with its accuracy (``multivalue``: the mean share of values found) and its trials
+    (``n=5``); cells where the reference is below the threshold are hatched.
 
     Raises:
         ImportError: matplotlib is missing (the message names ``pip install 'walshkv[plot]'``).
@@ -199,7 +255,8 @@ def plot_heatmaps(result: NeedleResult, path: str | Path) -> Path:
                     cell = cells.get((task, codec, n, d))
                     if cell is None:
                         continue
-                    ax.text(x, y, f"{cell['score']:.0%}", ha="center", va="center", fontsize=7)
+                    label = f"{cell['score']:.0%}\nn={cell['trials']}"
+                    ax.text(x, y, label, ha="center", va="center", fontsize=6, linespacing=0.9)
                     if not cell["measurable"]:
                         ax.add_patch(_hatch(x - 0.5, y - 0.5))
             ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
@@ -214,8 +271,8 @@ def plot_heatmaps(result: NeedleResult, path: str | Path) -> Path:
     if image is not None:
         fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy (exact match)", pad=0.02)
     fig.suptitle(
-        f"{meta['model']['name']}: needle in a haystack ({meta['text']['name']})\nhatched: the {BASELINE} model "
-        f"is below {meta['min_baseline']:.0%} there (not measurable)",
+        f"{meta['model']['name']}: needle in a haystack ({meta['text']['name']}); n: trials per cell\nhatched: the "
+        f"{BASELINE} model is below {meta['min_baseline']:.0%} there (not measurable)",
         fontsize=9,
     )
     return save_figure_atomic(fig, path, dpi=130)
@@ -228,9 +285,26 @@ def _hatch(x: float, y: float) -> Any:
     return Rectangle((x, y), 1.0, 1.0, fill=False, hatch="///", edgecolor="0.35", linewidth=0)
 
 
-#: The CSV's columns (the cells, one line per (task, cache, length, depth)).
-CSV_KEYS = ("task", "codec", "length", "depth", "trials", "correct", "accuracy", "score", "baseline_accuracy",
-            "measurable", "bits_per_element")  # fmt: skip
+#: The CSV's columns (the cells, one line per (task, cache, length, depth)); an interval ``*_ci95`` of the JSON is
+#: two columns here, ``*_ci95_low`` and ``*_ci95_high`` (empty where it is ``None``).
+CSV_KEYS = ("task", "codec", "length", "depth", "trials", "correct", "accuracy", "accuracy_ci95_low",
+            "accuracy_ci95_high", "score", "baseline_accuracy", "baseline_accuracy_ci95_low",
+            "baseline_accuracy_ci95_high", "measurable", "bits_per_element")  # fmt: skip
+
+
+def _csv_row(cell: Mapping[str, Any], bits: Mapping[str, float]) -> dict[str, Any]:
+    """A cell as a CSV line: :data:`CSV_KEYS`, each interval split in two, the cache's bits per element."""
+    out: dict[str, Any] = {}
+    for key in CSV_KEYS:
+        if key == "bits_per_element":
+            out[key] = bits[cell["codec"]]
+        elif key.endswith(("_ci95_low", "_ci95_high")):
+            name, side = key.rsplit("_", 1)
+            ci = cell.get(name)
+            out[key] = None if ci is None else ci[0 if side == "low" else 1]
+        else:
+            out[key] = cell[key]
+    return out
 
 
 def write_needle_outputs(
@@ -241,8 +315,8 @@ def write_needle_outputs(
     markdown: str | Path | None = None,
     png: str | Path | None = None,
 ) -> list[Path]:
-    """Write the files asked for: JSON (everything), CSV (the cells), markdown (the report), PNG (heatmaps; skipped
-    with a note on stderr where matplotlib is missing).
+    """Write the files asked for: JSON (everything), CSV (the cells, :data:`CSV_KEYS`), markdown (the report), PNG
+    (heatmaps; skipped with a note on stderr where matplotlib is missing).
 
     Returns:
         The paths written.
@@ -253,9 +327,7 @@ def write_needle_outputs(
         written.append(Path(json))
     if csv:
         bits = {name: c["bits_per_element"] for name, c in result.meta["codecs"].items()}
-        write_csv(
-            csv, [{**{k: c[k] for k in CSV_KEYS[:-1]}, "bits_per_element": bits[c["codec"]]} for c in result.cells]
-        )
+        write_csv(csv, [_csv_row(c, bits) for c in result.cells])
         written.append(Path(csv))
     if markdown:
         write_text_atomic(markdown, needle_markdown(result))

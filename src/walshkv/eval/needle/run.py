@@ -29,7 +29,7 @@ from walshkv.cache import (
 from walshkv.codecs.kivi import KiviCodec
 from walshkv.codecs.spec import CacheSpec, HFCacheSpec, SpecLike, check_spec_list, name_spec
 from walshkv.constants import Prefill
-from walshkv.eval.needle.cells import BASELINE, MIN_BASELINE, NeedleResult
+from walshkv.eval.needle.cells import BASELINE, INTERVALS_NOTE, MIN_BASELINE, NeedleResult
 from walshkv.eval.needle.scoring import complete_numbers, score_answer
 from walshkv.eval.needle.trials import NEEDLE_PATTERN, Trial
 from walshkv.eval.report import calibration_meta, run_meta
@@ -446,6 +446,7 @@ def _result(
         "written",
         scoring="exact match: single/multikey: the answer's first number is the value; multivalue: every value among "
         "the answer's numbers (score: the share found)",
+        intervals=INTERVALS_NOTE,
         codecs=codec_meta,
         calibration=calibration_meta(config.calibration),
         seconds_trials=seconds,
