@@ -93,6 +93,8 @@ def test_known_model_resolves_to_its_shipped_spec():
         (want, "walshkv:3.5", "shipped:smollm2-135m"),
         ("q4_0", None, None),
     ]
+    again = name_specs(named, model="smollm2-135m")  # resolved again to the same spec: the parsed object is kept
+    assert again[0].spec is named[0].spec and again[1] is named[1]
 
 
 def test_unknown_model_keeps_the_builtin_spec_and_is_told_about_recommend(tiny_llama):

@@ -314,7 +314,9 @@ def name_specs(
         asked = codec.asked if isinstance(codec, NamedSpec) else codec
         if is_preset(asked):
             p = resolve_preset(str(asked), calibration, model=model)
-            out.append(NamedSpec(p.name, parse_cache_spec(p.spec), label=p.name, source=p.source, note=p.note))
+            same = isinstance(codec, NamedSpec) and codec.text == p.spec  # resolved to the spec it holds: kept
+            spec = codec.spec if same else parse_cache_spec(p.spec)
+            out.append(NamedSpec(p.name, spec, label=p.name, source=p.source, note=p.note))
         else:
             out.append(name_spec(codec))
     return out
