@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from walshkv.codecs.calibration import Calibration
     from walshkv.codecs.spec import CacheSpec
 
-__all__ = ["FORMAT_VERSION", "CacheFileError", "load_cache", "save_cache"]
+__all__ = ["FORMAT_VERSION", "CacheFileError", "load_cache", "save_cache", "saved_tensors"]
 
 #: The version of this file format; :func:`load_cache` refuses any other.
 FORMAT_VERSION = 1
@@ -103,6 +103,15 @@ def _layer_state(i: int, layer: CompressedLayer, out: dict[str, torch.Tensor]) -
         "packed_v": _packed_meta("packed_v", layer.packed_v, prefix, out),
     }
     return meta
+
+
+def saved_tensors(cache: CompressedCache) -> dict[str, torch.Tensor]:
+    """The tensors :func:`save_cache` writes for ``cache``, by name, on the CPU: what a file holds besides its
+    header (packed fields ``[batch, num_kv_heads, tokens, *field.shape]``, full-precision windows, sink tokens)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(cache.layers):
+        _layer_state(i, layer, tensors)  # type: ignore[arg-type]
+    return tensors
 
 
 def save_cache(cache: CompressedCache, path: str | os.PathLike[str]) -> None:
