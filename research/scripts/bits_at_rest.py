@@ -103,7 +103,7 @@ def main() -> int:
             else:
                 cache = make_cache(spec, config=lm.model.config)
             with torch.inference_mode():
-                lm.model(win.ids[w : w + 1], past_key_values=cache, use_cache=True)
+                lm.model(input_ids=win.ids[w : w + 1], cache=cache, use_cache=True)
             elements += shape.layers * shape.kv_heads * args.ctx * shape.head_dim * 2
             _measure(cache, totals)
             del cache

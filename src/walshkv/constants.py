@@ -30,6 +30,9 @@ Prefill = Literal["quantized", "exact"]
 Score = Literal["half", "all"]
 #: Where decode attention runs.
 Backend = Literal["auto", "reference", "cpu", "triton"]
+#: How a saved cache stores its packed fields: as held in memory (``"packed"``), or entropy-coded (``"rans"``:
+#: :mod:`walshkv.ops.rans`, decoded once on load).
+AtRest = Literal["packed", "rans"]
 
 
 class Keys:

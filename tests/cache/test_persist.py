@@ -80,18 +80,24 @@ def _data_bytes(path: Path) -> tuple[int, int]:
     return len(raw) - 8 - header, header
 
 
-def _round_trip(model, cache, tmp_path, calibration=None, splits=(13, 14, 15), ids=None) -> CompressedCache:
+def _round_trip(
+    model, cache, tmp_path, calibration=None, splits=(13, 14, 15), ids=None, at_rest="packed"
+) -> CompressedCache:
     """Fill ``cache``, save, load; check bytes, sizes and the next token's logits; return the loaded cache."""
     ids = torch.randint(3, 90, (2, splits[-1] + 1), generator=torch.Generator().manual_seed(5)) if ids is None else ids
     _run(model, cache, ids, splits)
     path = tmp_path / "cache.safetensors"
-    cache.save(path)
+    cache.save(path, at_rest=at_rest)
     loaded = CompressedCache.load(path, model, calibration)
     _assert_same(cache, loaded)
     assert loaded.reserved_nbytes() == loaded.nbytes()  # restored as held, nothing reserved
     data, header = _data_bytes(path)
-    assert data == cache.nbytes()  # only the tokens held: no reserved capacity, no padding
-    assert header <= 1024 + 1024 * len(cache.layers)
+    if at_rest == "packed":
+        assert data == cache.nbytes()  # only the tokens held: no reserved capacity, no padding
+    else:  # each field coded, or stored as it is where coding would not shorten it (20 bytes of header)
+        fields = sum(len(p.tensors) for layer in cache.layers for p in (layer.packed_k, layer.packed_v) if p)
+        assert data <= cache.nbytes() + 20 * fields
+    assert header <= 1024 + 1024 * len(cache.layers) * (2 if at_rest == "rans" else 1)
     a = _run(model, cache, ids[:, splits[-1] :], (1,))
     b = _run(model, loaded, ids[:, splits[-1] :], (1,))
     assert torch.equal(a, b)
@@ -107,6 +113,44 @@ def test_every_matrix_codec_round_trips_bit_exact(tiny_llama_hd64, tmp_path, spe
     stub = CalibrationStub(64, 1)
     cache = CompressedCache(spec, config=tiny_llama_hd64.config, calibration=stub)
     _round_trip(tiny_llama_hd64, cache, tmp_path, stub if cache.cache_spec.needs_calibration else None)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_every_matrix_codec_round_trips_entropy_coded(tiny_llama_hd64, tmp_path, spec):
+    stub = CalibrationStub(64, 1)
+    cache = CompressedCache(spec, config=tiny_llama_hd64.config, calibration=stub)
+    _round_trip(tiny_llama_hd64, cache, tmp_path, stub if cache.cache_spec.needs_calibration else None, at_rest="rans")
+
+
+def test_entropy_coded_file_is_smaller_where_codes_are_not_equally_likely(tiny_llama, tmp_path):
+    cache = CompressedCache("int4", config=tiny_llama.config)  # min-max codes of bell-shaped values
+    _run(tiny_llama, cache, torch.randint(3, 90, (4, 600), generator=torch.Generator().manual_seed(2)), (600,))
+    cache.save(tmp_path / "packed.safetensors")
+    cache.save(tmp_path / "rans.safetensors", at_rest="rans")
+    packed, coded = _data_bytes(tmp_path / "packed.safetensors")[0], _data_bytes(tmp_path / "rans.safetensors")[0]
+    assert packed == cache.nbytes() and coded < 0.95 * packed
+    _assert_same(cache, CompressedCache.load(tmp_path / "rans.safetensors", tiny_llama))
+    with pytest.raises(ValueError, match="at_rest must be one of packed, rans"):
+        cache.save(tmp_path / "x.safetensors", at_rest="zstd")
+
+
+def test_a_damaged_blob_with_a_matching_checksum_is_refused(tiny_llama, tmp_path):
+    from safetensors import safe_open
+
+    from walshkv.cache.identity import checksum
+
+    cache = CompressedCache("int4", config=tiny_llama.config)  # coded blobs (stored ones have only the checksum)
+    _run(tiny_llama, cache, torch.randint(3, 90, (4, 600), generator=torch.Generator().manual_seed(2)), (600,))
+    path = tmp_path / "rans.safetensors"
+    cache.save(path, at_rest="rans")
+    with safe_open(str(path), framework="pt") as handle:
+        meta = handle.metadata()
+        tensors = {k: handle.get_tensor(k).clone() for k in handle.keys()}  # noqa: SIM118
+    name = next(k for k in tensors if ".packed_k." in k)
+    tensors[name][-3] ^= 0x5A  # a coded word changed, the checksum made again: only decoding can tell
+    meta["walshkv.sha256"] = checksum(meta["walshkv.cache"], tensors)
+    save_file(tensors, str(path), metadata=meta)
+    _refused(path, tiny_llama, "corrupt", f"{name} does not decode to its saved field")
 
 
 @pytest.mark.parametrize("name", sorted(PRESET_BUDGETS))
@@ -307,7 +351,7 @@ def test_an_unknown_format_version_is_refused(saved, tiny_llama):
     raw = saved.read_bytes()
     edited = raw.replace(b'\\"format\\":1', b'\\"format\\":7')
     assert edited != raw
-    _refused(_write(saved, edited), tiny_llama, "format", "reads format 1")
+    _refused(_write(saved, edited), tiny_llama, "format", "reads formats 1 and 2")
 
 
 def test_another_walshkv_version_is_refused(tiny_llama, tmp_path, monkeypatch):

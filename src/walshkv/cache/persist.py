@@ -9,6 +9,13 @@ layer ``i``, hold only the tokens the layer holds (never the reserved capacity o
   (``residual`` tokens, or KIVI's fp16 window; ``r`` may be 0);
 * ``layers.{i}.sink_k``, ``layers.{i}.sink_v``: the fp16 sink tokens of a ``sink:N:`` spec.
 
+``save_cache(..., at_rest="rans")`` stores every packed field entropy-coded instead
+(:func:`walshkv.ops.rans.encode_rows`: one rANS model per byte column class of the field, rows stored as they are
+where coding would not shorten them):
+the tensor is then a 1-D ``uint8`` blob, the header records the field's dtype and shape under ``coded``, the file's
+format is :data:`RANS_FORMAT_VERSION`, and :func:`load_cache` decodes it back to the same bytes before any other
+check of the layout. Nothing else changes: the checksum covers the blobs as stored.
+
 The safetensors metadata holds ``walshkv.cache``, a JSON header (:data:`FORMAT_VERSION`, the walshkv version,
 the canonical spec, ``residual``/``fused``/``max_cache_len``, the model identity, the calibration identity, and
 per layer its kind, dtype, positions and parts), and ``walshkv.sha256``, a checksum over the header text and
@@ -38,6 +45,7 @@ from walshkv.cache.layers import CompressedLayer, CompressedSlidingWindowLayer
 from walshkv.codecs.base import Codec, Packed
 from walshkv.codecs.spec import parse_cache_spec
 from walshkv.fileio import atomic_path
+from walshkv.ops.rans import RansError, decode_rows, encode_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -45,11 +53,16 @@ if TYPE_CHECKING:
     from walshkv.cache.compressed import CompressedCache
     from walshkv.codecs.calibration import Calibration
     from walshkv.codecs.spec import CacheSpec
+    from walshkv.constants import AtRest
 
-__all__ = ["FORMAT_VERSION", "CacheFileError", "load_cache", "save_cache", "saved_tensors"]
+__all__ = ["FORMAT_VERSION", "RANS_FORMAT_VERSION", "CacheFileError", "load_cache", "save_cache", "saved_tensors"]
 
-#: The version of this file format; :func:`load_cache` refuses any other.
+#: The version of this file format; :func:`load_cache` refuses any other (but :data:`RANS_FORMAT_VERSION`).
 FORMAT_VERSION = 1
+#: The format of a file whose packed fields are entropy-coded (``at_rest="rans"``); a reader of format 1 only
+#: refuses it by its version, naming the walshkv that reads it.
+RANS_FORMAT_VERSION = 2
+_FORMATS = {"packed": FORMAT_VERSION, "rans": RANS_FORMAT_VERSION}
 _HEADER, _CHECKSUM = "walshkv.cache", "walshkv.sha256"
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 
@@ -114,14 +127,56 @@ def saved_tensors(cache: CompressedCache) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def save_cache(cache: CompressedCache, path: str | os.PathLike[str]) -> None:
+def _code_fields(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """Replace every packed field of ``tensors`` by its rANS blob (1-D ``uint8``); ``{name: {dtype, shape}}``."""
+    coded = {}
+    for name, t in tensors.items():
+        if ".packed_" not in name or t.numel() == 0:
+            continue
+        rows = t.contiguous().view(torch.uint8).reshape(t.shape[0] * t.shape[1] * t.shape[2], -1)
+        tensors[name] = torch.frombuffer(bytearray(encode_rows(rows.numpy())), dtype=torch.uint8)
+        coded[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    return coded
+
+
+_BYTE_DTYPES = {"uint8": torch.uint8, "int8": torch.int8, **_DTYPES}
+
+
+def _decode_fields(path: Path, coded: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Undo :func:`_code_fields` in place, refusing a blob that does not decode to its recorded dtype and shape."""
+    if not isinstance(coded, dict):
+        raise CacheFileError(path, "corrupt", "the header's coded fields are not a mapping; save the cache again")
+    for name, what in coded.items():
+        blob = _take(path, tensors, name)
+        try:
+            dtype, shape = _BYTE_DTYPES[what["dtype"]], [int(n) for n in what["shape"]]
+            rows = decode_rows(blob.numpy().tobytes())
+            t = torch.from_numpy(rows).reshape(-1).view(dtype).reshape(shape)
+        except (RansError, KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise CacheFileError(
+                path, "corrupt", f"{name} does not decode to its saved field ({err}); save the cache again"
+            ) from err
+        tensors[name] = t
+
+
+def save_cache(cache: CompressedCache, path: str | os.PathLike[str], *, at_rest: AtRest = "packed") -> None:
     """Write ``cache`` to ``path`` (safetensors, atomically: a temporary file beside it, then a rename).
+
+    Args:
+        cache: the cache.
+        path: the file to write.
+        at_rest: ``"packed"`` (the fields as held in memory) or ``"rans"`` (every packed field entropy-coded:
+            smaller where the codes are not equally likely, decoded once by :func:`load_cache`;
+            research/scripts/bits_at_rest.py measures the gain per spec).
 
     Raises:
         ValueError: the cache was built without ``config=model.config`` (its model is unknown), or its layers
-            hold different positions (saved in the middle of a forward).
+            hold different positions (saved in the middle of a forward), or ``at_rest`` is not one of
+            ``packed``, ``rans``.
         OSError: the file could not be written; an existing ``path`` is unchanged.
     """
+    if at_rest not in _FORMATS:
+        raise ValueError(f"at_rest must be one of {', '.join(_FORMATS)}, got {at_rest!r}")
     if cache.model_config is None:
         raise ValueError(
             "this CompressedCache was built without config=model.config, so the model it belongs to is unknown; "
@@ -133,8 +188,9 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike[str]) -> None:
             f"the layers hold different positions ({lengths}): a forward is half done; save between forwards"
         )
     tensors: dict[str, torch.Tensor] = {}
+    layers = [_layer_state(i, layer, tensors) for i, layer in enumerate(cache.layers)]  # type: ignore[arg-type]
     header = {
-        "format": FORMAT_VERSION,
+        "format": _FORMATS[at_rest],
         "walshkv": __version__,
         "spec": cache.cache_spec.spec,
         "residual": cache.residual,
@@ -142,8 +198,10 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike[str]) -> None:
         "max_cache_len": cache.max_cache_len,
         "model": model_identity(cache.model_config),
         "calibration": calibration_digest(cache),
-        "layers": [_layer_state(i, layer, tensors) for i, layer in enumerate(cache.layers)],  # type: ignore[arg-type]
+        "layers": layers,
     }
+    if at_rest == "rans":
+        header["coded"] = _code_fields(tensors)
     text = json.dumps(header, sort_keys=True, separators=(",", ":"))
     metadata = {_HEADER: text, _CHECKSUM: checksum(text, tensors)}
     with atomic_path(path) as temp:
@@ -229,14 +287,16 @@ def _parse(path: Path, text: str) -> dict[str, Any]:
         header = json.loads(text)
     except ValueError as err:
         raise CacheFileError(path, "corrupt", f"walshkv's header is not JSON ({err}); save the cache again") from err
-    if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
+    if not isinstance(header, dict) or header.get("format") not in _FORMATS.values():
         found = header.get("format") if isinstance(header, dict) else None
         raise CacheFileError(
             path,
             "format",
-            f"format version {found!r}; this walshkv ({__version__}) reads format {FORMAT_VERSION}: load it with "
-            "the walshkv that wrote it, or save the cache again",
+            f"format version {found!r}; this walshkv ({__version__}) reads formats {FORMAT_VERSION} and "
+            f"{RANS_FORMAT_VERSION} (entropy-coded): load it with the walshkv that wrote it, or save the cache again",
         )
+    if (header["format"] == RANS_FORMAT_VERSION) != ("coded" in header):
+        raise CacheFileError(path, "corrupt", "the header's format and its coded fields disagree; save it again")
     return header
 
 
@@ -392,6 +452,8 @@ def load_cache(
             "flipped bit, an edit, a bad copy); copy it again or save the cache again",
         )
     _check_identity(path, header, model, spec)
+    if "coded" in header:  # entropy-coded fields: the same bytes again before the layout is checked
+        _decode_fields(path, header["coded"], tensors)
     saved = header["calibration"]
     if saved is not None and calibration is None:
         raise CacheFileError(
