@@ -73,7 +73,14 @@ MATRIX: tuple[tuple[str, str, str], ...] = (
         "persistence",
         "tests/cache/test_persist.py",
         "save/restore bit-exact for the fixed-size codecs and the presets, continued generation, every corruption "
-        "kind refused by reason (docs/persistence.md), a full disk during save (the path named, the old file kept)",
+        "kind refused by reason (docs/persistence.md), a full disk during save (the path named, the old file kept); "
+        "entropy-coded files (`at_rest='rans'`) bit-exact for every matrix codec, a blob that does not decode refused",
+    ),
+    (
+        "rANS blobs",
+        "tests/ops/test_rans.py",
+        "the bits-at-rest coder: round trips at stream boundaries and extreme histograms; truncated blobs, other "
+        "magic or version, a damaged frequency table and changed words refused (`RansError`), never decoded to garbage",
     ),
     (
         "file matrix",
