@@ -65,11 +65,27 @@ def _capacity(log: str) -> int | None:
     return int(m[-1].replace(",", "")) if m else None
 
 
+def _dirty() -> str:
+    """``-dirty`` if tracked code differs from the commit (docs/ and README.md, results and prose, do not count:
+    as ``walshkv.eval.provenance.code_commit``)."""
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs", ":(exclude)README.md"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return "-dirty" if status.strip() else ""
+
+
 def _commit() -> str:  # not walshkv.eval.provenance: .venv-vllm has walshkv without its dependencies
     try:
-        return subprocess.run(
-            ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
+        return (
+            subprocess.run(
+                ["git", "describe", "--always"], cwd=ROOT, capture_output=True, text=True, check=True
+            ).stdout.strip()
+            + _dirty()
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

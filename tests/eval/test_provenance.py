@@ -78,6 +78,15 @@ def test_only_a_walshkv_checkout_gives_a_commit(tmp_path, monkeypatch):
     (tmp_path / "untracked.txt").write_text("")  # untracked files do not count, as for git describe --dirty
     _git(tmp_path, "checkout", "-q", "--", "src")
     assert uncached() == head
+    results = tmp_path / "docs" / "results" / "r.json"  # a result file a reproduce script rewrites: not code
+    results.parent.mkdir(parents=True)
+    results.write_text("{}")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "r")
+    head = _git(tmp_path, "rev-parse", "--short", "HEAD")
+    results.write_text('{"kld": 1}')
+    (tmp_path / "README.md").write_text("pasted")
+    assert uncached() == head
     other = tmp_path / "lib" / "site-packages" / "walshkv"  # an installed copy inside another repository
     other.mkdir(parents=True)
     monkeypatch.setattr(provenance, "_PACKAGE", other.resolve())

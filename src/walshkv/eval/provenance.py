@@ -18,7 +18,7 @@ import torch
 
 from walshkv._version import __version__
 
-__all__ = ["CPU_FLAGS", "code_commit", "code_version", "cpu_meta", "proc_line"]
+__all__ = ["CPU_FLAGS", "NOT_CODE", "code_commit", "code_version", "cpu_meta", "proc_line"]
 
 #: The instruction-set flags (``/proc/cpuinfo`` names, spelled as the kernel spells them: ``avx512vbmi`` but
 #: ``avx512_vnni``) that change which kernels run and how fast.
@@ -76,13 +76,19 @@ def _git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+#: Paths of the work tree that hold results and prose, not code: changes there do not make a commit ``-dirty``.
+NOT_CODE = ("docs", "README.md")
+
+
 @functools.cache
 def code_commit() -> str:
     """``git describe --always --dirty`` of the walshkv checkout this package runs from, else the version.
 
     Only a source checkout counts (the package at ``<top>/src/walshkv`` of its work tree): an installed
     copy inside some other repository reports the package version. ``-dirty`` means tracked files differ
-    from the commit (untracked files do not count, as for ``git describe --dirty``); the state is read
+    from the commit (untracked files do not count, as for ``git describe --dirty``), outside :data:`NOT_CODE`:
+    a reproduce script that writes several result files into ``docs/`` in turn is still measuring the commit's
+    code when it reaches the second one; the state is read
     once per process, at the first call: every ``walshkv`` command reads it as it starts, so a long run records
     the code it loaded, not a commit made in the checkout while it ran.
     """
@@ -92,7 +98,7 @@ def code_commit() -> str:
     described = _git("describe", "--always")
     if described is None:
         return __version__
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", *(f":(exclude){p}" for p in NOT_CODE))
     return described + ("-dirty" if status else "")
 
 
