@@ -18,11 +18,16 @@ DATA="${DATA:-../shared/data}"
 EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
 STAGES="${STAGES:-kld select needle holdout select-check frame select-fast fast report}"
-MODELS="${MODELS:-smollm2-135m qwen2.5-1.5b}"
+MODELS="${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}"
+# the needle grids (about an hour per part on 2 cores): the models that have one
+NEEDLE_MODELS="${NEEDLE_MODELS:-smollm2-135m qwen2.5-1.5b}"
 # contexts per model (smollm2-135m's limit is 8192 positions) and windows per context (fewer, longer windows
 # at longer contexts); the 512-token column of the report is the holdout stage's Emma run
 CTXS_smollm="${CTXS_smollm:-2048 4096 8192}"
 CTXS_qwen="${CTXS_qwen:-2048 4096 16384}"
+# gemma3-270m: 5 of its 6 layers attend to a 512-token sliding window, so 2k and 8k ask whether the global layers'
+# codes hold where the local ones see none of the window's start (its trained context is 32k; 32k is not run)
+CTXS_gemma="${CTXS_gemma:-2048 8192}"
 SELECT_MODELS="${SELECT_MODELS:-smollm2-135m}"
 SELECT_BITS="${SELECT_BITS:-3 3.5 4.5}"
 # the fast presets (walshkv:B-fast, stages select-fast and fast): chosen and measured on these models and budgets
@@ -33,8 +38,15 @@ windows_for() {
   case "$1" in 512) echo 16 ;; 2048) echo 4 ;; 4096) echo 2 ;; *) echo 1 ;; esac
 }
 
-# holdout windows of 512 tokens per text (qwen2.5-1.5b: fewer, each forward costs ten times smollm2's)
-holdout_windows() { case "$1" in qwen2.5-1.5b) echo "${HOLDOUT_WINDOWS_qwen:-8}" ;; *) echo "${HOLDOUT_WINDOWS:-16}" ;; esac; }
+# holdout windows of 512 tokens per text (qwen2.5-1.5b: fewer, each forward costs ten times smollm2's;
+# and gemma3-270m: its 262k-token vocabulary makes each scored position's KLD several times smollm2's)
+holdout_windows() {
+  case "$1" in
+  qwen2.5-1.5b) echo "${HOLDOUT_WINDOWS_qwen:-8}" ;;
+  gemma3-270m) echo "${HOLDOUT_WINDOWS_gemma:-8}" ;;
+  *) echo "${HOLDOUT_WINDOWS:-16}" ;;
+  esac
+}
 # the holdout's sweep of grid $2 on model $1 at 512 tokens: Persuasion first (the targets are judged on it), then Emma
 holdout_sweep() {
   for text in "$PERSUASION" "$EMMA"; do
@@ -42,16 +54,23 @@ holdout_sweep() {
       --calib-text python-docs --decode-chunk 16 --chunk 16 --reuse-rows --quiet --out "$OUT/holdout/$1/$(basename "$text" .txt)"
   done
 }
-# the grid per context: every row up to 2k; beyond, the core rows (docs/grids/long-context-core.json), which fit
-# 2 cores (GRID_LONG=long-context runs every row there too)
+# the grid per context: smollm2-135m every row up to 2k; beyond, and on the other models at every context, the core
+# rows (docs/grids/long-context-core.json), which fit 2 cores (GRID_LONG=long-context runs every row there too)
 # qwen2.5-1.5b (ten times smollm2's cost per forward): the core grid and one window at every context
 # from 16k tokens on, the 16k grid (docs/grids/long-context-16k.json: walshkv:3, walshkv:3.5, rotated q8_0 K / q4_0 V, q4_0)
 grid_for() {
-  if [ "$1" -le 2048 ] && [ "$2" != qwen2.5-1.5b ]; then echo long-context
+  if [ "$1" -le 2048 ] && [ "$2" = smollm2-135m ]; then echo long-context
   elif [ "$1" -ge 16384 ]; then echo "${GRID_16K:-docs/grids/long-context-16k.json}"
   else echo "${GRID_LONG:-docs/grids/long-context-core.json}"; fi
 }
-ctxs_for() { case "$1" in smollm2-135m) echo "$CTXS_smollm" ;; qwen2.5-1.5b) echo "$CTXS_qwen" ;; *) echo "512 2048" ;; esac; }
+ctxs_for() {
+  case "$1" in
+  smollm2-135m) echo "$CTXS_smollm" ;;
+  qwen2.5-1.5b) echo "$CTXS_qwen" ;;
+  gemma3-270m) echo "$CTXS_gemma" ;;
+  *) echo "2048" ;;
+  esac
+}
 
 for stage in $STAGES; do
   case "$stage" in
@@ -95,7 +114,7 @@ for stage in $STAGES; do
     # default, for intervals worth reading). Each part is skipped once its JSON exists (delete it to rerun).
     # qwen2.5-1.5b runs in two parts added together (walshkv needle --add-to): 2k and 4k at every depth, then 16k
     # at depth 0.5 alone (a 16k prefill is about a quarter of an hour per cache on 2 cores)
-    for model in $MODELS; do
+    for model in $NEEDLE_MODELS; do
       dir="$OUT/needle/$model"
       mkdir -p "$dir"
       files=(--json "$dir/needle.json" --csv "$dir/needle.csv" --markdown "$dir/needle.md" --png "$dir/heatmap.png")

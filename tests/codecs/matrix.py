@@ -92,6 +92,9 @@ MATRIX: tuple[Entry, ...] = (
     Entry("tcq:3", 0.2, bad_head_dim=_ODD),
     Entry("tcq:2.5", 0.28, bad_head_dim=_ODD),
     Entry("tcq:4", 0.1, kind="v", bad_head_dim=_ODD),
+    Entry("tq:3:norm=8", 0.23, bad_head_dim=_ODD),  # the norm as a log byte (walshkv.ops.lognorm)
+    Entry("tcq:3:norm=8", 0.2, bad_head_dim=_ODD),
+    Entry("tcq:2.5:norm=8", 0.28, kind="v", bad_head_dim=_ODD),
     # vLLM 0.32's own caches (emulated): TurboQuant keys and values, turboquant_k8v4's fp8 keys, int4_per_token_head;
     Entry("vllm-tq:3:nc", 0.2, bad_head_dim=_ODD),
     Entry("vllm-tq:4", 0.11, bad_head_dim=_ODD),
@@ -124,6 +127,7 @@ MATRIX: tuple[Entry, ...] = (
     Entry("eqd+tq:3", 0.23, kind="v", calibrated=True, bad_head_dim=_ODD),
     Entry("prerope+center+eqd+rot+iq4_nl", 0.15, calibrated=True, positional=True, bad_head_dim=_ODD),
     Entry("prerope+center+eqd+tcq:3.5", 0.17, calibrated=True, positional=True, bad_head_dim=_ODD),
+    Entry("prerope+center+eq+tcq:3:norm=8", 0.2, calibrated=True, positional=True, bad_head_dim=_ODD),
 )
 
 

@@ -481,7 +481,17 @@ def _desc(
     shape = codes.shape
     keep: list[torch.Tensor] = [codes]
     scale_ptr, s0, s1, s2 = 0, 0, 0, 0
-    if f.scale_field is not None:
+    if f.norm_table is not None:  # one log byte per row (norm=8)
+        scale = packed.tensors.get(f.scale_field or "norm")
+        if scale is None or scale.dtype != torch.uint8 or scale.shape != (*shape[:3], 1):
+            raise ValueError(
+                f"packed {what} field {f.scale_field!r} must be uint8 [batch, heads, seq, 1] (a log-coded norm): pass "
+                "the codec that encoded this cache"
+            )
+        keep += [scale, f.norm_table]
+        scale_ptr = scale.data_ptr()
+        s0, s1, s2, _ = scale.stride()
+    elif f.scale_field is not None:
         scale = packed.tensors.get(f.scale_field)
         as_bytes = scale is not None and scale.dtype == torch.uint8  # its raw bytes (a page slot's view)
         if scale is None or not (
@@ -519,6 +529,8 @@ def _desc(
         table, shifts, taps, state_bits = f.trellis
         keep += [table, shifts]
         desc += [table.data_ptr(), shifts.data_ptr(), taps, state_bits]
+    if f.norm_table is not None:
+        desc.append(f.norm_table.data_ptr())
     return desc, keep
 
 

@@ -25,6 +25,7 @@ from walshkv.codecs.trellis import TrellisQuant
 from walshkv.codecs.turbo import TurboQuant
 from walshkv.codecs.vht2 import VHT2Codec
 from walshkv.ops import trellis
+from walshkv.ops.lognorm import log_norm_table
 from walshkv.ops.packing import packed_nbytes
 
 __all__ = [
@@ -74,6 +75,8 @@ class KernelFormat:
     # tcq: (table float32 [2**L], shifts int32 [taps, head_dim], taps, L): value i decodes to
     # table[(sum_t code[(i - t) mod d] << shifts[t, i]) mod 2**L] (a shift of 32 adds nothing)
     trellis: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+    # tq, tcq at norm=8: the norm field is one log byte per row, worth norm_table[byte] (float32 [256])
+    norm_table: torch.Tensor | None = None
 
 
 _FORMATS: dict[tuple[str, str, int], KernelFormat | None] = {}
@@ -105,6 +108,11 @@ def _vht2_format(core: VHT2Codec, head_dim: int) -> KernelFormat | None:
     return KernelFormat("banded", 0, byte, start, 0, "codes", "scale", basis, len(bands), tuple(table))
 
 
+def _norm_table(core: TurboQuant) -> torch.Tensor | None:
+    """The value of each norm byte (float32 [256]) where ``core`` stores its norms as log bytes, else ``None``."""
+    return log_norm_table() if core.norm_bits == 8 else None
+
+
 def _tq_format(core: TurboQuant, head_dim: int) -> KernelFormat | None:
     """tq: each segment's codes through its Lloyd-Max levels; the basis is the codec's inverse rotation."""
     try:
@@ -120,7 +128,9 @@ def _tq_format(core: TurboQuant, head_dim: int) -> KernelFormat | None:
     basis = core.unrotate(torch.eye(head_dim)).T.contiguous()  # column j: the vector buffer position j decodes to
     first = segments[0]
     row_bytes = packed_nbytes(first[2], first[3])
-    return KernelFormat("tq", 0, row_bytes, head_dim, 0, first[0], "norm", basis, segments=tuple(segments))
+    return KernelFormat(
+        "tq", 0, row_bytes, head_dim, 0, first[0], "norm", basis, segments=tuple(segments), norm_table=_norm_table(core)
+    )
 
 
 def _tcq_format(core: TrellisQuant, head_dim: int) -> KernelFormat | None:
@@ -148,6 +158,7 @@ def _tcq_format(core: TrellisQuant, head_dim: int) -> KernelFormat | None:
         basis,
         segments=segments,
         trellis=(table, shifts.contiguous(), shifts.shape[0], core.state_bits),
+        norm_table=_norm_table(core.rotation),
     )
 
 

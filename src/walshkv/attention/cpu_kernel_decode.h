@@ -131,7 +131,7 @@ static void decode_tile_tq(const Src& s, int64_t b, int64_t h, int64_t t, int nt
       default: tq_segment_rows<8>(r, st, nt, n, end, lv, dst, ld); break;
     }
   }
-  for (int i = 0; i < nt; ++i) rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
+  for (int i = 0; i < nt; ++i) rs[i] = row_norm(s, sc + i * s.ss2) * s.row_mul;
 }
 
 // tcq: one row whose codes sit (as floats) at their buffer positions 0..L-1 to its trellis values, in place: each
@@ -225,7 +225,7 @@ static void decode_tile_tcq_vbmi(const Src& s, int64_t b, int64_t h, int64_t t, 
         }
       }
     }
-    rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
+    rs[i] = row_norm(s, sc + i * s.ss2) * s.row_mul;
   }
 }
 #endif
@@ -283,7 +283,7 @@ static void decode_tile_tcq_avx2(const Src& s, int64_t b, int64_t h, int64_t t, 
       }
       _mm256_storeu_ps(row + 8 * c, _mm256_i32gather_ps(tab, x, 4));
     }
-    rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
+    rs[i] = row_norm(s, sc + i * s.ss2) * s.row_mul;
   }
 }
 #endif
@@ -320,7 +320,7 @@ static void decode_tile_tcq(const Src& s, int64_t b, int64_t h, int64_t t, int n
   }
   for (int i = 0; i < nt; ++i) {
     tcq_row(s, tile + i * ld);
-    rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
+    rs[i] = row_norm(s, sc + i * s.ss2) * s.row_mul;
   }
 }
 
@@ -376,7 +376,7 @@ static void decode_tile_tq_pairs(const Src& s, int64_t b, int64_t h, int64_t t, 
       default: tq_segment_pairs<4>(r, st, nt, n, s.seg_end[g], s.seg_pairs[g], hi, lo, Lp); break;
     }
   }
-  for (int i = 0; i < nt; ++i) rs[i] = h2f(sc + i * s.ss2) * s.row_mul;
+  for (int i = 0; i < nt; ++i) rs[i] = row_norm(s, sc + i * s.ss2) * s.row_mul;
 }
 #endif
 

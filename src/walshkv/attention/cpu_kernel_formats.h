@@ -85,6 +85,7 @@ struct Src {
   // each level as bf16 hi (low half) and lo (high half) parts, the split the AMX key map makes (levels of <= 5 bits)
   alignas(64) int32_t seg_pairs[MAX_SEGS][32];
   float row_mul;                      // FMT_TQ, FMT_TCQ: the row factor is norm * row_mul (1 / sqrt(d))
+  const float* norm_lut;              // FMT_TQ, FMT_TCQ at norm=8: the norm byte's value (float32 [256]); else fp16
   // FMT_TCQ (tq's segments, whose codes form one wrapped trellis stream): value i decodes to
   // tcq_table[(sum over taps t of code[i - t] << tcq_shift[t * L + i]) & tcq_mask], code indices mod L, a shift of
   // 32 or more contributing nothing
@@ -95,6 +96,9 @@ struct Src {
   TcqVbmi tcq_vbmi;                         // ok only where the build has VBMI and the layout fits (make_tcq_vbmi)
   std::shared_ptr<const TcqAvx2> tcq_avx2;  // set only where the build has AVX2, no VBMI plan and the layout fits
 };
+
+// A tq/tcq row's norm: its fp16 at p, or (norm=8, walshkv.ops.lognorm) the value of its log byte.
+static inline float row_norm(const Src& s, const uint8_t* p) { return s.norm_lut ? s.norm_lut[*p] : h2f(p); }
 
 // The value each lane of a VBMI chunk holds (TcqVbmi).
 static inline int tcq_vbmi_value(int chunk, int lane) {
@@ -248,6 +252,7 @@ static Src make_src(const std::vector<int64_t>& a) {
   s.nbands = 0;
   s.nseg = 0;
   s.row_mul = 1.0f;
+  s.norm_lut = nullptr;
   s.tcq_table = nullptr;
   s.tcq_shift = nullptr;
   s.tcq_taps = 0;
@@ -256,8 +261,11 @@ static Src make_src(const std::vector<int64_t>& a) {
   if (s.fmt == FMT_TQ || s.fmt == FMT_TCQ) {
     const int64_t extra = s.fmt == FMT_TCQ ? 4 : 0;  // tcq: table, shifts, taps, state bits after the segments
     s.nseg = a.size() > 15 ? (int)a[15] : 0;
-    if (s.nseg < 1 || s.nseg > MAX_SEGS || (int64_t)a.size() != 16 + 9 * (int64_t)s.nseg + extra)
+    // one more entry after them all: the norm byte's table (norm=8)
+    const int64_t base = 16 + 9 * (int64_t)s.nseg + extra;
+    if (s.nseg < 1 || s.nseg > MAX_SEGS || ((int64_t)a.size() != base && (int64_t)a.size() != base + 1))
       throw std::invalid_argument("walshkv decode attention: bad tq segment table");
+    if ((int64_t)a.size() == base + 1) s.norm_lut = reinterpret_cast<const float*>(a[base]);
     if (extra) {
       const int64_t* e = a.data() + 16 + 9 * s.nseg;
       s.tcq_table = reinterpret_cast<const float*>(e[0]);

@@ -216,10 +216,11 @@ def triton_supports(codec: Codec, head_dim: int) -> bool:
 
 
 def _fields(
-    packed: Packed, fmt: tuple[int, int, int, int, str], what: str, scales: int = 1
-) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """The codes (uint8, last dim contiguous), for intB, vht2 and tq the fp16 scales (tq: norms), and whether those
-    are given as their raw bytes (``uint8 [..., 2 * scales]``, a page slot's view: the kernel reads them bytewise)."""
+    packed: Packed, fmt: tuple[int, int, int, int, str], what: str, scales: int = 1, norm8: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """The codes (uint8, last dim contiguous), for intB, vht2 and tq the fp16 scales (tq: norms), and how the kernel
+    reads those (``S_RAW``): 0 typed fp16, 1 their raw bytes (``uint8 [..., 2 * scales]``, a page slot's view: the
+    kernel reads them bytewise), 2 one log byte per token (``norm8``: tq/tcq at ``norm=8``, ``uint8 [..., 1]``)."""
     kind, _, row_bytes, _, name = fmt
     codes = packed.tensors.get(name)
     if codes is None or codes.dtype != torch.uint8 or codes.dim() != 4 or codes.shape[3] != row_bytes:
@@ -235,6 +236,10 @@ def _fields(
     field = "norm" if kind in (FMT_TQ, FMT_TCQ) else "scale"
     scale = packed.tensors.get(field)
     lead = (*codes.shape[:3],)
+    if norm8:
+        if scale is None or scale.dtype != torch.uint8 or tuple(scale.shape) != (*lead, 1):
+            raise ValueError(f"packed {what} field {field!r} must be uint8 [batch, heads, seq, 1] (a log-coded norm)")
+        return codes, scale, 2
     raw = scale is not None and scale.dtype == torch.uint8 and tuple(scale.shape) == (*lead, 2 * scales)
     if scale is None or not (raw or (scale.dtype == torch.float16 and tuple(scale.shape) == (*lead, scales))):
         raise ValueError(
@@ -243,14 +248,14 @@ def _fields(
         )
     if scale.stride(3) != 1:
         scale = scale.contiguous()
-    return codes, scale, raw
+    return codes, scale, int(raw)
 
 
 def _side(
     packed: Packed, core: Codec, fmt: tuple[int, int, int, int, str], d: int, device: torch.device, what: str
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
-    """One side's kernel inputs: codes, scales, position table, second codes tensor, levels, basis, and whether the
-    scales are raw bytes (:func:`_fields`).
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """One side's kernel inputs: codes, scales, position table, second codes tensor, levels, basis, and how the
+    scales are read (``S_RAW`` of :func:`_fields`).
 
     Inputs a format does not read are stand-ins (the codes again, with their strides): any pointer will do.
     """
@@ -260,7 +265,9 @@ def _side(
     if isinstance(core, VHT2Codec):
         table, basis = _band_table(core, d, device)
         scales = len(core.bands(d))
-    codes, scale, raw = _fields(packed, fmt, what, scales)
+    rotation = core.rotation if isinstance(core, TrellisQuant) else core
+    norm8 = isinstance(rotation, TurboQuant) and rotation.norm_bits == 8
+    codes, scale, raw = _fields(packed, fmt, what, scales, norm8)
     if isinstance(core, (TurboQuant, TrellisQuant)):
         table, levels, basis = (
             _tq_table(core, d, device) if isinstance(core, TurboQuant) else _tcq_table(core, d, device)
@@ -268,7 +275,7 @@ def _side(
         segments = core.segments(d) if isinstance(core, TurboQuant) else core.rotation.segments(d)
         if len(segments) == 2:
             name, start, stop, bits = segments[1]
-            codes2, _, _ = _fields(packed, (fmt[0], 0, packed_nbytes(stop - start, bits), 0, name), what)
+            codes2, _, _ = _fields(packed, (fmt[0], 0, packed_nbytes(stop - start, bits), 0, name), what, 1, norm8)
             if tuple(codes2.shape[:3]) != tuple(codes.shape[:3]):
                 raise ValueError(f"packed {what} fields {fmt[4]!r} and {name!r} hold different token counts")
     stand_in = codes
@@ -482,7 +489,7 @@ def fused_decode_triton_prerope(
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot), got {block_n}")
     kc, ks, kt_t, kc2, kl, _, k_raw = _side(packed_k, parts.core, fk, d, q.device, "K")
     vc, vs, vt_t, vc2, vl, v_basis, v_raw = _side(packed_v, v_core, fv, d, q.device, "V")
-    if k_raw or v_raw:
+    if k_raw == 1 or v_raw == 1:
         raise ValueError("the prerope+ Triton kernel reads typed float16 scales, not their bytes (a page view)")
     ks_t = ks if ks is not None else kc  # (unused by the ggml branch: any pointer will do)
     vs_t = vs if vs is not None else vc
@@ -508,7 +515,7 @@ def fused_decode_triton_prerope(
         *kc.stride()[:3], *kss, *vc.stride()[:3], *vss, *kc2.stride()[:3], *vc2.stride()[:3],
         D=d, HALF=half, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_G=block_g, BLOCK_N=bn,
         K_FMT=fk[0], K_BITS=fk[1], K_ROW=fk[2], K_QMAX=fk[3],
-        V_FMT=fv[0], V_BITS=fv[1], V_ROW=fv[2], V_QMAX=fv[3],
+        V_FMT=fv[0], V_BITS=fv[1], V_ROW=fv[2], V_QMAX=fv[3], K_RAW=k_raw, V_RAW=v_raw,
         num_warps=4 if block_d <= 64 else 8,
     )  # fmt: skip
     if v_basis is not None:  # the V sum from coefficient order back to v_core's (model) basis

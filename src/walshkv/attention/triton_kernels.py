@@ -92,8 +92,10 @@ def _rows(
     """Unpacked rows ``[BLOCK_N, BLOCK_D]`` (block scales applied) and per-token scales ``[BLOCK_N]``.
 
     ``offc``, ``offs``, ``offc2`` ``[BLOCK_N]``: where each token's codes, scales and second codes start (elements
-    from the pointers: the caller resolves batch, head, token or a block table into them). ``S_RAW``: the fp16
-    scales are given as their bytes (``scale_ptr`` uint8, ``offs`` in bytes; a page slot does not align them).
+    from the pointers: the caller resolves batch, head, token or a block table into them). ``S_RAW``: 0, typed fp16
+    scales; 1, the fp16 scales as their bytes (``scale_ptr`` uint8, ``offs`` in bytes; a page slot does not align
+    them); 2 (tq/tcq at ``norm=8``), one log byte per token, ``2 ** ((byte - 128) / 8)`` and 0 for byte 0
+    (:mod:`walshkv.ops.lognorm`).
     """
     row = codes_ptr + offc[:, None]
     m2 = mask_n[:, None] & mask_d[None, :]
@@ -187,7 +189,10 @@ def _rows(
         vals = tl.where(m2, vals, 0.0)
         tok = tl.where(mask_n, 1.0, 0.0)
     if FMT == 0 or FMT == 4 or FMT == 5:  # one fp16 factor per token: intB's scale, tq's and tcq's norm
-        if S_RAW:
+        if S_RAW == 2:  # tq/tcq at norm=8: a log byte
+            nb = tl.load(scale_ptr + offs, mask=mask_n, other=0).to(tl.float32)
+            tok = tl.where(nb > 0.0, tl.exp2((nb - 128.0) * 0.125), 0.0)
+        elif S_RAW:
             slo = tl.load(scale_ptr + offs, mask=mask_n, other=0).to(tl.uint16)
             shi = tl.load(scale_ptr + offs + 1, mask=mask_n, other=0).to(tl.uint16)
             tok = (slo | (shi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
@@ -363,6 +368,8 @@ def _prerope_kernel(
     V_BITS: tl.constexpr,
     V_ROW: tl.constexpr,
     V_QMAX: tl.constexpr,
+    K_RAW: tl.constexpr = 0,
+    V_RAW: tl.constexpr = 0,
 ):
     """``prerope+`` K: one program per (batch, kv head) and all ``G`` query heads of its group.
 
@@ -401,7 +408,7 @@ def _prerope_kernel(
         k_rows, ktok = _rows(
             kc_ptr, ks_ptr, kt_ptr, kc2_ptr, kl_ptr, b * kcs0 + h * kcs1 + offs_n64 * kcs2,
             b * kss0 + h * kss1 + offs_n64 * kss2, b * kc2s0 + h * kc2s1 + offs_n64 * kc2s2, mask_n, offs_d, mask_d,
-            K_FMT, K_BITS, K_ROW, K_QMAX, D, False,
+            K_FMT, K_BITS, K_ROW, K_QMAX, D, K_RAW,
         )  # fmt: skip
         k_rows = k_rows * ktok[:, None]
         mt1 = tl.load(mt_row, mask=mask_mt, other=0.0)  # (re-read per block from cache: fewer live registers)
@@ -424,7 +431,7 @@ def _prerope_kernel(
         v_rows, vtok = _rows(
             vc_ptr, vs_ptr, vt_ptr, vc2_ptr, vl_ptr, b * vcs0 + h * vcs1 + offs_n64 * vcs2,
             b * vss0 + h * vss1 + offs_n64 * vss2, b * vc2s0 + h * vc2s1 + offs_n64 * vc2s2, mask_n, offs_d, mask_d,
-            V_FMT, V_BITS, V_ROW, V_QMAX, D, False,
+            V_FMT, V_BITS, V_ROW, V_QMAX, D, V_RAW,
         )  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p, v_rows * vtok[:, None], input_precision="ieee")
         m_i = m_new

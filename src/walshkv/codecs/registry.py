@@ -254,7 +254,7 @@ register_codec(
     "tq",
     parse_tq_args,
     "TurboQuant MSE: randomized Hadamard rotation, fp16 norm, Lloyd-Max codes per coordinate "
-    "(tq:B, B in 1..8 or a half width like 2.5; [:codebook=gauss|beta][:seed=N])",
+    "(tq:B, B in 1..8 or a half width like 2.5; [:codebook=gauss|beta][:seed=N][:norm=8: the norm as a log byte])",
     example="tq:3",
 )
 register_codec(
@@ -268,7 +268,7 @@ register_codec(
     "tcq",
     parse_tcq_args,
     "tq's rotation and fp16 norm with a tail-biting bitshift trellis code of 2**L states in place of the scalar "
-    "quantizer (tcq:B, B in 1..5 or a half width like 2.5; [:L=8][:seed=N])",
+    "quantizer (tcq:B, B in 1..5 or a half width like 2.5; [:L=8][:seed=N][:norm=8])",
     example="tcq:3",
 )
 for _bits in (2, 4):

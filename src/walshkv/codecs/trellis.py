@@ -32,7 +32,7 @@ import torch
 from walshkv.codecs import accelerated
 from walshkv.codecs.accelerated import Step
 from walshkv.codecs.base import Codec, Field, Packed
-from walshkv.codecs.turbo import TurboQuant, _check_seed, _fmt_bits
+from walshkv.codecs.turbo import TurboQuant, _check_norm_bits, _check_seed, _fmt_bits
 from walshkv.ops import trellis
 from walshkv.ops.packing import pack_bits, unpack_bits
 
@@ -62,12 +62,14 @@ def _valid(values: tuple[float, ...]) -> str:
 
 @dataclass(frozen=True, repr=False)
 class TrellisQuant(Codec):
-    """``tcq:B[:L=8][:seed=N]``: Hadamard rotation, fp16 norm, a tail-biting trellis code of ``B`` bits per value.
+    """``tcq:B[:L=8][:seed=N][:norm=16|8]``: Hadamard rotation, fp16 norm, a tail-biting trellis code of ``B`` bits
+    per value.
 
     Attributes:
         bits: one of :data:`TCQ_BITS` (a float: ``TrellisQuant(3) == TrellisQuant(3.0)``).
         state_bits: ``L``, the trellis state in bits, one of :data:`TCQ_STATE_BITS` (8: 256 states, the one shipped).
         seed: seed of the rotation's sign flips (tq's).
+        norm_bits: 16 (fp16 norm, default) or 8 (a log byte, :mod:`walshkv.ops.lognorm`), as tq's.
         rotation: the ``tq:B`` codec whose rotation, norm and fields this codec shares (derived).
 
     Stored per vector: tq's fields at the same width (``codes`` or ``codes_hi``/``codes_lo``, ``norm``).
@@ -76,6 +78,7 @@ class TrellisQuant(Codec):
     bits: float
     state_bits: int = 8
     seed: int = 0
+    norm_bits: int = 16
     rotation: TurboQuant = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -90,7 +93,8 @@ class TrellisQuant(Codec):
                 f"tcq's state size L is one of {', '.join(map(str, TCQ_STATE_BITS))} bits; got {self.state_bits!r}"
             )
         _check_seed(self.seed, "tcq")
-        self._set(bits=bits, rotation=TurboQuant(bits, self.seed))
+        _check_norm_bits(self.norm_bits, "tcq")
+        self._set(bits=bits, rotation=TurboQuant(bits, self.seed, norm_bits=self.norm_bits))
         super().__post_init__()
 
     def _spec(self) -> str:
@@ -99,6 +103,8 @@ class TrellisQuant(Codec):
             spec += f":L={self.state_bits}"
         if self.seed:
             spec += f":seed={self.seed}"
+        if self.norm_bits != 16:
+            spec += f":norm={self.norm_bits}"
         return spec
 
     def table(self, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -126,7 +132,7 @@ class TrellisQuant(Codec):
     def _encode(self, x: torch.Tensor) -> Packed:
         d = x.shape[-1]
         norm = torch.linalg.vector_norm(x if x.dtype == torch.float64 else x.to(torch.float64), dim=-1, keepdim=True)
-        norm16 = norm.to(torch.float16)
+        stored, norm16 = self.rotation.store_norm(norm, self.spec)
         t = self.rotation.scaled_rotation(x, norm, norm16, self.spec)
         tab, widths = self.table(x.device), self.widths(d)
         codes = None
@@ -139,7 +145,7 @@ class TrellisQuant(Codec):
         tensors = {
             name: pack_bits(codes[..., start:stop], bits) for name, start, stop, bits in self.rotation.segments(d)
         }
-        tensors["norm"] = norm16
+        tensors["norm"] = stored
         return Packed(tensors, d, x.dtype)
 
     def codes(self, packed: Packed) -> torch.Tensor:
@@ -155,7 +161,7 @@ class TrellisQuant(Codec):
         d = packed.head_dim
         states = trellis.codes_to_states(self.codes(packed), self.widths(d), self.state_bits)
         t = self.table(states.device)[states]
-        scale = packed.tensors["norm"].to(torch.float32) / math.sqrt(d)
+        scale = self.rotation.stored_norm(packed.tensors["norm"]) / math.sqrt(d)
         return self.rotation.unrotate(t * scale)
 
 
@@ -172,8 +178,8 @@ def _table(bits: float, state_bits: int, device: torch.device) -> torch.Tensor:
 
 
 def parse_tcq_args(args: str | None) -> TrellisQuant:
-    """Factory for ``tcq:BITS[:L=8][:seed=N]``."""
-    usage = f"tcq takes tcq:BITS[:L=8][:seed=N] with BITS one of {_valid(TCQ_BITS)} (e.g. tcq:3)"
+    """Factory for ``tcq:BITS[:L=8][:seed=N][:norm=16|8]``."""
+    usage = f"tcq takes tcq:BITS[:L=8][:seed=N][:norm=16|8] with BITS one of {_valid(TCQ_BITS)} (e.g. tcq:3)"
     if not args:
         raise ValueError(f"{usage}; got 'tcq' without a bit width")
     head, *opts = args.split(":")
@@ -181,11 +187,11 @@ def parse_tcq_args(args: str | None) -> TrellisQuant:
         bits: Any = float(head.strip())
     except ValueError:
         raise ValueError(f"{usage}; got {head.strip()!r}") from None
-    state_bits, seed = 8, 0
+    state_bits, seed, norm_bits = 8, 0, 16
     for opt in opts:
         key, sep, value = opt.partition("=")
         key, value = key.strip().lower(), value.strip()
-        if not sep or key not in ("l", "seed"):
+        if not sep or key not in ("l", "seed", "norm"):
             raise ValueError(f"{usage}; unknown option {opt!r}")
         try:
             number = int(value)
@@ -193,6 +199,8 @@ def parse_tcq_args(args: str | None) -> TrellisQuant:
             raise ValueError(f"{usage}; {key} must be an integer, got {value!r}") from None
         if key == "l":
             state_bits = number
+        elif key == "norm":
+            norm_bits = number
         else:
             seed = number
-    return TrellisQuant(bits, state_bits, seed)
+    return TrellisQuant(bits, state_bits, seed, norm_bits)

@@ -41,6 +41,7 @@ from walshkv.codecs.accelerated import Step
 from walshkv.codecs.base import Codec, Field, Packed
 from walshkv.ops.hadamard import _check_size, hadamard_transform, signed_hadamard, signs_for
 from walshkv.ops.lloyd_max import LloydMax, lloyd_max, threshold_codes
+from walshkv.ops.lognorm import decode_log_norms, encode_log_norms
 from walshkv.ops.packing import pack_bits, pack_bits_span, packed_nbytes, unpack_bits
 from walshkv.ops.quant import FP16_MAX, check_finite, cpu_scalar, device_checks, min_max
 
@@ -101,6 +102,18 @@ def _check_seed(seed: Any, name: str) -> int:
     return seed
 
 
+#: Bits of the stored norm: fp16, or a logarithmic byte (:mod:`walshkv.ops.lognorm`).
+NORM_BITS: tuple[int, ...] = (16, 8)
+
+
+def _check_norm_bits(norm_bits: Any, name: str) -> None:
+    if isinstance(norm_bits, bool) or norm_bits not in NORM_BITS:
+        raise ValueError(
+            f"{name} stores its norm in one of {', '.join(map(str, NORM_BITS))} bits (norm=8: a log byte); "
+            f"got {norm_bits!r}"
+        )
+
+
 def _check_codebook(codebook: Any, name: str) -> None:
     if codebook not in CODEBOOKS:
         raise ValueError(f"{name} codebook must be one of {', '.join(CODEBOOKS)}, got {codebook!r}")
@@ -129,24 +142,49 @@ class TurboQuant(Codec):
         seed: seed of the random sign flips (default 0).
         codebook: ``"gauss"`` (unit Gaussian Lloyd-Max levels, default) or ``"beta"`` (levels for the
             exact density of a rotated coordinate at this head_dim).
+        norm_bits: 16 (the norm as fp16, default) or 8 (``:norm=8``: a logarithmic byte,
+            :mod:`walshkv.ops.lognorm`; the vector is scaled by the decoded norm, so the codes absorb its rounding).
 
-    Stored per vector (integer B): ``codes uint8[ceil(d*B/8)]`` and ``norm float16[1]``; for a half
-    width, ``codes_hi uint8[ceil((d/2)*ceil(B)/8)]``, ``codes_lo uint8[ceil((d/2)*floor(B)/8)]`` and
-    ``norm``.
+    Stored per vector (integer B): ``codes uint8[ceil(d*B/8)]`` and ``norm float16[1]`` (``uint8[1]`` at
+    ``norm=8``); for a half width, ``codes_hi uint8[ceil((d/2)*ceil(B)/8)]``, ``codes_lo
+    uint8[ceil((d/2)*floor(B)/8)]`` and ``norm``.
     """
 
     bits: float
     seed: int = 0
     codebook: str = "gauss"
+    norm_bits: int = 16
 
     def __post_init__(self) -> None:
         self._set(bits=_check_bits(self.bits, TQ_BITS, "tq"))
         _check_seed(self.seed, "tq")
         _check_codebook(self.codebook, "tq")
+        _check_norm_bits(self.norm_bits, "tq")
         super().__post_init__()
 
     def _spec(self) -> str:
-        return _canonical("tq", self.bits, self.seed, self.codebook)
+        return _canonical("tq", self.bits, self.seed, self.codebook, self.norm_bits)
+
+    # --- the norm -------------------------------------------------------------------------------------
+
+    def store_norm(self, norm: torch.Tensor, spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(stored, scale_norm)``: the norm field as stored (fp16, or uint8 log codes at ``norm=8``) and the norm
+        the vector is scaled by and decoded with (fp16, or float32 at ``norm=8``); ``norm`` is ``||x||_2`` in
+        float64, ``[..., 1]``.
+
+        Raises:
+            ValueError: at ``norm=8``, a norm past :data:`walshkv.ops.lognorm.LOG_NORM_MAX` or NaN (named with
+                ``spec``); fp16 norms are checked by :meth:`scaled_rotation`.
+        """
+        if self.norm_bits == 16:
+            norm16 = norm.to(torch.float16)
+            return norm16, norm16
+        codes = encode_log_norms(norm, spec)
+        return codes, decode_log_norms(codes)
+
+    def stored_norm(self, field: torch.Tensor) -> torch.Tensor:
+        """The norms a stored ``norm`` field stands for (float32, same shape)."""
+        return field.to(torch.float32) if self.norm_bits == 16 else decode_log_norms(field)
 
     # --- the parts ------------------------------------------------------------------------------------
 
@@ -183,7 +221,8 @@ class TurboQuant(Codec):
         Args:
             x: ``[..., d]``.
             norm: ``||x||_2`` in float64, ``[..., 1]``.
-            norm16: ``norm`` rounded to fp16, what the codec stores.
+            norm16: ``norm`` as the codec stores it: rounded to fp16, or (``norm=8``) its decoded log code in
+                float32 (:meth:`store_norm`).
             spec: the storing codec's spec, for messages.
 
         Raises:
@@ -225,7 +264,7 @@ class TurboQuant(Codec):
             name: Field((packed_nbytes(stop - start, bits),), torch.uint8)
             for name, start, stop, bits in self.segments(head_dim)
         }
-        fields["norm"] = Field((1,), torch.float16)
+        fields["norm"] = Field((1,), torch.float16 if self.norm_bits == 16 else torch.uint8)
         return fields
 
     def check_head_dim(self, head_dim: int) -> None:
@@ -241,8 +280,8 @@ class TurboQuant(Codec):
     def _encode(self, x: torch.Tensor) -> Packed:
         d = x.shape[-1]
         norm = torch.linalg.vector_norm(x if x.dtype == torch.float64 else x.to(torch.float64), dim=-1, keepdim=True)
-        norm16 = norm.to(torch.float16)
-        packer = accelerated.implementation(PACK_ROWS)
+        stored, norm16 = self.store_norm(norm, self.spec)
+        packer = accelerated.implementation(PACK_ROWS) if self.norm_bits == 16 else None  # it reads fp16 norms
         if packer is not None and x.device.type == "cpu" and norm16.numel():
             # the accelerated packer (the C++ kernel's: a decode step's one token in a few microseconds instead of
             # ~25 torch ops); anything it declines or refuses (an Inf or NaN norm) takes the torch path below, which
@@ -263,7 +302,7 @@ class TurboQuant(Codec):
             else pack_bits(threshold_codes(t[..., start:stop], bounds, torch.int32), bits)
             for name, start, stop, bits, bounds in tables
         }
-        tensors["norm"] = norm16
+        tensors["norm"] = stored
         return Packed(tensors, d, x.dtype)
 
     def _decode(self, packed: Packed) -> torch.Tensor:
@@ -273,7 +312,7 @@ class TurboQuant(Codec):
             for name, start, stop, bits in self.segments(d)
         ]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        scale = packed.tensors["norm"].to(torch.float32) / math.sqrt(d)
+        scale = self.stored_norm(packed.tensors["norm"]) / math.sqrt(d)
         return self.unrotate(t * scale)
 
 
@@ -361,44 +400,53 @@ class TurboQuantProd(Codec):
 _SEGMENT_TABLES: dict[tuple[float, str, int, torch.device], list[tuple[str, int, int, int, torch.Tensor]]] = {}
 
 
-def _canonical(name: str, bits: float, seed: int, codebook: str) -> str:
+def _canonical(name: str, bits: float, seed: int, codebook: str, norm_bits: int = 16) -> str:
     spec = f"{name}:{_fmt_bits(bits)}"
     if codebook != "gauss":
         spec += f":codebook={codebook}"
     if seed:
         spec += f":seed={seed}"
+    if norm_bits != 16:
+        spec += f":norm={norm_bits}"
     return spec
 
 
-def _parse(name: str, args: str | None, valid: tuple[float, ...]) -> tuple[float, int, str]:
+def _parse(name: str, args: str | None, valid: tuple[float, ...], norm: bool = False) -> tuple[float, int, str, int]:
+    """``(bits, seed, codebook, norm_bits)`` of ``args``; ``norm``: whether ``:norm=8|16`` is an option."""
+    extra = "[:norm=16|8]" if norm else ""
     usage = (
-        f"{name} takes {name}:BITS[:codebook=gauss|beta][:seed=N] with BITS one of {_valid_text(valid)} (e.g. {name}:3)"
+        f"{name} takes {name}:BITS[:codebook=gauss|beta][:seed=N]{extra} with BITS one of {_valid_text(valid)} "
+        f"(e.g. {name}:3)"
     )
     if not args:
         raise ValueError(f"{usage}; got {name!r} without a bit width")
     head, *opts = args.split(":")
     bits = _check_bits(head.strip(), valid, name)
-    seed, codebook = 0, "gauss"
+    seed, codebook, norm_bits = 0, "gauss", 16
     for opt in opts:
         key, sep, value = opt.partition("=")
         key, value = key.strip().lower(), value.strip()
-        if not sep or key not in ("seed", "codebook"):
+        if not sep or key not in ("seed", "codebook", *(("norm",) if norm else ())):
             raise ValueError(f"{usage}; unknown option {opt!r}")
-        if key == "seed":
+        if key in ("seed", "norm"):
             try:
-                seed = int(value)
+                number = int(value)
             except ValueError:
-                raise ValueError(f"{usage}; seed must be an integer, got {value!r}") from None
+                raise ValueError(f"{usage}; {key} must be an integer, got {value!r}") from None
+            if key == "seed":
+                seed = number
+            else:
+                norm_bits = number
         else:
             codebook = value.lower()
-    return bits, seed, codebook
+    return bits, seed, codebook, norm_bits
 
 
 def parse_tq_args(args: str | None) -> TurboQuant:
-    """Factory for ``tq:BITS[:codebook=gauss|beta][:seed=N]``."""
-    return TurboQuant(*_parse("tq", args, TQ_BITS))
+    """Factory for ``tq:BITS[:codebook=gauss|beta][:seed=N][:norm=16|8]``."""
+    return TurboQuant(*_parse("tq", args, TQ_BITS, norm=True))
 
 
 def parse_tqprod_args(args: str | None) -> TurboQuantProd:
     """Factory for ``tqprod:BITS[:codebook=gauss|beta][:seed=N]``."""
-    return TurboQuantProd(*_parse("tqprod", args, TQPROD_BITS))
+    return TurboQuantProd(*_parse("tqprod", args, TQPROD_BITS)[:3])
