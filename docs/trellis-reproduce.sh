@@ -18,6 +18,7 @@ DATA="${DATA:-../shared/data}"
 EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
 STAGES="${STAGES:-tables rd select ship emma holdout bench decode structured lookup report}"
+# (select-n8, then ship, emma and holdout again: the norm=8 re-selection, run after the stages above)
 MODEL=smollm2-135m
 
 # The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
@@ -39,6 +40,17 @@ cands() {
   esac
 }
 fast() { sed 's/prerope+center+eq+/prerope+center+eqd+/g'; }
+# stage select-n8 (docs/trellis.md, "The norm in one byte: its shipping rule"): the shipped spec (read from the
+# package), its norm=8 twin, and the norm=8 spec that spends the freed bits in every layer
+n8_twin() { sed -E 's/tcq:([0-9.]+)/tcq:\1:norm=8/g'; }
+n8_spend() {
+  case "$1" in
+  2.5) echo 'sink:1:prerope+center+eq+tcq:2.5:norm=8/tcq:2:norm=8' ;;
+  3) echo 'sink:1:prerope+center+eq+tcq:3:norm=8/tcq:2.5:norm=8' ;;
+  3.5) echo 'sink:1:prerope+center+eq+tcq:3.5:norm=8/tcq:3:norm=8' ;;
+  4.5) echo 'sink:1:prerope+center+eq+tcq:4.5:norm=8/tcq:4:norm=8' ;;
+  esac
+}
 # the presets as they shipped before this selection (tq), rows beside the new ones (the same calibration)
 before() {
   for spec in 'sink:1:layers:prerope+center+eq+tq:3/tq:2@5,8,12,14;prerope+center+eq+tq:3/tq:2.5' \
@@ -86,6 +98,22 @@ for stage in $STAGES; do
         while IFS= read -r spec; do args+=(--candidate "$spec"); done <<< "$list"
         walshkv recommend --model "$MODEL" --bits "$bits" $flag --only-candidates "${args[@]}" --ctx 4096 --windows 2 \
           --quiet --json "$json" -o "$SELECT/$MODEL/walshkv-$bits$suffix-tcq-ctx4096.gguf"
+      done
+    done
+    ;;
+  select-n8)
+    mkdir -p "$SELECT/$MODEL"
+    for bits in 3 3.5 4.5 2.5; do
+      for kind in plain fast; do
+        if [ "$kind" = fast ]; then suffix=-fast; flag=--fast; else suffix=; flag=; fi
+        json="$SELECT/$MODEL/recommend-$bits$suffix-n8-ctx4096.json"
+        [ -f "$json" ] && continue
+        shipped=$(python -c "from walshkv.presets import resolve_preset as r; print(r('walshkv:$bits$suffix', model='$MODEL').spec)")
+        spend=$(n8_spend "$bits")
+        [ "$kind" = fast ] && spend=$(echo "$spend" | fast)
+        walshkv recommend --model "$MODEL" --bits "$bits" $flag --only-candidates --candidate "$shipped" \
+          --candidate "$(echo "$shipped" | n8_twin)" --candidate "$spend" --ctx 4096 --windows 2 \
+          --quiet --json "$json" -o "$SELECT/$MODEL/walshkv-$bits$suffix-n8-ctx4096.gguf"
       done
     done
     ;;
