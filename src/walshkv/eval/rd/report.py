@@ -226,6 +226,10 @@ def write_rd_outputs(result: RDResult, out_dir: str | Path, plot: bool = True) -
     lines += [describe_rd(result.meta), ""]
     if result.meta.get("command"):
         lines += [f"Produced by `{result.meta['command']}`.", ""]
+    commit = result.meta.get("versions", {}).get("commit")
+    cpu = result.meta.get("cpu") or {}
+    if commit or cpu:
+        lines += [f"Code {commit or '?'}; CPU {cpu.get('model', '?')} ({cpu.get('capability', '?')}).", ""]
     lines += [format_rd_table(result.rows, "github"), ""]
     if result.meta.get("skipped"):
         lines += ["Skipped: " + "; ".join(f"`{s['codec']}` ({s['reason']})" for s in result.meta["skipped"]), ""]
