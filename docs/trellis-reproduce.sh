@@ -18,7 +18,7 @@ DATA="${DATA:-../shared/data}"
 EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
 STAGES="${STAGES:-tables rd select ship emma holdout bench decode structured lookup report}"
-# (select-n8, then ship, emma and holdout again: the norm=8 re-selection, run after the stages above)
+# (rd-n8 and select-n8, then ship, emma and holdout again: the norm=8 re-selection, run after the stages above)
 MODEL=smollm2-135m
 
 # The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
@@ -85,6 +85,16 @@ for stage in $STAGES; do
       [ -f "$OUT/rd-$model/rd.json" ] || walshkv rd --model "$model" --tokens 2048 --quiet --out "$OUT/rd-$model" \
         --codec tq:2 --codec tcq:2 --codec tq:2.5 --codec tcq:2.5 --codec tq:3 --codec tcq:3 --codec tq:3.5 \
         --codec tcq:3.5 --codec tq:4 --codec tcq:4 --codec rot+iq4_nl --codec rot+q4_0
+    done
+    ;;
+  rd-n8)
+    # tq and tcq with the norm in one byte (:norm=8) beside their fp16-norm forms, against D(R) (docs/rd.md, "The norm
+    # in one byte")
+    for model in smollm2-135m qwen2.5-1.5b; do
+      args=()
+      for c in tq:2.5 tcq:2.5 tq:3 tcq:3 tq:4 tcq:4; do args+=(--codec "$c" --codec "$c:norm=8"); done
+      [ -f "docs/results/rd-norm8/$model/rd.json" ] || walshkv rd --model "$model" --tokens 2048 --quiet \
+        --out "docs/results/rd-norm8/$model" "${args[@]}"
     done
     ;;
   select)

@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -62,10 +63,34 @@ def _select_targets(results: Path, model: str) -> list[tuple[str, str, list[str]
     each by its label in the tables (a shipped preset's name, else its spec)."""
     names, out = _name_of(model), []
     for path in sorted((results / "select" / model).glob("recommend-*-ctx4096.json")):
+        if not re.fullmatch(r"recommend-[0-9.]+-ctx4096\.json", path.name):  # re-selections: _reselection_targets
+            continue
         run = json.loads(path.read_text())
         old = _winner_512(model, run["preset"])
         if old and old != run["winner"]:
             out.append(("4k vs 512 selection", names.get(run["winner"], run["winner"]), [names.get(old, old)]))
+    return out
+
+
+# Re-selections among named candidates (docs/trellis-reproduce.sh, stages select and select-n8): the run's file
+# suffix, the target's name, and how the spec that shipped before it is told apart among the candidates.
+RESELECTIONS: list[tuple[str, str, Any]] = [
+    ("-tcq-ctx4096.json", "tcq re-selection", lambda spec: "tcq:" not in spec),
+    ("-n8-ctx4096.json", "norm=8 re-selection", lambda spec: "norm=8" not in spec),
+]
+
+
+def _reselection_targets(results: Path, model: str) -> list[tuple[str, str, list[str]]]:
+    """``(kind, winner, [the spec it replaced])`` per re-selection run whose winner is new, each by its label in the
+    tables (a shipped preset's name, else its spec). The spec it replaced is the one candidate of the run of the
+    earlier kind (tq among tcq, an fp16 norm among ``norm=8``); a run with none or several names no target."""
+    names, out = _name_of(model), []
+    for suffix, kind, before in RESELECTIONS:
+        for path in sorted((results / "select" / model).glob(f"recommend-*{suffix}")):
+            run = json.loads(path.read_text())
+            old = [r["codec"] for r in run["results"] if before(r["codec"])]
+            if len(old) == 1 and old[0] != run["winner"]:
+                out.append((kind, names.get(run["winner"], run["winner"]), [names.get(old[0], old[0])]))
     return out
 
 
@@ -443,7 +468,7 @@ def holdout_section(results: Path, summary: dict[str, Any]) -> list[str]:
             "|---|---|---|---|---|---|---|",
         ]
         verdicts = []
-        for kind, preset, peers in [*TARGETS, *_select_targets(results, model)]:
+        for kind, preset, peers in [*TARGETS, *_select_targets(results, model), *_reselection_targets(results, model)]:
             if preset not in pers:
                 continue
             for peer in peers:
