@@ -150,8 +150,11 @@ for stage in $STAGES; do
     ;;
   holdout)
     # the frozen holdout: the final presets and peers at 512 tokens, Emma (development) next to Persuasion
-    # (Persuasion first: the targets are judged on it)
-    for model in $MODELS; do holdout_sweep "$model" long-context; done
+    # (Persuasion first: the targets are judged on it); smollm2-135m's 2.5-bit presets too (docs/trellis.md)
+    for model in $MODELS; do
+      holdout_sweep "$model" long-context
+      if [ "$model" = smollm2-135m ]; then holdout_sweep "$model" docs/grids/long-context-2.5.json; fi
+    done
     ;;
   frame)
     # why post-RoPE center+ grows with context: the frame of the codes, or the frame of the mean? The probe

@@ -43,6 +43,7 @@ def _link(path: Path) -> str:
 TARGETS: list[tuple[str, str, list[str]]] = [
     ("moonshot", "walshkv:3", ["rot+iq4_nl", "rot+q4_0"]),
     ("moonshot", "walshkv:4.5", ["rot+q8_0/rot+q4_0"]),
+    ("moonshot", "walshkv:2.5", ["rot+q4_0"]),
     ("peers at similar bits", "walshkv:3", ["kivi2", "tq:3"]),
     ("peers at similar bits", "walshkv:3.5", ["tq:3", "kivi2"]),
     ("peers at similar bits", "walshkv:4.5", ["rot+iq4_nl", "rot+q4_0", "iq4_nl", "q4_0", "tq:4", "kivi4"]),

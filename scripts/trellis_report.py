@@ -5,6 +5,7 @@ Blocks (each a file under docs/results/trellis, pasted with scripts/update_readm
     gaussian   each trained table's gap to D(R) on unit Gaussian vectors against scalar Lloyd-Max (tables file)
     rd         tq against tcq on real K/V (rd-MODEL/rd.json), dB above D(R) with every stored bit counted
     select     the selection runs (docs/results/long-context/select/MODEL/recommend-*-tcq-ctx4096.json)
+    select-n8  the norm=8 re-selection runs (recommend-*-n8-ctx4096.json; their holdout: docs/long-context.md)
     emma       the presets and the specs they replaced on Emma (development text)
     holdout    the same on Persuasion (the frozen holdout), with the issue's targets and paired intervals
     bench      decode attention at 16k, one thread: tq against tcq (bench-attention/bench.md as written)
@@ -119,8 +120,9 @@ def rd() -> str | None:
     return "\n\n".join(blocks) if blocks else None
 
 
-def select() -> str | None:
-    runs = sorted((SELECT / MODEL).glob("recommend-*-tcq-ctx4096.json"))
+def select(kind: str = "tcq", stage: str = "select") -> str | None:
+    """The selection runs ``recommend-*-KIND-ctx4096.json`` (docs/trellis-reproduce.sh, stage ``stage``)."""
+    runs = sorted((SELECT / MODEL).glob(f"recommend-*-{kind}-ctx4096.json"))
     if not runs:
         return None
     lines = ["| preset | candidate | bits | selection KLD (python-docs, 2 x 4k) | |", "|---|---|---|---|---|"]
@@ -135,7 +137,7 @@ def select() -> str | None:
     lines.append("")
     lines.append(
         f"`walshkv recommend --only-candidates --ctx 4096 --windows 2` on python-docs (docs/trellis-reproduce.sh, "
-        f"stage select), {_where(meta)}."
+        f"stage {stage}), {_where(meta)}."
     )
     return "\n".join(lines)
 
@@ -198,6 +200,7 @@ def main() -> int:
         "gaussian": gaussian(),
         "rd": rd(),
         "select": select(),
+        "select-n8": select("n8", "select-n8"),
         "emma": _eval_block(OUT / MODEL / "emma.json", targets=False),
         "holdout": _eval_block(OUT / MODEL / "persuasion.json", targets=True),
         "bench": _written(OUT / "bench-attention" / "bench.md"),
