@@ -1,0 +1,39 @@
+"""scripts/long_context_report.py: which holdout targets a re-selection adds (the spec a new preset replaced)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from walshkv.presets import model_presets
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("long_context_report", ROOT / "scripts" / "long_context_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(folder: Path, name: str, preset: str, winner: str, candidates: list[str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    run = {"preset": preset, "winner": winner, "meta": {"ctx": 4096}, "results": [{"codec": c} for c in candidates]}
+    (folder / name).write_text(json.dumps(run))
+
+
+def test_a_reselection_is_judged_against_the_spec_it_replaced(tmp_path: Path) -> None:
+    report = _report()
+    shipped = model_presets()["smollm2-135m"]["presets"]["walshkv:3"]["spec"]
+    old = "sink:1:layers:prerope+center+eq+tcq:3/tcq:2@5,8,12,14;prerope+center+eq+tcq:3/tcq:2.5"
+    twin = old.replace("tcq:3/", "tcq:3:norm=8/")
+    folder = tmp_path / "select" / "smollm2-135m"
+    _run(folder, "recommend-3-n8-ctx4096.json", "walshkv:3", shipped, [shipped, old, twin])
+    # a run whose winner is the spec it already had names no target; one with two earlier-kind candidates neither
+    _run(folder, "recommend-3.5-n8-ctx4096.json", "walshkv:3.5", old, [old, twin])
+    _run(folder, "recommend-4.5-n8-ctx4096.json", "walshkv:4.5", shipped, [shipped, old, old + ";x"])
+    assert report._reselection_targets(tmp_path, "smollm2-135m") == [("norm=8 re-selection", "walshkv:3", [old])]
+    # the plain 4k-vs-512 targets read only the stage-select files, not the re-selections
+    assert report._select_targets(tmp_path, "smollm2-135m") == []
