@@ -98,6 +98,19 @@ for stage in $STAGES; do
       done
     done
     ;;
+  select-gemma)
+    # gemma3-270m's walshkv:4.5 (chosen at 512 tokens, K centred after RoPE) grows with context (the KLD table): chosen
+    # again at 4k among named candidates (the whole 4.5-bit pool would take hours on 2 cores): the shipped spec, the
+    # same before RoPE (the 4k winner of smollm2-135m and qwen2.5-1.5b), tq and tcq (norm=8) at 4.5/4 bits before RoPE.
+    # The winner ships (the longest selection context wins), then its calibration, then the rows are rerun.
+    mkdir -p "$OUT/select/gemma3-270m"
+    shipped=$(python -c "from walshkv.presets import resolve_preset as r; print(r('walshkv:4.5', model='gemma3-270m').spec)")
+    [ -f "$OUT/select/gemma3-270m/recommend-4.5-ctx4096.json" ] || walshkv recommend --model gemma3-270m --bits 4.5 \
+      --only-candidates --candidate "$shipped" --candidate 'sink:1:prerope+center+eq+rot+iq4_nl/tq:4' \
+      --candidate 'sink:1:prerope+center+eq+tq:4.5/tq:4' --candidate 'sink:1:prerope+center+eq+tcq:4.5:norm=8/tcq:4:norm=8' \
+      --ctx 4096 --windows 2 --quiet --json "$OUT/select/gemma3-270m/recommend-4.5-ctx4096.json" \
+      -o "$OUT/select/gemma3-270m/walshkv-4.5-ctx4096.gguf"
+    ;;
   select-check)
     # the 4k winner at 4.5 bits ships (scripts/ship_presets.py: the longest selection context wins), so the grids'
     # walshkv:4.5 is it; the 512-token winner it replaced (written into docs/grids/long-context-select.json from
@@ -203,6 +216,6 @@ for stage in $STAGES; do
   report)
     python scripts/long_context_report.py --results "$OUT" --out docs/long-context.md
     ;;
-  *) echo "unknown stage $stage (kld select needle holdout select-check frame select-fast fast report)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (kld select select-gemma needle holdout select-check frame select-fast fast report)" >&2; exit 2 ;;
   esac
 done
