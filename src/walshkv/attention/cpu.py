@@ -482,7 +482,7 @@ def _desc(
     keep: list[torch.Tensor] = [codes]
     scale_ptr, s0, s1, s2 = 0, 0, 0, 0
     if f.norm_table is not None:  # one log byte per row (norm=8)
-        scale = packed.tensors.get(f.scale_field or "norm")
+        scale = packed.tensors.get(f.scale_field)
         if scale is None or scale.dtype != torch.uint8 or scale.shape != (*shape[:3], 1):
             raise ValueError(
                 f"packed {what} field {f.scale_field!r} must be uint8 [batch, heads, seq, 1] (a log-coded norm): pass "

@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from walshkv.ops.quant import device_checks
+
 __all__ = ["LOG_NORM_MAX", "LOG_NORM_STEPS", "decode_log_norms", "encode_log_norms", "log_norm_table"]
 
 #: Codes per octave of the norm.
@@ -42,15 +44,18 @@ def encode_log_norms(norm: torch.Tensor, spec: str) -> torch.Tensor:
         ValueError: a NaN or Inf norm, or one past :data:`LOG_NORM_MAX` (named with ``spec``, and the fix).
     """
     norm = norm.to(torch.float64)
-    if norm.numel():
-        biggest = float(norm.max()) if not bool(torch.isnan(norm).any()) else math.nan
-        limit = LOG_NORM_MAX * 2.0 ** (1 / (2 * LOG_NORM_STEPS))  # where rounding would pass code 255
-        if not biggest <= limit:
-            raise ValueError(
-                f"'{spec}' stores each vector's L2 norm in 8 bits, up to {limit:.6g} (the fp16 maximum is 65504), but "
-                f"a vector has norm {biggest:.6g}; values this large (or NaN/Inf) are not K/V of a healthy model. "
-                "Rescale the input, or use a float codec (spec fp32 or bf16)"
-            )
+    limit = LOG_NORM_MAX * 2.0 ** (1 / (2 * LOG_NORM_STEPS))  # where rounding would pass code 255
+    message = (
+        f"'{spec}' stores each vector's L2 norm in 8 bits, up to {limit:.6g} (the fp16 maximum is 65504), but a vector "
+        "has norm {biggest:.6g}; values this large (or NaN/Inf) are not K/V of a healthy model. Rescale the input, or "
+        "use a float codec (spec fp32 or bf16)"
+    )
+    within = (norm <= limit).all()  # False for a NaN too
+    if device_checks():  # no value read back: a device-side assert, as tq's fp16 norm check
+        torch._assert_async(within, message.format(biggest=math.inf))
+    elif norm.numel() and not bool(within):
+        biggest = math.nan if bool(torch.isnan(norm).any()) else float(norm.max())
+        raise ValueError(message.format(biggest=biggest))
     code = torch.round(torch.log2(norm.clamp_min(1e-300)) * LOG_NORM_STEPS) + 128
     return code.clamp(0, 255).to(torch.uint8)
 
