@@ -1,18 +1,23 @@
 #!/usr/bin/env python3
-"""Train the tables of the ``tcq`` trellis codes: src/walshkv/ops/trellis_tables.json.
+"""Train the tables of the ``tcq`` trellis codes: one set of tables per file in src/walshkv/ops.
 
 One table per bit width of walshkv.ops.trellis.TRELLIS_BITS and state size of STATE_BITS, each trained by
 walshkv.ops.trellis.train_table on unit Gaussian samples (vectors of 64 values, the width pattern of tcq at that
-width: a half width codes the first half one bit wider) from a fixed seed. The tables are model-independent: tcq
+width: a half width codes the first half one bit wider) from fixed seeds, the better of ``--starts`` seeded starts
+(by the last round's training MSE) kept. Two sets ship (walshkv.ops.trellis.TABLE_SETS), and a shipped set is never
+trained again (its codes would decode to other values): set 1, trellis_tables.json, what ``tcq:B`` reads (20
+rounds of 8192 vectors, one start, the torch search); set 2, trellis_tables_2.json, what ``tcq:B:tables=2`` reads
+(60 rounds of 16384 vectors, two starts, seeds 1 and 2, the C++ search). The tables are model-independent: tcq
 codes the rotated, norm-scaled coordinates, which are close to N(0, 1) for any K/V. The file records each table's
 training MSE per round, its gap to D(R) in dB and the command, commit, CPU and library versions; a table is stored
 as float32 values written exactly (repr of the float32 as a Python float).
 
-    python scripts/train_trellis_tables.py           # every table (about 10 minutes on 2 cores)
-    python scripts/train_trellis_tables.py --check   # the file has every table, each of the right size
+    python scripts/train_trellis_tables.py --set 2 --iterations 60 --samples 16384 --starts 2 --out /tmp/t2.json
+    python scripts/train_trellis_tables.py --check   # every set's file has every table, each of the right size
 
-Retraining changes what existing tcq codes decode to: saved caches of tcq specs would then decode differently, so
-the file's sha256 is part of what a saved tcq cache records (docs/trellis.md).
+``--out`` writes elsewhere than the set's file (the shipped files are pinned by their sha256 in
+tests/ops/test_trellis.py): retraining a shipped set would change what its saved caches and KLD rows decode to, so
+better tables ship as a new set with a new spec option instead.
 """
 
 from __future__ import annotations
@@ -25,15 +30,22 @@ from pathlib import Path
 
 import torch
 
+from walshkv.attention import cpu
 from walshkv.eval.provenance import code_commit, cpu_meta
 from walshkv.ops import trellis
 
-OUT = Path(__file__).resolve().parents[1] / "src" / "walshkv" / "ops" / "trellis_tables.json"
+OPS = Path(__file__).resolve().parents[1] / "src" / "walshkv" / "ops"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="check the file, train nothing")
+    parser.add_argument("--check", action="store_true", help="check every set's file, train nothing")
+    parser.add_argument("--set", type=int, default=1, choices=trellis.TABLE_SETS, help="table set (default 1)")
+    parser.add_argument("--out", type=Path, help="write here instead of the set's file")
+    parser.add_argument("--starts", type=int, default=1, help="seeded starts per table, the best kept (default 1)")
+    parser.add_argument(
+        "--search", choices=("torch", "cpp"), default="torch", help="the trellis search: torch (set 1's) or the C++ one"
+    )
     parser.add_argument("--iterations", type=int, default=20, help="training rounds per table (default 20)")
     parser.add_argument("--samples", type=int, default=8192, help="vectors per round (default 8192)")
     parser.add_argument(
@@ -48,33 +60,48 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.check:
-        data = json.loads(OUT.read_text())
-        for bits in trellis.TRELLIS_BITS:
-            for state_bits in trellis.STATE_BITS:
-                tab = data["tables"].get(trellis.table_key(bits, state_bits))
-                if tab is None or len(tab) != 1 << state_bits:
-                    print(f"{OUT}: table {trellis.table_key(bits, state_bits)} missing or of the wrong size")
-                    return 1
-        print(f"{OUT}: {len(data['tables'])} tables, all present")
+        for table_set in trellis.TABLE_SETS:
+            path = OPS / trellis.table_file(table_set)
+            data = json.loads(path.read_text())
+            for bits in trellis.TRELLIS_BITS:
+                for state_bits in trellis.STATE_BITS:
+                    tab = data["tables"].get(trellis.table_key(bits, state_bits))
+                    if tab is None or len(tab) != 1 << state_bits:
+                        print(f"{path}: table {trellis.table_key(bits, state_bits)} missing or of the wrong size")
+                        return 1
+            print(f"{path}: {len(data['tables'])} tables, all present")
         return 0
+    out = args.out or OPS / trellis.table_file(args.set)
+    coder = None
+    if args.search == "cpp":
+        coder = cpu.tcq_code_rows
+        if cpu.load_kernel() is None:
+            raise SystemExit("--search cpp: the C++ kernel does not build here (walshkv.attention.cpu)")
     torch.manual_seed(0)
-    partial = OUT.exists() and (args.state_bits or args.bits)
-    old = json.loads(OUT.read_text()) if partial else {"tables": {}, "stats": {}}
+    partial = out.exists() and (args.state_bits or args.bits)
+    old = json.loads(out.read_text()) if partial else {"tables": {}, "stats": {}}
     tables, stats = old["tables"], old["stats"]
     for state_bits in args.state_bits or trellis.STATE_BITS:
         for bits in args.bits or trellis.TRELLIS_BITS:
             key = trellis.table_key(bits, state_bits)
-            tab, history = trellis.train_table(bits, state_bits, samples=args.samples, iterations=args.iterations)
+            seeds = range(args.starts) if args.starts == 1 else range(1, args.starts + 1)
+            runs = [
+                trellis.train_table(
+                    bits, state_bits, samples=args.samples, iterations=args.iterations, seed=seed, coder=coder
+                )
+                for seed in seeds
+            ]
+            tab, history = min(runs, key=lambda run: run[1][-1])
             tables[key] = [float(v) for v in tab.tolist()]
             gap = 10 * math.log10(history[-1] / 2 ** (-2 * bits))
-            stats[key] = {"mse_per_round": history, "gap_db": gap}
+            stats[key] = {"mse_per_round": history, "gap_db": gap, "starts_last_mse": [r[1][-1] for r in runs]}
             print(f"{key}: mse {history[0]:.5f} -> {history[-1]:.5f}, {gap:.2f} dB above D(R)", flush=True)
-            _write(tables, stats, args, argv)
-    print(f"wrote {OUT}")
+            _write(out, tables, stats, args, argv)
+    print(f"wrote {out}")
     return 0
 
 
-def _write(tables: dict, stats: dict, args: argparse.Namespace, argv: list[str] | None) -> None:
+def _write(out: Path, tables: dict, stats: dict, args: argparse.Namespace, argv: list[str] | None) -> None:
     meta = {
         "command": "python scripts/train_trellis_tables.py " + " ".join(argv or sys.argv[1:]),
         "commit": code_commit(),
@@ -83,9 +110,12 @@ def _write(tables: dict, stats: dict, args: argparse.Namespace, argv: list[str] 
         "torch_threads": torch.get_num_threads(),
         "iterations": args.iterations,
         "samples": args.samples,
+        "starts": args.starts,
+        "search": args.search,
+        "table_set": args.set,
         "values_per_vector": 64,
     }
-    OUT.write_text(json.dumps({"meta": meta, "stats": stats, "tables": tables}, indent=1) + "\n")
+    out.write_text(json.dumps({"meta": meta, "stats": stats, "tables": tables}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,11 @@ end there), an approximation of the best wrapped path that loses little.
 
 Tables (``[2**L]`` float32, one per width pattern and ``L``) are trained offline on unit Gaussian samples by
 alternating Viterbi coding and per-state centroids (:func:`train_table`, ``scripts/train_trellis_tables.py``) and
-ship in ``trellis_tables.json`` beside this file, so every machine decodes the same values.
+ship beside this file, so every machine decodes the same values. They ship in numbered *sets*
+(:data:`TABLE_SETS`), one file each, and a set never changes once shipped: set 1 (``trellis_tables.json``, 20
+rounds of 8192 vectors) is what ``tcq:B`` means, set 2 (``trellis_tables_2.json``, 60 rounds of 16384 vectors, the
+better of two seeded starts, 0.1-0.3 dB closer to ``D(R)``) is what ``tcq:B:tables=2`` means. A spec therefore
+names the values its codes decode to, and a saved cache or a KLD row of one set stays true when another ships.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Callable
 from importlib import resources
 
 import torch
 
 __all__ = [
     "STATE_BITS",
+    "TABLE_SETS",
     "TAP_UNUSED",
     "TRELLIS_BITS",
     "codes_to_states",
@@ -37,6 +43,7 @@ __all__ = [
     "state_taps",
     "step_widths",
     "table",
+    "table_file",
     "table_key",
     "train_table",
     "viterbi",
@@ -48,7 +55,9 @@ TRELLIS_BITS: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0)
 #: L=10 table: 1.49 dB above it at 3 bits, against 2.28 dB untrained and 1.52 dB trained at L=8) but the encoder's
 #: work grows as 2**L; a table for another L is one more line here and a run of scripts/train_trellis_tables.py.
 STATE_BITS: tuple[int, ...] = (8,)
-_TABLE_FILE = "trellis_tables.json"
+#: The shipped table sets (:func:`table_file`): 1, the first training, and 2, trained three times as long on twice
+#: the vectors (``scripts/train_trellis_tables.py --set 2``).
+TABLE_SETS: tuple[int, ...] = (1, 2)
 #: The shift :func:`state_taps` gives a tap a value does not need (a 32-bit lane shifted this far is 0).
 TAP_UNUSED = 32
 _CHUNK = 4096  # vectors per Viterbi call: the back pointers take n * 2**(L-k) bytes per vector
@@ -71,8 +80,22 @@ def step_widths(bits: float, n: int) -> tuple[int, ...]:
 
 
 def table_key(bits: float, state_bits: int) -> str:
-    """The key of a table in ``trellis_tables.json``: ``"B/L"`` (``"3/8"``, ``"2.5/8"``)."""
+    """The key of a table in a table set's file: ``"B/L"`` (``"3/8"``, ``"2.5/8"``)."""
     return f"{bits:g}/{state_bits}"
+
+
+def table_file(tables: int = 1) -> str:
+    """The file name (in ``walshkv.ops``) of table set ``tables``: ``trellis_tables.json``, ``trellis_tables_2.json``.
+
+    Raises:
+        ValueError: ``tables`` is not one of :data:`TABLE_SETS`.
+    """
+    if isinstance(tables, bool) or tables not in TABLE_SETS:
+        raise ValueError(
+            f"trellis table set is one of {', '.join(map(str, TABLE_SETS))}; got {tables!r} "
+            "(set 1 is tcq's default, set 2 the longer-trained tables)"
+        )
+    return "trellis_tables.json" if tables == 1 else f"trellis_tables_{tables}.json"
 
 
 def gaussian_table(state_bits: int, seed: int = 0) -> torch.Tensor:
@@ -92,19 +115,19 @@ def gaussian_table(state_bits: int, seed: int = 0) -> torch.Tensor:
 
 
 @functools.cache
-def _tables() -> dict[str, list[float]]:
-    text = resources.files("walshkv.ops").joinpath(_TABLE_FILE).read_text(encoding="utf-8")
+def _tables(tables: int) -> dict[str, list[float]]:
+    text = resources.files("walshkv.ops").joinpath(table_file(tables)).read_text(encoding="utf-8")
     return json.loads(text)["tables"]
 
 
-def table(bits: float, state_bits: int) -> torch.Tensor:
-    """The shipped table for ``bits`` and ``L = state_bits`` (float32 ``[2**L]``, a fresh tensor).
+def table(bits: float, state_bits: int, tables: int = 1) -> torch.Tensor:
+    """The shipped table for ``bits`` and ``L = state_bits`` from table set ``tables`` (float32 ``[2**L]``, fresh).
 
     Raises:
-        ValueError: no table ships for this pair (the message lists the widths and state sizes that do).
+        ValueError: no table ships for this pair or set (the message lists the widths, state sizes and sets that do).
     """
     key = table_key(bits, state_bits)
-    values = _tables().get(key)
+    values = _tables(tables).get(key)
     if values is None:
         raise ValueError(
             f"no trellis table for {bits:g} bits with L={state_bits}; tables ship for bits "
@@ -231,7 +254,13 @@ def codes_to_states(codes: torch.Tensor, widths: tuple[int, ...], state_bits: in
 
 
 def train_table(
-    bits: float, state_bits: int, n: int = 64, samples: int = 8192, iterations: int = 12, seed: int = 0
+    bits: float,
+    state_bits: int,
+    n: int = 64,
+    samples: int = 8192,
+    iterations: int = 12,
+    seed: int = 0,
+    coder: Callable[[torch.Tensor, torch.Tensor, tuple[int, ...], int], torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """Train a table on unit Gaussian samples: alternate Viterbi coding and per-state centroids.
 
@@ -242,6 +271,9 @@ def train_table(
         samples: vectors per iteration (fresh draws each time).
         iterations: number of rounds.
         seed: seed of the samples and the starting table.
+        coder: a search that gives :func:`encode`'s codes ``[N, n]`` for ``(x, table, widths, L)`` (the C++
+            kernel's, ``walshkv.attention.cpu.tcq_code_rows``, about 20 times faster), or ``None`` for the torch
+            search here; a coder that returns ``None`` leaves that round to the torch search.
 
     Returns:
         The table (float32 ``[2**L]``) and the mean squared error of each round (on that round's samples,
@@ -254,7 +286,8 @@ def train_table(
     history = []
     for _ in range(iterations):
         x = torch.randn(samples, n, generator=gen)
-        states = viterbi(x, tab, widths, state_bits)
+        codes = coder(x, tab, widths, state_bits) if coder is not None else None
+        states = viterbi(x, tab, widths, state_bits) if codes is None else codes_to_states(codes, widths, state_bits)
         history.append(float(((x - tab[states]) ** 2).mean()))
         flat = states.reshape(-1)
         sums = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, x.reshape(-1).to(torch.float64))
