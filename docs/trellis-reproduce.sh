@@ -18,7 +18,8 @@ DATA="${DATA:-../shared/data}"
 EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
 STAGES="${STAGES:-tables rd select ship emma holdout bench decode structured lookup report}"
-# (rd-n8 and select-n8, then ship, emma and holdout again: the norm=8 re-selection, run after the stages above)
+# (rd-n8 and select-n8, then ship, emma and holdout again: the norm=8 re-selection, run after the stages above;
+# then rd-t2, select-qwen25 and select-t2, ship: table set 2 and qwen2.5-1.5b's walshkv:2.5)
 MODEL=smollm2-135m
 
 # The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
@@ -51,6 +52,8 @@ n8_spend() {
   4.5) echo 'sink:1:prerope+center+eq+tcq:4.5:norm=8/tcq:4:norm=8' ;;
   esac
 }
+# stage select-t2: a spec's table-set-2 twin (every tcq:W... given :tables=2)
+t2_twin() { sed -E 's/(tcq:[0-9.]+(:norm=8)?)/\1:tables=2/g'; }
 # the presets as they shipped before this selection (tq), rows beside the new ones (the same calibration)
 before() {
   for spec in 'sink:1:layers:prerope+center+eq+tq:3/tq:2@5,8,12,14;prerope+center+eq+tq:3/tq:2.5' \
@@ -97,6 +100,16 @@ for stage in $STAGES; do
         --out "docs/results/rd-norm8/$model" "${args[@]}"
     done
     ;;
+  rd-t2)
+    # tcq with the norm in one byte, table set 1 against table set 2 (:tables=2, trained longer), against D(R)
+    # (docs/rd.md, "Longer-trained tables")
+    for model in smollm2-135m qwen2.5-1.5b; do
+      args=()
+      for c in tcq:2.5:norm=8 tcq:3:norm=8 tcq:4:norm=8; do args+=(--codec "$c" --codec "$c:tables=2"); done
+      [ -f "docs/results/rd-tables2/$model/rd.json" ] || walshkv rd --model "$model" --tokens 2048 --quiet \
+        --out "docs/results/rd-tables2/$model" "${args[@]}"
+    done
+    ;;
   select)
     mkdir -p "$SELECT/$MODEL"
     for bits in 3 3.5 2.5 4.5; do
@@ -125,6 +138,34 @@ for stage in $STAGES; do
           --candidate "$(echo "$shipped" | n8_twin)" --candidate "$spend" --ctx 4096 --windows 2 \
           --quiet --json "$json" -o "$SELECT/$MODEL/walshkv-$bits$suffix-n8-ctx4096.gguf"
       done
+    done
+    ;;
+  select-qwen25)
+    # qwen2.5-1.5b's walshkv:2.5, a new preset (docs/trellis.md, "Table set 2 and qwen2.5-1.5b's walshkv:2.5"): four
+    # named specs at 2.31 bits
+    mkdir -p "$SELECT/qwen2.5-1.5b"
+    json="$SELECT/qwen2.5-1.5b/recommend-2.5-t2-ctx4096.json"
+    [ -f "$json" ] || walshkv recommend --model qwen2.5-1.5b --bits 2.5 --only-candidates \
+      --candidate 'sink:1:prerope+center+eq+tq:2.5:norm=8/tq:2:norm=8' \
+      --candidate 'sink:1:prerope+center+eq+tcq:2.5:norm=8/tcq:2:norm=8' \
+      --candidate 'sink:1:prerope+center+eq+tcq:2.5:norm=8:tables=2/tcq:2:norm=8:tables=2' \
+      --candidate 'sink:1:prerope+center+eq+tcq:3:norm=8:tables=2/tcq:1.5:norm=8:tables=2' \
+      --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/qwen2.5-1.5b/walshkv-2.5-t2-ctx4096.gguf"
+    ;;
+  select-t2)
+    # every shipped tcq preset against its table-set-2 twin (the same rule)
+    for model_bits in smollm2-135m:3 smollm2-135m:3-fast smollm2-135m:3.5 smollm2-135m:3.5-fast smollm2-135m:4.5 \
+      smollm2-135m:4.5-fast smollm2-135m:2.5 smollm2-135m:2.5-fast gemma3-270m:4.5; do
+      model=${model_bits%%:*} name=${model_bits#*:}
+      bits=${name%-fast} flag=
+      [ "$bits" != "$name" ] && flag=--fast
+      mkdir -p "$SELECT/$model"
+      json="$SELECT/$model/recommend-$name-t2-ctx4096.json"
+      [ -f "$json" ] && continue
+      shipped=$(python -c "from walshkv.presets import resolve_preset as r; print(r('walshkv:$name', model='$model').spec)")
+      walshkv recommend --model "$model" --bits "$bits" $flag --only-candidates --candidate "$shipped" \
+        --candidate "$(echo "$shipped" | t2_twin)" --ctx 4096 --windows 2 \
+        --quiet --json "$json" -o "$SELECT/$model/walshkv-$name-t2-ctx4096.gguf"
     done
     ;;
   ship)

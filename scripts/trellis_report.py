@@ -2,7 +2,7 @@
 """Write docs/trellis.md's result blocks from docs/results/trellis (docs/trellis-reproduce.sh, stage report).
 
 Blocks (each a file under docs/results/trellis, pasted with scripts/update_readme.py):
-    gaussian   each trained table's gap to D(R) on unit Gaussian vectors against scalar Lloyd-Max (tables file)
+    gaussian   each trained table's gap to D(R) on unit Gaussian vectors, both table sets, against scalar Lloyd-Max
     rd         tq against tcq on real K/V (rd-MODEL/rd.json), dB above D(R) with every stored bit counted
     select     the selection runs (docs/results/long-context/select/MODEL/recommend-*-tcq-ctx4096.json)
     select-n8  the norm=8 re-selection runs (recommend-*-n8-ctx4096.json; their holdout: docs/long-context.md)
@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from walshkv.eval.metrics import paired_difference
+from walshkv.ops import trellis
 from walshkv.ops.lloyd_max import lloyd_max
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,28 +62,41 @@ def _where(meta: dict) -> str:
 
 
 def gaussian() -> str:
-    data = json.loads(TABLES.read_text())
-    meta = data["meta"]
+    sets = {n: json.loads((TABLES.parent / trellis.table_file(n)).read_text()) for n in trellis.TABLE_SETS}
+    first, last = sets[trellis.TABLE_SETS[0]], sets[trellis.TABLE_SETS[-1]]
+    heads = " | ".join(f"set {n} dB above D(R)" for n in sets)
     lines = [
-        "| bits | tcq (L=8, trained) dB above D(R) | scalar Lloyd-Max dB above D(R) | tcq gain, dB | MSE ratio |",
-        "|---|---|---|---|---|",
+        f"| bits | {heads} | scalar Lloyd-Max dB above D(R) | set {trellis.TABLE_SETS[-1]} gain over scalar, dB "
+        f"| set {trellis.TABLE_SETS[-1]} over set {trellis.TABLE_SETS[0]}, dB |",
+        "|---|" + "---|" * (len(sets) + 3),
     ]
-    for key, stat in data["stats"].items():
+    for key in first["stats"]:
         bits = float(key.split("/")[0])
-        mse = stat["mse_per_round"][-1]
+        gaps = [data["stats"][key]["gap_db"] for data in sets.values()]
+        cells = " | ".join(f"{g:.2f}" for g in gaps)
         if bits.is_integer():
-            scalar = lloyd_max(int(bits), "gaussian").mse
-            gap = 10 * math.log10(scalar / 2 ** (-2 * bits))
-            lines.append(
-                f"| {bits:g} | {stat['gap_db']:.2f} | {gap:.2f} | {gap - stat['gap_db']:.2f} | {mse / scalar:.3f} |"
-            )
+            scalar = 10 * math.log10(lloyd_max(int(bits), "gaussian").mse / 2 ** (-2 * bits))
+            lines.append(f"| {bits:g} | {cells} | {scalar:.2f} | {scalar - gaps[-1]:.2f} | {gaps[0] - gaps[-1]:.2f} |")
         else:
-            lines.append(f"| {bits:g} | {stat['gap_db']:.2f} | (half width: no single scalar quantizer) | | |")
+            half = "(half width: no single scalar quantizer)"
+            lines.append(f"| {bits:g} | {cells} | {half} | | {gaps[0] - gaps[-1]:.2f} |")
+    lines.append("")
+    for n, data in sets.items():
+        meta = data["meta"]
+        starts = meta.get("starts", 1)
+        lines.append(
+            f"Set {n} (`{trellis.table_file(n)}`): unit Gaussian vectors of {meta['values_per_vector']} values, "
+            f"{meta['samples']} per round, {meta['iterations']} rounds"
+            + (f", the better of {starts} seeded starts" if starts > 1 else "")
+            + f"; `{meta['command'].strip()}` at {meta['commit']} on {meta['cpu']} (torch {meta['torch']}, "
+            f"{meta['torch_threads']} threads)."
+        )
     lines.append("")
     lines.append(
-        f"Unit Gaussian vectors of {meta['values_per_vector']} values, {meta['samples']} per round, "
-        f"{meta['iterations']} rounds; the last round's MSE, measured before its update. `{meta['command'].strip()}` "
-        f"at {meta['commit']} on {meta['cpu']} (torch {meta['torch']}, {meta['torch_threads']} threads)."
+        f"Each figure is the last training round's MSE, measured on that round's fresh vectors before its update (so "
+        f"a little above what the table it ships codes). Set {first['meta'].get('table_set', 1)} is what `tcq:B` "
+        f"reads; set {last['meta'].get('table_set', trellis.TABLE_SETS[-1])} is `tcq:B:tables="
+        f"{trellis.TABLE_SETS[-1]}`."
     )
     return "\n".join(lines)
 

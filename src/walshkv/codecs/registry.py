@@ -268,7 +268,7 @@ register_codec(
     "tcq",
     parse_tcq_args,
     "tq's rotation and fp16 norm with a tail-biting bitshift trellis code of 2**L states in place of the scalar "
-    "quantizer (tcq:B, B in 1..5 or a half width like 2.5; [:L=8][:seed=N][:norm=8])",
+    "quantizer (tcq:B, B in 1..5 or a half width like 2.5; [:L=8][:seed=N][:norm=8][:tables=2])",
     example="tcq:3",
 )
 for _bits in (2, 4):
