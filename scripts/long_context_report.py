@@ -73,11 +73,12 @@ def _select_targets(results: Path, model: str) -> list[tuple[str, str, list[str]
     return out
 
 
-# Re-selections among named candidates (docs/trellis-reproduce.sh, stages select and select-n8): the run's file
-# suffix, the target's name, and how the spec that shipped before it is told apart among the candidates.
+# Re-selections among named candidates (docs/trellis-reproduce.sh, stages select, select-n8 and select-t2): the run's
+# file suffix, the target's name, and how the spec that shipped before it is told apart among the candidates.
 RESELECTIONS: list[tuple[str, str, Any]] = [
     ("-tcq-ctx4096.json", "tcq re-selection", lambda spec: "tcq:" not in spec),
     ("-n8-ctx4096.json", "norm=8 re-selection", lambda spec: "norm=8" not in spec),
+    ("-t2-ctx4096.json", "tables=2 re-selection", lambda spec: "tables=2" not in spec),
 ]
 
 

@@ -6,6 +6,7 @@ Blocks (each a file under docs/results/trellis, pasted with scripts/update_readm
     rd         tq against tcq on real K/V (rd-MODEL/rd.json), dB above D(R) with every stored bit counted
     select     the selection runs (docs/results/long-context/select/MODEL/recommend-*-tcq-ctx4096.json)
     select-n8  the norm=8 re-selection runs (recommend-*-n8-ctx4096.json; their holdout: docs/long-context.md)
+    select-t2  table set 2 and qwen2.5-1.5b's walshkv:2.5 (recommend-*-t2-ctx4096.json of the three models)
     emma       the presets and the specs they replaced on Emma (development text)
     holdout    the same on Persuasion (the frozen holdout), with the issue's targets and paired intervals
     bench      decode attention at 16k, one thread: tq against tcq (bench-attention/bench.md as written)
@@ -134,24 +135,31 @@ def rd() -> str | None:
     return "\n\n".join(blocks) if blocks else None
 
 
-def select(kind: str = "tcq", stage: str = "select") -> str | None:
-    """The selection runs ``recommend-*-KIND-ctx4096.json`` (docs/trellis-reproduce.sh, stage ``stage``)."""
-    runs = sorted((SELECT / MODEL).glob(f"recommend-*-{kind}-ctx4096.json"))
+def select(kind: str = "tcq", stage: str = "select", models: tuple[str, ...] = (MODEL,)) -> str | None:
+    """The selection runs ``MODEL/recommend-*-KIND-ctx4096.json`` (docs/trellis-reproduce.sh, stage ``stage``); a
+    model column where there is more than one model."""
+    runs = [path for model in models for path in sorted((SELECT / model).glob(f"recommend-*-{kind}-ctx4096.json"))]
     if not runs:
         return None
-    lines = ["| preset | candidate | bits | selection KLD (python-docs, 2 x 4k) | |", "|---|---|---|---|---|"]
+    many = len(models) > 1
+    lines = [
+        ("| model " if many else "") + "| preset | candidate | bits | selection KLD (python-docs, 2 x 4k) | |",
+        ("|---" if many else "") + "|---|---|---|---|---|",
+    ]
+    where = []
     for path in runs:
         run = json.loads(path.read_text())
+        where.append(_where(run["meta"]))
         for r in sorted(run["results"], key=lambda r: r["kld_mean"]):
             mark = "**ships**" if r["codec"] == run["winner"] else ""
             lines.append(
-                f"| {run['preset']} | `{r['codec']}` | {r['bits_per_element']:.3f} | {r['kld_mean']:.4f} | {mark} |"
+                (f"| {run['meta']['model']['name']} " if many else "")
+                + f"| {run['preset']} | `{r['codec']}` | {r['bits_per_element']:.3f} | {r['kld_mean']:.4f} | {mark} |"
             )
-    meta = json.loads(runs[0].read_text())["meta"]
     lines.append("")
     lines.append(
         f"`walshkv recommend --only-candidates --ctx 4096 --windows 2` on python-docs (docs/trellis-reproduce.sh, "
-        f"stage {stage}), {_where(meta)}."
+        f"stage {stage}), {', '.join(dict.fromkeys(where))}."
     )
     return "\n".join(lines)
 
@@ -215,6 +223,7 @@ def main() -> int:
         "rd": rd(),
         "select": select(),
         "select-n8": select("n8", "select-n8"),
+        "select-t2": select("t2", "select-qwen25 and select-t2", ("qwen2.5-1.5b", MODEL, "gemma3-270m")),
         "emma": _eval_block(OUT / MODEL / "emma.json", targets=False),
         "holdout": _eval_block(OUT / MODEL / "persuasion.json", targets=True),
         "bench": _written(OUT / "bench-attention" / "bench.md"),
