@@ -37,3 +37,14 @@ def test_a_reselection_is_judged_against_the_spec_it_replaced(tmp_path: Path) ->
     assert report._reselection_targets(tmp_path, "smollm2-135m") == [("norm=8 re-selection", "walshkv:3", [old])]
     # the plain 4k-vs-512 targets read only the stage-select files, not the re-selections
     assert report._select_targets(tmp_path, "smollm2-135m") == []
+
+
+def test_a_table_set_reselection_is_judged_against_the_set_it_replaced(tmp_path: Path) -> None:
+    report = _report()
+    shipped = model_presets()["smollm2-135m"]["presets"]["walshkv:3"]["spec"]
+    assert "tables=2" in shipped  # the table-set-2 selection shipped
+    old = shipped.replace(":tables=2", "")
+    folder = tmp_path / "select" / "smollm2-135m"
+    _run(folder, "recommend-3-t2-ctx4096.json", "walshkv:3", shipped, [old, shipped])
+    _run(folder, "recommend-3-fast-t2-ctx4096.json", "walshkv:3-fast", old, [old, shipped])  # kept set 1: none
+    assert report._reselection_targets(tmp_path, "smollm2-135m") == [("tables=2 re-selection", "walshkv:3", [old])]

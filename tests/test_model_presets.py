@@ -71,14 +71,14 @@ def test_the_longest_selection_context_ships():
 
 
 def test_at_the_same_context_the_later_run_ships():
-    # smollm2-135m's walshkv:4.5 was selected at 4k three times: the tcq re-selection (docs/trellis.md) replaced the
-    # first, the norm=8 re-selection the tcq one
+    # smollm2-135m's walshkv:4.5 was selected at 4k four times: the tcq re-selection (docs/trellis.md) replaced the
+    # first, the norm=8 re-selection the tcq one, the table-set-2 re-selection the norm=8 one
     choice = model_presets()["smollm2-135m"]["presets"]["walshkv:4.5"]
     folder = ROOT / "docs/results/long-context/select/smollm2-135m"
-    runs = [json.loads((folder / f"recommend-4.5{k}-ctx4096.json").read_text()) for k in ("", "-tcq", "-n8")]
-    assert runs[0]["meta"]["date"] < runs[1]["meta"]["date"] < runs[2]["meta"]["date"]
-    assert choice["spec"] == runs[2]["winner"] not in (runs[0]["winner"], runs[1]["winner"])
-    assert choice["source"] == "docs/results/long-context/select/smollm2-135m/recommend-4.5-n8-ctx4096.json"
+    runs = [json.loads((folder / f"recommend-4.5{k}-ctx4096.json").read_text()) for k in ("", "-tcq", "-n8", "-t2")]
+    assert [r["meta"]["date"] for r in runs] == sorted(r["meta"]["date"] for r in runs)
+    assert choice["spec"] == runs[3]["winner"] not in [r["winner"] for r in runs[:3]]
+    assert choice["source"] == "docs/results/long-context/select/smollm2-135m/recommend-4.5-t2-ctx4096.json"
 
 
 def test_known_model_resolves_to_its_shipped_spec():
