@@ -171,6 +171,13 @@ for stage in $STAGES; do
       if [ "$model" = qwen2.5-1.5b ]; then holdout_sweep "$model" docs/grids/long-context-2.5-plain.json; fi
     done
     ;;
+  holdout-4k)
+    # issue 37's targets name 512 and 4k tokens: the targets' rows on the frozen holdout at 4,096 tokens too
+    # (Persuasion, 8 windows; smollm2-135m, the model whose targets are close), judged the same way (paired windows)
+    walshkv sweep --model smollm2-135m --text "$PERSUASION" --grid docs/grids/long-context-targets.json --ctx 4096 \
+      --windows 8 --calib-text python-docs --decode-chunk 64 --chunk 16 --reuse-rows --quiet \
+      --out "$OUT/holdout-4k/smollm2-135m/austen_persuasion"
+    ;;
   frame)
     # why post-RoPE center+ grows with context: the frame of the codes, or the frame of the mean? The probe
     # research/scripts/ropecenter_probe.py stores K after RoPE minus the pre-RoPE mean turned to each key's
@@ -218,6 +225,6 @@ for stage in $STAGES; do
   report)
     python scripts/long_context_report.py --results "$OUT" --out docs/long-context.md
     ;;
-  *) echo "unknown stage $stage (kld select select-gemma needle holdout select-check frame select-fast fast report)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (kld select select-gemma needle holdout holdout-4k select-check frame select-fast fast report)" >&2; exit 2 ;;
   esac
 done
