@@ -19,7 +19,7 @@ EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
 STAGES="${STAGES:-tables rd select ship emma holdout bench decode structured lookup report}"
 # (rd-n8 and select-n8, then ship, emma and holdout again: the norm=8 re-selection, run after the stages above;
-# then rd-t2, select-qwen25 and select-t2, ship: table set 2 and qwen2.5-1.5b's walshkv:2.5)
+# then rd-t2, select-qwen25 and select-t2, ship: table set 2 and qwen2.5-1.5b's walshkv:2.5; then select-qwen-tcq, ship)
 MODEL=smollm2-135m
 
 # The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
@@ -151,6 +151,22 @@ for stage in $STAGES; do
       --candidate 'sink:1:prerope+center+eq+tcq:2.5:norm=8:tables=2/tcq:2:norm=8:tables=2' \
       --candidate 'sink:1:prerope+center+eq+tcq:3:norm=8:tables=2/tcq:1.5:norm=8:tables=2' \
       --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/qwen2.5-1.5b/walshkv-2.5-t2-ctx4096.gguf"
+    ;;
+  select-qwen-tcq)
+    # qwen2.5-1.5b's walshkv:3 and walshkv:4.5 with the trellis code (docs/trellis.md, "qwen2.5-1.5b's walshkv:3 and
+    # walshkv:4.5 with the trellis code"): named candidates
+    mkdir -p "$SELECT/qwen2.5-1.5b"
+    json="$SELECT/qwen2.5-1.5b/recommend-3-qtcq-ctx4096.json"
+    [ -f "$json" ] || walshkv recommend --model qwen2.5-1.5b --bits 3 --only-candidates \
+      --candidate 'sink:1:prerope+center+eq+tq:3/tq:2.5' \
+      --candidate 'sink:1:prerope+center+eq+tcq:3:norm=8:tables=2/tcq:2.5:norm=8:tables=2' \
+      --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/qwen2.5-1.5b/walshkv-3-qtcq-ctx4096.gguf"
+    json="$SELECT/qwen2.5-1.5b/recommend-4.5-qtcq-ctx4096.json"
+    [ -f "$json" ] || walshkv recommend --model qwen2.5-1.5b --bits 4.5 --only-candidates \
+      --candidate 'sink:1:prerope+center+eq+rot+iq4_nl/tq:4' \
+      --candidate 'sink:1:prerope+center+eq+rot+iq4_nl/tcq:4:norm=8:tables=2' \
+      --candidate 'sink:1:prerope+center+eq+tcq:4.5:norm=8:tables=2/tcq:4:norm=8:tables=2' \
+      --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/qwen2.5-1.5b/walshkv-4.5-qtcq-ctx4096.gguf"
     ;;
   select-t2)
     # every shipped tcq preset against its table-set-2 twin (the same rule)

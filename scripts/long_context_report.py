@@ -73,12 +73,14 @@ def _select_targets(results: Path, model: str) -> list[tuple[str, str, list[str]
     return out
 
 
-# Re-selections among named candidates (docs/trellis-reproduce.sh, stages select, select-n8 and select-t2): the run's
+# Re-selections among named candidates (docs/trellis-reproduce.sh, stages select, select-n8, select-t2 and
+# select-qwen-tcq): the run's
 # file suffix, the target's name, and how the spec that shipped before it is told apart among the candidates.
 RESELECTIONS: list[tuple[str, str, Any]] = [
     ("-tcq-ctx4096.json", "tcq re-selection", lambda spec: "tcq:" not in spec),
     ("-n8-ctx4096.json", "norm=8 re-selection", lambda spec: "norm=8" not in spec),
     ("-t2-ctx4096.json", "tables=2 re-selection", lambda spec: "tables=2" not in spec),
+    ("-qtcq-ctx4096.json", "tcq re-selection", lambda spec: "tcq:" not in spec),
 ]
 
 
@@ -504,6 +506,56 @@ def holdout_section(results: Path, summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def holdout_4k_section(results: Path, summary: dict[str, Any]) -> list[str]:
+    """The moonshot targets on Persuasion at 4,096 tokens (stage holdout-4k), per model that has the run."""
+    root = results / "holdout-4k"
+    if not root.is_dir():
+        return []
+    lines = ["### The targets at 4,096 tokens (Persuasion)", ""]
+    for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        model = model_dir.name
+        pers = {_label(r, _name_of(model)): r for r in _rows(model_dir / "austen_persuasion")}
+        if not pers:
+            continue
+        commits, cpus = _provenance(list(pers.values()))
+        meta = next(iter(pers.values()))["_meta"]
+        lines += [
+            f"**{model}**: {meta['windows']} windows of {meta['ctx']} tokens of Persuasion, second half scored "
+            f"(stage `holdout-4k`); code {', '.join(sorted(commits))}; CPU {', '.join(sorted(cpus))}.",
+            "",
+            "| codec | bits/el | KLD [95%] | top-1 % [95%] |",
+            "|---|---|---|---|",
+        ]
+        for label in sorted(pers, key=lambda k: -pers[k]["bits_per_element"]):
+            p = pers[label]
+            lines.append(
+                f"| {label} | {p['bits_per_element']:.3f} | {_fmt(p['kld_mean'])}{_ci(p, 'kld_mean_ci95')} | "
+                f"{_fmt(100 * p['top1_agreement'], 2)}{_ci(p, 'top1_ci95', 2, 100)} |"
+            )
+        lines += [
+            "",
+            "| target | preset | peer | KLD difference [95%, paired over windows] | verdict |",
+            "|---|---|---|---|---|",
+        ]
+        verdicts = []
+        for kind, preset, peers in TARGETS:
+            if kind != "moonshot" or preset not in pers:
+                continue
+            for peer in peers:
+                paired = paired_difference(
+                    pers[preset].get("window_kld_mean"), (pers.get(peer) or {}).get("window_kld_mean")
+                )
+                if paired is None:
+                    continue
+                mean, (lo, hi) = paired
+                verdict = "met" if hi < 0 else "missed" if lo > 0 else "undecided"
+                verdicts.append({"preset": preset, "peer": peer, "diff": mean, "ci95": [lo, hi], "verdict": verdict})
+                lines.append(f"| {kind} | {preset} | {peer} | {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] | {verdict} |")
+        summary.setdefault("holdout_4k", {})[model] = verdicts
+        lines.append("")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "docs" / "results" / "long-context"))
@@ -533,6 +585,7 @@ def main() -> int:
     lines += fast_section(results, summary)
     lines += needle_section(results, summary)
     lines += holdout_section(results, summary)
+    lines += holdout_4k_section(results, summary)
     outro = Path(args.outro)
     if outro.is_file():
         lines += [outro.read_text().rstrip(), ""]

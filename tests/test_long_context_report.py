@@ -48,3 +48,30 @@ def test_a_table_set_reselection_is_judged_against_the_set_it_replaced(tmp_path:
     _run(folder, "recommend-3-t2-ctx4096.json", "walshkv:3", shipped, [old, shipped])
     _run(folder, "recommend-3-fast-t2-ctx4096.json", "walshkv:3-fast", old, [old, shipped])  # kept set 1: none
     assert report._reselection_targets(tmp_path, "smollm2-135m") == [("tables=2 re-selection", "walshkv:3", [old])]
+
+
+def test_the_targets_at_4k_are_judged_on_paired_windows(tmp_path: Path) -> None:
+    report = _report()
+    shipped = model_presets()["smollm2-135m"]["presets"]["walshkv:3"]["spec"]
+    rows = tmp_path / "holdout-4k" / "smollm2-135m" / "austen_persuasion" / "rows"
+    rows.mkdir(parents=True)
+    meta = {"windows": 4, "ctx": 4096, "versions": {"commit": "abc1234"}, "cpu": {"model": "X", "capability": "AVX2"}}
+    for name, codec, bits, windows in [
+        ("a", shipped, 2.9, [0.040, 0.041, 0.039, 0.042]),  # below the peer in every window: met
+        ("b", "rot+iq4_nl", 4.5, [0.050, 0.052, 0.049, 0.051]),
+        ("c", "rot+q4_0", 4.5, [0.030, 0.060, 0.020, 0.070]),  # straddles: undecided
+    ]:
+        result = {
+            "codec": codec,
+            "bits_per_element": bits,
+            "kld_mean": sum(windows) / 4,
+            "top1_agreement": 0.9,
+            "window_kld_mean": windows,
+        }
+        (rows / f"{name}.json").write_text(json.dumps({"result": result, "meta": meta}))
+    summary: dict = {}
+    text = "\n".join(report.holdout_4k_section(tmp_path, summary))
+    assert "**smollm2-135m**: 4 windows of 4096 tokens" in text and "| walshkv:3 | 2.900 |" in text
+    verdicts = {v["peer"]: v["verdict"] for v in summary["holdout_4k"]["smollm2-135m"]}
+    assert verdicts == {"rot+iq4_nl": "met", "rot+q4_0": "undecided"}
+    assert report.holdout_4k_section(tmp_path / "none", {}) == []  # no run, no section
