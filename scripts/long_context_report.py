@@ -74,8 +74,8 @@ def _select_targets(results: Path, model: str) -> list[tuple[str, str, list[str]
 
 
 # Re-selections among named candidates (docs/trellis-reproduce.sh, stages select, select-n8, select-t2 and
-# select-qwen-tcq): the run's
-# file suffix, the target's name, and how the spec that shipped before it is told apart among the candidates.
+# select-qwen-tcq): the run's file suffix, the target's name, and how the spec that shipped before it is told apart
+# among the candidates.
 RESELECTIONS: list[tuple[str, str, Any]] = [
     ("-tcq-ctx4096.json", "tcq re-selection", lambda spec: "tcq:" not in spec),
     ("-n8-ctx4096.json", "norm=8 re-selection", lambda spec: "norm=8" not in spec),
