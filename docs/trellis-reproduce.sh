@@ -19,7 +19,7 @@ EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
 STAGES="${STAGES:-tables rd select ship emma holdout bench decode structured lookup report}"
 # (rd-n8 and select-n8, then ship, emma and holdout again: the norm=8 re-selection, run after the stages above;
-# then rd-t2, select-qwen25 and select-t2, ship: table set 2 and qwen2.5-1.5b's walshkv:2.5; then select-qwen-tcq, ship)
+# then rd-t2, select-qwen25 and select-t2, ship: table set 2 and qwen2.5-1.5b's walshkv:2.5; then select-qwen-tcq, ship; then select-tcq-rest, ship)
 MODEL=smollm2-135m
 
 # The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
@@ -168,6 +168,28 @@ for stage in $STAGES; do
       --candidate 'sink:1:prerope+center+eq+tcq:4.5:norm=8:tables=2/tcq:4:norm=8:tables=2' \
       --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/qwen2.5-1.5b/walshkv-4.5-qtcq-ctx4096.gguf"
     ;;
+  select-tcq-rest)
+    # the last tq presets with the trellis code (docs/trellis.md, "The last tq presets with the trellis code"):
+    # qwen2.5-1.5b's walshkv:3.5, gemma3-270m's walshkv:3 and walshkv:3.5, each among named candidates
+    mkdir -p "$SELECT/qwen2.5-1.5b" "$SELECT/gemma3-270m"
+    json="$SELECT/qwen2.5-1.5b/recommend-3.5-tcqr-ctx4096.json"
+    [ -f "$json" ] || walshkv recommend --model qwen2.5-1.5b --bits 3.5 --only-candidates \
+      --candidate 'sink:1:layers:prerope+center+eq+tq:3.5/tq:3.5@0-3,25-27;prerope+center+eq+tq:3.5/tq:3' \
+      --candidate 'sink:1:layers:prerope+center+eq+tcq:3.5:norm=8:tables=2/tcq:3.5:norm=8:tables=2@0-3,25-27;prerope+center+eq+tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2' \
+      --candidate 'sink:1:prerope+center+eq+tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2' \
+      --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/qwen2.5-1.5b/walshkv-3.5-tcqr-ctx4096.gguf"
+    g3='sink:1:layers:prerope+center+eq+tq:4/tq:2@0;prerope+center+eq+tq:3/tq:2.5@1-3,5,7-8,11,13-16;prerope+center+eq+tq:4/tq:2.5@4,9-10,12;prerope+center+eq+tq:3/tq:1.5@6,17;prerope+center+eq+tq:3.5/tq:2'
+    json="$SELECT/gemma3-270m/recommend-3-tcqr-ctx4096.json"
+    [ -f "$json" ] || walshkv recommend --model gemma3-270m --bits 3 --only-candidates --candidate "$g3" \
+      --candidate "$(echo "$g3" | sed -E 's/tq:([0-9.]+)/tcq:\1:norm=8:tables=2/g')" \
+      --candidate 'sink:1:prerope+center+eq+tcq:3:norm=8:tables=2/tcq:2.5:norm=8:tables=2' \
+      --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/gemma3-270m/walshkv-3-tcqr-ctx4096.gguf"
+    json="$SELECT/gemma3-270m/recommend-3.5-tcqr-ctx4096.json"
+    [ -f "$json" ] || walshkv recommend --model gemma3-270m --bits 3.5 --only-candidates \
+      --candidate 'sink:1:prerope+center+eq+tq:3.5/tq:3' \
+      --candidate 'sink:1:prerope+center+eq+tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2' \
+      --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/gemma3-270m/walshkv-3.5-tcqr-ctx4096.gguf"
+    ;;
   select-t2)
     # every shipped tcq preset against its table-set-2 twin (the same rule)
     for model_bits in smollm2-135m:3 smollm2-135m:3-fast smollm2-135m:3.5 smollm2-135m:3.5-fast smollm2-135m:4.5 \
@@ -215,6 +237,6 @@ for stage in $STAGES; do
   report)
     python scripts/trellis_report.py
     ;;
-  *) echo "unknown stage $stage (tables rd select ship emma holdout bench decode structured lookup report)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tables rd select ship emma holdout bench decode structured lookup report rd-n8 select-n8 rd-t2 select-qwen25 select-t2 select-qwen-tcq select-tcq-rest)" >&2; exit 2 ;;
   esac
 done

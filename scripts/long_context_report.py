@@ -81,6 +81,7 @@ RESELECTIONS: list[tuple[str, str, Any]] = [
     ("-n8-ctx4096.json", "norm=8 re-selection", lambda spec: "norm=8" not in spec),
     ("-t2-ctx4096.json", "tables=2 re-selection", lambda spec: "tables=2" not in spec),
     ("-qtcq-ctx4096.json", "tcq re-selection", lambda spec: "tcq:" not in spec),
+    ("-tcqr-ctx4096.json", "tcq re-selection", lambda spec: "tcq:" not in spec),
 ]
 
 
