@@ -194,7 +194,7 @@ def _set(model: str) -> CalibrationSet:
 
 
 def test_each_part_is_read_from_the_file_that_holds_it():
-    """gemma3-270m: walshkv:4.5 quantizes K after RoPE, walshkv:3.5 before it; smollm2-135m: eq+ and eqd+."""
+    """gemma3-270m: one file (K before RoPE, eq+) for its three presets; smollm2-135m: an eq+ and an eqd+ file."""
     for model in ("gemma3-270m", "smollm2-135m"):
         both = _set(model)
         by_name = {f.name: read_kv_mean_center(f.path) for f in shipped_files(model)}
