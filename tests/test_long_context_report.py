@@ -50,6 +50,22 @@ def test_a_table_set_reselection_is_judged_against_the_set_it_replaced(tmp_path:
     assert report._reselection_targets(tmp_path, "smollm2-135m") == [("tables=2 re-selection", "walshkv:3", [old])]
 
 
+def test_every_tq_preset_replaced_by_tcq_is_judged_against_it() -> None:
+    # the committed runs (docs/trellis.md: the qwen2.5-1.5b tcq selection and the last tq presets): each shipped
+    # winner is judged on the holdout against the one tq spec it replaced, whatever the file's tag
+    report = _report()
+    results = ROOT / "docs" / "results" / "long-context"
+    for model, presets in (
+        ("qwen2.5-1.5b", ["walshkv:3", "walshkv:3.5", "walshkv:4.5"]),
+        ("gemma3-270m", ["walshkv:3", "walshkv:3.5"]),
+    ):
+        judged = {w: old for kind, w, old in report._reselection_targets(results, model) if kind == "tcq re-selection"}
+        assert sorted(judged) == presets, model
+        for preset in presets:
+            assert "tcq:" in model_presets()[model]["presets"][preset]["spec"]
+            assert len(judged[preset]) == 1 and "tcq:" not in judged[preset][0], (model, preset)
+
+
 def test_the_targets_at_4k_are_judged_on_paired_windows(tmp_path: Path) -> None:
     report = _report()
     shipped = model_presets()["smollm2-135m"]["presets"]["walshkv:3"]["spec"]
