@@ -41,6 +41,17 @@ cands() {
   esac
 }
 fast() { sed 's/prerope+center+eq+/prerope+center+eqd+/g'; }
+# every tq:W made tcq:W with the one-byte norm and table set 2
+tcq_twin() { sed -E 's/tq:([0-9.]+)/tcq:\1:norm=8:tables=2/g'; }
+# named MODEL BITS TAG SPEC...: recommend at 4k on python-docs among the named specs only (skipped once its json exists)
+named() {
+  local model=$1 bits=$2 tag=$3 json; shift 3
+  local args=(); for spec in "$@"; do args+=(--candidate "$spec"); done
+  mkdir -p "$SELECT/$model"
+  json="$SELECT/$model/recommend-$bits-$tag-ctx4096.json"
+  [ -f "$json" ] || walshkv recommend --model "$model" --bits "$bits" --only-candidates "${args[@]}" --ctx 4096 \
+    --windows 2 --quiet --json "$json" -o "$SELECT/$model/walshkv-$bits-$tag-ctx4096.gguf"
+}
 # stage select-n8 (docs/trellis.md, "The norm in one byte: its shipping rule"): the shipped spec (read from the
 # package), its norm=8 twin, and the norm=8 spec that spends the freed bits in every layer
 n8_twin() { sed -E 's/tcq:([0-9.]+)/tcq:\1:norm=8/g'; }
@@ -155,40 +166,19 @@ for stage in $STAGES; do
   select-qwen-tcq)
     # qwen2.5-1.5b's walshkv:3 and walshkv:4.5 with the trellis code (docs/trellis.md, "qwen2.5-1.5b's walshkv:3 and
     # walshkv:4.5 with the trellis code"): named candidates
-    mkdir -p "$SELECT/qwen2.5-1.5b"
-    json="$SELECT/qwen2.5-1.5b/recommend-3-qtcq-ctx4096.json"
-    [ -f "$json" ] || walshkv recommend --model qwen2.5-1.5b --bits 3 --only-candidates \
-      --candidate 'sink:1:prerope+center+eq+tq:3/tq:2.5' \
-      --candidate 'sink:1:prerope+center+eq+tcq:3:norm=8:tables=2/tcq:2.5:norm=8:tables=2' \
-      --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/qwen2.5-1.5b/walshkv-3-qtcq-ctx4096.gguf"
-    json="$SELECT/qwen2.5-1.5b/recommend-4.5-qtcq-ctx4096.json"
-    [ -f "$json" ] || walshkv recommend --model qwen2.5-1.5b --bits 4.5 --only-candidates \
-      --candidate 'sink:1:prerope+center+eq+rot+iq4_nl/tq:4' \
-      --candidate 'sink:1:prerope+center+eq+rot+iq4_nl/tcq:4:norm=8:tables=2' \
-      --candidate 'sink:1:prerope+center+eq+tcq:4.5:norm=8:tables=2/tcq:4:norm=8:tables=2' \
-      --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/qwen2.5-1.5b/walshkv-4.5-qtcq-ctx4096.gguf"
+    named qwen2.5-1.5b 3 qtcq 'sink:1:prerope+center+eq+tq:3/tq:2.5' \
+      'sink:1:prerope+center+eq+tcq:3:norm=8:tables=2/tcq:2.5:norm=8:tables=2'
+    named qwen2.5-1.5b 4.5 qtcq 'sink:1:prerope+center+eq+rot+iq4_nl/tq:4' \
+      'sink:1:prerope+center+eq+rot+iq4_nl/tcq:4:norm=8:tables=2' 'sink:1:prerope+center+eq+tcq:4.5:norm=8:tables=2/tcq:4:norm=8:tables=2'
     ;;
   select-tcq-rest)
     # the last tq presets with the trellis code (docs/trellis.md, "The last tq presets with the trellis code"):
     # qwen2.5-1.5b's walshkv:3.5, gemma3-270m's walshkv:3 and walshkv:3.5, each among named candidates
-    mkdir -p "$SELECT/qwen2.5-1.5b" "$SELECT/gemma3-270m"
-    json="$SELECT/qwen2.5-1.5b/recommend-3.5-tcqr-ctx4096.json"
-    [ -f "$json" ] || walshkv recommend --model qwen2.5-1.5b --bits 3.5 --only-candidates \
-      --candidate 'sink:1:layers:prerope+center+eq+tq:3.5/tq:3.5@0-3,25-27;prerope+center+eq+tq:3.5/tq:3' \
-      --candidate 'sink:1:layers:prerope+center+eq+tcq:3.5:norm=8:tables=2/tcq:3.5:norm=8:tables=2@0-3,25-27;prerope+center+eq+tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2' \
-      --candidate 'sink:1:prerope+center+eq+tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2' \
-      --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/qwen2.5-1.5b/walshkv-3.5-tcqr-ctx4096.gguf"
+    q35='sink:1:layers:prerope+center+eq+tq:3.5/tq:3.5@0-3,25-27;prerope+center+eq+tq:3.5/tq:3'
+    named qwen2.5-1.5b 3.5 tcqr "$q35" "$(echo "$q35" | tcq_twin)" 'sink:1:prerope+center+eq+tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2'
     g3='sink:1:layers:prerope+center+eq+tq:4/tq:2@0;prerope+center+eq+tq:3/tq:2.5@1-3,5,7-8,11,13-16;prerope+center+eq+tq:4/tq:2.5@4,9-10,12;prerope+center+eq+tq:3/tq:1.5@6,17;prerope+center+eq+tq:3.5/tq:2'
-    json="$SELECT/gemma3-270m/recommend-3-tcqr-ctx4096.json"
-    [ -f "$json" ] || walshkv recommend --model gemma3-270m --bits 3 --only-candidates --candidate "$g3" \
-      --candidate "$(echo "$g3" | sed -E 's/tq:([0-9.]+)/tcq:\1:norm=8:tables=2/g')" \
-      --candidate 'sink:1:prerope+center+eq+tcq:3:norm=8:tables=2/tcq:2.5:norm=8:tables=2' \
-      --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/gemma3-270m/walshkv-3-tcqr-ctx4096.gguf"
-    json="$SELECT/gemma3-270m/recommend-3.5-tcqr-ctx4096.json"
-    [ -f "$json" ] || walshkv recommend --model gemma3-270m --bits 3.5 --only-candidates \
-      --candidate 'sink:1:prerope+center+eq+tq:3.5/tq:3' \
-      --candidate 'sink:1:prerope+center+eq+tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2' \
-      --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/gemma3-270m/walshkv-3.5-tcqr-ctx4096.gguf"
+    named gemma3-270m 3 tcqr "$g3" "$(echo "$g3" | tcq_twin)" 'sink:1:prerope+center+eq+tcq:3:norm=8:tables=2/tcq:2.5:norm=8:tables=2'
+    named gemma3-270m 3.5 tcqr 'sink:1:prerope+center+eq+tq:3.5/tq:3' 'sink:1:prerope+center+eq+tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2'
     ;;
   select-t2)
     # every shipped tcq preset against its table-set-2 twin (the same rule)
