@@ -164,11 +164,11 @@ for stage in $STAGES; do
   holdout)
     # the frozen holdout: the final presets and peers at 512 tokens, Emma (development) next to Persuasion
     # (Persuasion first: the targets are judged on it); the 2.5-bit presets too where a model has them
-    # (docs/trellis.md): smollm2-135m's two, qwen2.5-1.5b's walshkv:2.5
+    # (docs/trellis.md): smollm2-135m's two, qwen2.5-1.5b's and gemma3-270m's walshkv:2.5
     for model in $MODELS; do
       holdout_sweep "$model" long-context
       if [ "$model" = smollm2-135m ]; then holdout_sweep "$model" docs/grids/long-context-2.5.json; fi
-      if [ "$model" = qwen2.5-1.5b ]; then holdout_sweep "$model" docs/grids/long-context-2.5-plain.json; fi
+      case "$model" in qwen2.5-1.5b | gemma3-270m) holdout_sweep "$model" docs/grids/long-context-2.5-plain.json ;; esac
     done
     ;;
   holdout-4k)

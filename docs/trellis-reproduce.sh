@@ -19,7 +19,7 @@ EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
 STAGES="${STAGES:-tables rd select ship emma holdout bench decode structured lookup report}"
 # (rd-n8 and select-n8, then ship, emma and holdout again: the norm=8 re-selection, run after the stages above;
-# then rd-t2, select-qwen25 and select-t2, ship: table set 2 and qwen2.5-1.5b's walshkv:2.5; then select-qwen-tcq, ship; then select-tcq-rest, ship)
+# then rd-t2, select-qwen25 and select-t2, ship: table set 2 and qwen2.5-1.5b's walshkv:2.5; then select-qwen-tcq, ship; then select-tcq-rest, ship; then select-gemma25, ship)
 MODEL=smollm2-135m
 
 # The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
@@ -180,6 +180,11 @@ for stage in $STAGES; do
     named gemma3-270m 3 tcqr "$g3" "$(echo "$g3" | tcq_twin)" 'sink:1:prerope+center+eq+tcq:3:norm=8:tables=2/tcq:2.5:norm=8:tables=2'
     named gemma3-270m 3.5 tcqr 'sink:1:prerope+center+eq+tq:3.5/tq:3' 'sink:1:prerope+center+eq+tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2'
     ;;
+  select-gemma25)
+    # gemma3-270m's walshkv:2.5 (docs/trellis.md, "gemma3-270m's walshkv:2.5"): named candidates
+    named gemma3-270m 2.5 g25 'center+tcq:2.5/tcq:2' 'sink:1:prerope+center+eq+tcq:2.5:norm=8:tables=2/tcq:2:norm=8:tables=2' \
+      'sink:1:prerope+center+eq+tcq:3:norm=8:tables=2/tcq:1.5:norm=8:tables=2'
+    ;;
   select-t2)
     # every shipped tcq preset against its table-set-2 twin (the same rule)
     for model_bits in smollm2-135m:3 smollm2-135m:3-fast smollm2-135m:3.5 smollm2-135m:3.5-fast smollm2-135m:4.5 \
@@ -227,6 +232,6 @@ for stage in $STAGES; do
   report)
     python scripts/trellis_report.py
     ;;
-  *) echo "unknown stage $stage (tables rd select ship emma holdout bench decode structured lookup report rd-n8 select-n8 rd-t2 select-qwen25 select-t2 select-qwen-tcq select-tcq-rest)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tables rd select ship emma holdout bench decode structured lookup report rd-n8 select-n8 rd-t2 select-qwen25 select-t2 select-qwen-tcq select-tcq-rest select-gemma25)" >&2; exit 2 ;;
   esac
 done

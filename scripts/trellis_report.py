@@ -9,6 +9,7 @@ Blocks (each a file under docs/results/trellis, pasted with scripts/update_readm
     select-t2  table set 2 and qwen2.5-1.5b's walshkv:2.5 (recommend-*-t2-ctx4096.json of the three models)
     select-qwen-tcq  qwen2.5-1.5b's walshkv:3 and walshkv:4.5 with tcq (recommend-*-qtcq-ctx4096.json)
     select-tcq-rest  qwen2.5-1.5b's walshkv:3.5, gemma3-270m's 3 and 3.5 with tcq (recommend-*-tcqr-ctx4096.json)
+    select-gemma25  gemma3-270m's walshkv:2.5 (recommend-2.5-g25-ctx4096.json)
     emma       the presets and the specs they replaced on Emma (development text)
     holdout    the same on Persuasion (the frozen holdout), with the issue's targets and paired intervals
     bench      decode attention at 16k, one thread: tq against tcq (bench-attention/bench.md as written)
@@ -228,6 +229,7 @@ def main() -> int:
         "select-t2": select("t2", "select-qwen25 and select-t2", ("qwen2.5-1.5b", MODEL, "gemma3-270m")),
         "select-qwen-tcq": select("qtcq", "select-qwen-tcq", ("qwen2.5-1.5b",)),
         "select-tcq-rest": select("tcqr", "select-tcq-rest", ("qwen2.5-1.5b", "gemma3-270m")),
+        "select-gemma25": select("g25", "select-gemma25", ("gemma3-270m",)),
         "emma": _eval_block(OUT / MODEL / "emma.json", targets=False),
         "holdout": _eval_block(OUT / MODEL / "persuasion.json", targets=True),
         "bench": _written(OUT / "bench-attention" / "bench.md"),
