@@ -194,7 +194,7 @@ def _set(model: str) -> CalibrationSet:
 
 
 def test_each_part_is_read_from_the_file_that_holds_it():
-    """gemma3-270m: one file (K before RoPE, eq+) for its three presets; smollm2-135m: an eq+ and an eqd+ file."""
+    """gemma3-270m: one file (K before RoPE, eq+) for its four presets; smollm2-135m: an eq+ and an eqd+ file."""
     for model in ("gemma3-270m", "smollm2-135m"):
         both = _set(model)
         by_name = {f.name: read_kv_mean_center(f.path) for f in shipped_files(model)}
@@ -339,8 +339,8 @@ def _compare_with_the_run(smollm2) -> None:
 @pytest.mark.model
 @pytest.mark.parametrize("model", _ids(["smollm2-135m", "gemma3-270m", "qwen2.5-1.5b"]))
 def test_eval_reads_the_shipped_files_and_never_calibrates(model, tmp_path, monkeypatch, capsys):
-    """README's first command, CI-sized: the default set on one window, no calibration in the run (gemma3-270m's
-    presets read two files: K after RoPE for walshkv:4.5, before it for the others)."""
+    """README's first command, CI-sized: the default set on one window, no calibration in the run (each model's
+    presets read one file: K before RoPE with eq+)."""
 
     def must_not_calibrate(*args, **kwargs):
         raise AssertionError("walshkv eval calibrated in the run")
