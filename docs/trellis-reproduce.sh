@@ -154,14 +154,10 @@ for stage in $STAGES; do
   select-qwen25)
     # qwen2.5-1.5b's walshkv:2.5, a new preset (docs/trellis.md, "Table set 2 and qwen2.5-1.5b's walshkv:2.5"): four
     # named specs at 2.31 bits
-    mkdir -p "$SELECT/qwen2.5-1.5b"
-    json="$SELECT/qwen2.5-1.5b/recommend-2.5-t2-ctx4096.json"
-    [ -f "$json" ] || walshkv recommend --model qwen2.5-1.5b --bits 2.5 --only-candidates \
-      --candidate 'sink:1:prerope+center+eq+tq:2.5:norm=8/tq:2:norm=8' \
-      --candidate 'sink:1:prerope+center+eq+tcq:2.5:norm=8/tcq:2:norm=8' \
-      --candidate 'sink:1:prerope+center+eq+tcq:2.5:norm=8:tables=2/tcq:2:norm=8:tables=2' \
-      --candidate 'sink:1:prerope+center+eq+tcq:3:norm=8:tables=2/tcq:1.5:norm=8:tables=2' \
-      --ctx 4096 --windows 2 --quiet --json "$json" -o "$SELECT/qwen2.5-1.5b/walshkv-2.5-t2-ctx4096.gguf"
+    named qwen2.5-1.5b 2.5 t2 'sink:1:prerope+center+eq+tq:2.5:norm=8/tq:2:norm=8' \
+      'sink:1:prerope+center+eq+tcq:2.5:norm=8/tcq:2:norm=8' \
+      'sink:1:prerope+center+eq+tcq:2.5:norm=8:tables=2/tcq:2:norm=8:tables=2' \
+      'sink:1:prerope+center+eq+tcq:3:norm=8:tables=2/tcq:1.5:norm=8:tables=2'
     ;;
   select-qwen-tcq)
     # qwen2.5-1.5b's walshkv:3 and walshkv:4.5 with the trellis code (docs/trellis.md, "qwen2.5-1.5b's walshkv:3 and

@@ -73,15 +73,13 @@ def _select_targets(results: Path, model: str) -> list[tuple[str, str, list[str]
     return out
 
 
-# Re-selections among named candidates (docs/trellis-reproduce.sh, stages select, select-n8, select-t2 and
-# select-qwen-tcq): the run's file suffix, the target's name, and how the spec that shipped before it is told apart
-# among the candidates.
-RESELECTIONS: list[tuple[str, str, Any]] = [
-    ("-tcq-ctx4096.json", "tcq re-selection", lambda spec: "tcq:" not in spec),
-    ("-n8-ctx4096.json", "norm=8 re-selection", lambda spec: "norm=8" not in spec),
-    ("-t2-ctx4096.json", "tables=2 re-selection", lambda spec: "tables=2" not in spec),
-    ("-qtcq-ctx4096.json", "tcq re-selection", lambda spec: "tcq:" not in spec),
-    ("-tcqr-ctx4096.json", "tcq re-selection", lambda spec: "tcq:" not in spec),
+# Re-selections among named candidates (docs/trellis-reproduce.sh, stages select, select-n8, select-t2,
+# select-qwen-tcq and select-tcq-rest): the runs' file tags, the target's name, and how the spec that shipped before
+# it is told apart among the candidates.
+RESELECTIONS: list[tuple[tuple[str, ...], str, Any]] = [
+    (("tcq", "qtcq", "tcqr"), "tcq re-selection", lambda spec: "tcq:" not in spec),
+    (("n8",), "norm=8 re-selection", lambda spec: "norm=8" not in spec),
+    (("t2",), "tables=2 re-selection", lambda spec: "tables=2" not in spec),
 ]
 
 
@@ -89,9 +87,9 @@ def _reselection_targets(results: Path, model: str) -> list[tuple[str, str, list
     """``(kind, winner, [the spec it replaced])`` per re-selection run whose winner is new, each by its label in the
     tables (a shipped preset's name, else its spec). The spec it replaced is the one candidate of the run of the
     earlier kind (tq among tcq, an fp16 norm among ``norm=8``); a run with none or several names no target."""
-    names, out = _name_of(model), []
-    for suffix, kind, before in RESELECTIONS:
-        for path in sorted((results / "select" / model).glob(f"recommend-*{suffix}")):
+    names, out, folder = _name_of(model), [], results / "select" / model
+    for tags, kind, before in RESELECTIONS:
+        for path in (p for tag in tags for p in sorted(folder.glob(f"recommend-*-{tag}-ctx4096.json"))):
             run = json.loads(path.read_text())
             old = [r["codec"] for r in run["results"] if before(r["codec"])]
             if len(old) == 1 and old[0] != run["winner"]:
@@ -430,6 +428,16 @@ def frame_section(results: Path, summary: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _judge(row: dict[str, Any], peer: dict[str, Any]) -> tuple[float, float, float, str] | None:
+    """``row - peer`` over their paired windows: mean, 95% interval and verdict (met: the interval below zero,
+    missed: above, else undecided), or None when the two rows share no windows."""
+    paired = paired_difference(row.get("window_kld_mean"), peer.get("window_kld_mean"))
+    if paired is None:
+        return None
+    mean, (lo, hi) = paired
+    return mean, lo, hi, "met" if hi < 0 else "missed" if lo > 0 else "undecided"
+
+
 def holdout_section(results: Path, summary: dict[str, Any]) -> list[str]:
     lines = ["## The frozen holdout: Persuasion next to Emma", ""]
     root = results / "holdout"
@@ -479,11 +487,10 @@ def holdout_section(results: Path, summary: dict[str, Any]) -> list[str]:
             for peer in peers:
                 if peer not in pers:
                     continue
-                paired = paired_difference(pers[preset].get("window_kld_mean"), pers[peer].get("window_kld_mean"))
-                if paired is None:
+                judged = _judge(pers[preset], pers[peer])
+                if judged is None:
                     continue
-                mean, (lo, hi) = paired
-                verdict = "met" if hi < 0 else "missed" if lo > 0 else "undecided"
+                mean, lo, hi, verdict = judged
                 verdicts.append(
                     {"target": kind, "preset": preset, "peer": peer, "diff": mean, "ci95": [lo, hi], "verdict": verdict}
                 )
@@ -543,13 +550,10 @@ def holdout_4k_section(results: Path, summary: dict[str, Any]) -> list[str]:
             if kind != "moonshot" or preset not in pers:
                 continue
             for peer in peers:
-                paired = paired_difference(
-                    pers[preset].get("window_kld_mean"), (pers.get(peer) or {}).get("window_kld_mean")
-                )
-                if paired is None:
+                judged = _judge(pers[preset], pers.get(peer) or {})
+                if judged is None:
                     continue
-                mean, (lo, hi) = paired
-                verdict = "met" if hi < 0 else "missed" if lo > 0 else "undecided"
+                mean, lo, hi, verdict = judged
                 verdicts.append({"preset": preset, "peer": peer, "diff": mean, "ci95": [lo, hi], "verdict": verdict})
                 lines.append(f"| {kind} | {preset} | {peer} | {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] | {verdict} |")
         summary.setdefault("holdout_4k", {})[model] = verdicts
