@@ -24,6 +24,15 @@ the pre-RoPE K covariance and query moment turned by RoPE and averaged over posi
 frequencies decorrelates). One fixed transform after RoPE folds into the query once per decode step (no per-key
 map); ``eq+`` fitted to the post-RoPE statistics of short calibration windows does not hold at 4k (the table in
 docs/long-context.md), since slow pairs have not turned there yet.
+
+``blockrope:G+X`` (K only) is the frame between the two: K turned back by the first position of its block of ``G``
+positions, ``u = R(p0)ᵀ k = R(p - p0) k_pre`` with ``p0 = G floor(p / G)``, minus the pre-RoPE mean turned and
+averaged over a block's offsets (``mean_j R(j) mu``). Inside a block the keys keep RoPE's turn by their offset
+only, so a transform fitted to moments averaged over ``G`` offsets (``eqr:G+``) keeps ``eq+``'s structure in the
+pairs that turn slowly over ``G`` positions; a kernel folds ``R(p0)`` (and every transform) into the query once per
+block of ``G`` keys, not per key: ``d x d`` multiply-adds per query head per block, ``d²/G`` per key.
+
+    python research/scripts/ropecenter_probe.py eval ... --codec "sink:1:blockrope:256+eqr:256+tq:3.5/tq:3"
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from walshkv.codecs.calibration import PreRopeSource, RopeTables
 from walshkv.codecs.equalize import Equalized
 from walshkv.codecs.prerope import PreRope
 from walshkv.ops.equalize import k_equalizer
-from walshkv.ops.rope import apply_rope
+from walshkv.ops.rope import RopeTable, apply_rope
 from walshkv_research.probes import count_argument, run_probe_eval
 
 
@@ -89,6 +98,67 @@ class RopeCentered(PreRope):
     def _decode_at(self, packed: Packed, start: int) -> torch.Tensor:
         y = self.inner._decode(packed).to(torch.float32)
         return y + self._offset(y, start)
+
+
+def _turn(x: torch.Tensor, table: RopeTable, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``x`` ``[..., seq, d]`` turned by RoPE to the positions ``pos`` ``[seq]`` (or back, ``inverse``), unscaled."""
+    freqs = pos.to(torch.float64)[:, None] * table.inv_freq.to(torch.float64)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(torch.float32), emb.sin().to(torch.float32)
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos - rot * sin if inverse else x * cos + rot * sin
+
+
+@dataclass(frozen=True, repr=False)
+class BlockRoped(PreRope):
+    """``blockrope:G+X``: X stores ``R(p0)ᵀ k - mean_j R(j) mu`` (``p0``: the first position of ``k``'s block)."""
+
+    block: int = 1
+    mu: torch.Tensor | None = field(default=None, compare=False)
+
+    @property
+    def prefix(self) -> str:
+        return f"blockrope:{self.block}"
+
+    @property
+    def needs_calibration(self) -> bool:  # type: ignore[override]
+        return self.rope is None or self.mu is None or self.inner.needs_calibration
+
+    def bind(self, layer_idx, kind, calibration=None):  # type: ignore[no-untyped-def]
+        if kind != "k":
+            raise ValueError(f"{self.spec}: blockrope+ is for K only")
+        if not isinstance(calibration, PreRopeSource):
+            raise ValueError(f"{self.spec} needs --calib-text (K statistics before RoPE)")
+        stats = calibration.pre_rope()
+        if not isinstance(stats, RopeTables):
+            raise ValueError(f"{self.spec}: no RoPE tables in the calibration")
+        table = stats.rope_table(layer_idx)
+        mu = stats.k_bias(layer_idx, "plain").to(torch.float32)  # [kv_heads, head_dim], before RoPE
+        offsets = torch.arange(self.block)
+        mu_g = _turn(mu[:, None, :].expand(-1, self.block, -1), table, offsets).mean(1)  # mean_j R(j) mu
+        inner = self.inner.bind(layer_idx, kind, calibration)  # eqr:G+ fits its moments itself
+        return replace(self, inner=inner, rope=table, mu=mu_g)
+
+    def _starts(self, start: int, n: int, device: torch.device) -> torch.Tensor:
+        pos = torch.arange(start, start + n, device=device)
+        return torch.div(pos, self.block, rounding_mode="floor") * self.block
+
+    def _transform(self, x: torch.Tensor, start: int) -> tuple[Codec, torch.Tensor]:
+        if self.mu is None:
+            raise ValueError(f"{self.spec} is not bound")
+        xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+        table = self._table()
+        u = _turn(xf, table, self._starts(start, x.shape[-2], x.device), inverse=True) / (table.scaling**2)
+        return self.inner, u - self.mu.to(x.device)[None, :, None, :]
+
+    def _decode_at(self, packed: Packed, start: int) -> torch.Tensor:
+        if self.mu is None:
+            raise ValueError(f"{self.spec} is not bound")
+        y = self.inner._decode(packed).to(torch.float32)
+        y = y + self.mu.to(y.device)[None, :, None, :]
+        table = self._table()
+        return _turn(y, table, self._starts(start, y.shape[-2], y.device)) * table.scaling
 
 
 def rope_averaged(m: torch.Tensor, inv_freq: torch.Tensor, length: int | None) -> torch.Tensor:
@@ -155,6 +225,11 @@ def _eqr_factory(args: str | None, inner: Codec) -> Codec:
     return RopeAveragedEqualized(inner, length=length)
 
 
+def _blockrope_factory(args: str | None, inner: Codec) -> Codec:
+    block = count_argument(args, "blockrope takes a block of positions >= 1 (blockrope:256+eqr:256+tq:3.5)")
+    return BlockRoped(inner, block=block)
+
+
 def _factory(args: str | None, inner: Codec) -> Codec:
     if args is None:
         return RopeCentered(inner)
@@ -171,6 +246,7 @@ def main(argv: list[str]) -> int:
         [
             ("ropecenter", _factory, "probe: K after RoPE minus the pre-RoPE mean turned to each position"),
             ("eqr", _eqr_factory, "probe: eq+ after RoPE fitted to moments averaged over positions 0..L-1"),
+            ("blockrope", _blockrope_factory, "probe: K turned back by its block's first position (G positions)"),
         ],
     )
 

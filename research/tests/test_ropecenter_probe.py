@@ -121,3 +121,28 @@ def test_eqr_transform_after_rope_is_fixed_and_refuses_v(probe):
         probe._eqr_factory("0", FloatCodec("fp32"))
     with pytest.raises(ValueError, match="K only"):
         codec.bind(0, "v", None)
+
+
+@pytest.mark.parametrize("block", [1, 4, 64])
+def test_blockrope_round_trip_is_exact_with_a_lossless_inner_codec(probe, block):
+    torch.manual_seed(2)
+    d, start = 16, 37
+    codec = probe.BlockRoped(FloatCodec("fp32"), _table(d), block=block, mu=torch.randn(2, d))
+    x = torch.randn(1, 2, 9, d)
+    torch.testing.assert_close(codec.decode(codec.encode(x, start), start), x, rtol=0, atol=1e-5)
+
+
+def test_blockrope_turns_keys_back_by_their_blocks_first_position(probe):
+    torch.manual_seed(3)
+    d, block, start = 16, 4, 6
+    table = _table(d)
+    mu = torch.zeros(2, d)
+    codec = probe.BlockRoped(FloatCodec("fp32"), table, block=block, mu=mu)
+    k_pre = torch.randn(1, 2, 5, d)  # positions 6..10: blocks start at 4 (6, 7) and 8 (8, 9, 10)
+    _, u = codec._transform(apply_rope(k_pre, table, start), start)
+    offsets = [2, 3, 0, 1, 2]
+    for i, j in enumerate(offsets):
+        torch.testing.assert_close(u[:, :, i], apply_rope(k_pre[:, :, i : i + 1], table, j)[:, :, 0], atol=1e-5, rtol=0)
+    # block 1 is prerope+: the key before RoPE
+    one = probe.BlockRoped(FloatCodec("fp32"), table, block=1, mu=mu)
+    torch.testing.assert_close(one._transform(apply_rope(k_pre, table, start), start)[1], k_pre, atol=1e-5, rtol=0)
