@@ -1,0 +1,229 @@
+"""Decode speed of K stored in the block frame (``blockrope:G+``, research/scripts/ropecenter_probe.py).
+
+A key at position ``p`` is stored as ``A (R(p0)ᵀ k - mu_G)`` (``p0 = G floor(p / G)``, ``A``: a dense ``eq+``-class
+transform, ``mu_G``: the mean of a block). The score of query ``q`` (after RoPE) is
+
+    q · k  =  (A⁻ᵀ R(p0)ᵀ q) · codes  +  (R(p0)ᵀ q) · mu_G
+
+so a decode step turns the query back once per block and maps it once per block (``d x d`` multiply-adds per query
+head per block, ``d²/G`` per key), then scores the block's codes exactly as a K stored after RoPE is scored: no
+per-key map. This script times that step on the fused CPU kernel (each block one batch row of the kernel, its
+codes a strided view of the cache, the blocks merged by their softmax statistics plus the block bias) against
+torch SDPA over fp32 and bf16 caches and the same codecs read with one query (``post-RoPE``: the step without the
+per-block fold, its upper bound), in interleaved rounds as ``walshkv bench attention`` times them. Each blockrope
+row is checked against attention over the codec's decoded keys turned to their positions (``max_abs_err``).
+
+    python research/scripts/blockrope_speed.py --model smollm2-135m --kv-len 16384,65536 --block 64,256,1024 \\
+        --json docs/results/long-context/frame-block/speed.json \\
+        --markdown docs/results/long-context/frame-block/speed.md
+
+The output records the code commit and the CPU (as every walshkv result does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+from walshkv.attention.cpu import fused_decode_cpu, kernel_available
+from walshkv.attention.cpu_formats import cpu_plan
+from walshkv.attention.decode import decode_attention
+from walshkv.bench.attention import attention_shapes
+from walshkv.bench.machine import interleaved_seconds
+from walshkv.codecs import parse_codec
+from walshkv.codecs.base import Packed
+from walshkv.eval.provenance import code_commit, cpu_meta
+from walshkv.fileio import write_json_atomic, write_text_atomic
+
+
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """``x`` ``[..., n, d]`` turned by RoPE with ``cos``/``sin`` ``[n, d]`` (or back)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos - rot * sin if inverse else x * cos + rot * sin
+
+
+def _cos_sin(pos: torch.Tensor, d: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    f = pos.to(torch.float64)[:, None] * inv[None, :]
+    emb = torch.cat([f, f], dim=-1)
+    return emb.cos().to(torch.float32), emb.sin().to(torch.float32)
+
+
+def _blocks(packed: Packed, block: int) -> Packed:
+    """``packed`` ``[1, H, n, ...]`` as ``[n / block, H, block, ...]`` views (no copy)."""
+    out = {}
+    for name, t in packed.tensors.items():
+        _, h, n = t.shape[:3]
+        rest = t.shape[3:]
+        st = t.stride()
+        out[name] = t.as_strided((n // block, h, block, *rest), (block * st[2], st[1], st[2], *st[3:]))
+    return Packed(out, packed.head_dim, packed.dtype)
+
+
+class BlockStep:
+    """One decode step over a block-frame K cache: fold the query per block, score every block, merge."""
+
+    def __init__(self, q, pk, pv, kc, vc, ainv, mu, block, scale):  # type: ignore[no-untyped-def]
+        _, hq, _, d = q.shape
+        h = ainv.shape[0]
+        n = pk.seq_len
+        self.g = hq // h
+        self.q = q.reshape(h, self.g, d)
+        self.nb = n // block
+        p0 = torch.arange(self.nb) * block
+        self.cos, self.sin = _cos_sin(p0, d)  # [nb, d]: static for a cache, made once
+        self.ainv, self.mu, self.scale = ainv, mu, scale
+        self.pk, self.pv = _blocks(pk, block), _blocks(pv, block)
+        self.plan = cpu_plan(kc, vc, d, scale)
+        if self.plan is None:
+            raise ValueError(f"the CPU kernel cannot read {kc.spec} / {vc.spec}")
+
+    def __call__(self) -> torch.Tensor:
+        qr = _turn(self.q[None], self.cos[:, None, None, :], self.sin[:, None, None, :], inverse=True)  # [nb,h,g,d]
+        qy = torch.matmul(qr, self.ainv)  # (A^-T R(p0)^T q)^T = q^T R(p0) A^-1, per kv head
+        bias = (qr * self.mu[None, :, None, :]).sum(-1) * self.scale  # [nb, h, g]
+        res = fused_decode_cpu(qy.contiguous(), self.plan, self.pk, self.pv)
+        if res is None:
+            raise RuntimeError("the fused CPU kernel is not available")
+        m, l_sum, acc = res
+        m = m + bias
+        top = m.amax(0, keepdim=True)
+        w = torch.exp(m - top) * (l_sum > 0)
+        num = (w[..., None] * acc).sum(0)
+        return (num / (w * l_sum).sum(0)[..., None]).reshape(1, -1, 1, acc.shape[-1])
+
+
+def _reference(q, pk, pv, kc, vc, ainv, mu, block, scale):  # type: ignore[no-untyped-def]
+    """Attention (float64) over the decoded keys turned to their positions."""
+    y = kc.decode(pk).to(torch.float64)  # [1, h, n, d]
+    n, d = y.shape[2], y.shape[3]
+    p0 = torch.div(torch.arange(n), block, rounding_mode="floor") * block
+    cos, sin = _cos_sin(p0, d)
+    keys = _turn(
+        torch.matmul(y, ainv.to(torch.float64).transpose(-1, -2)[None]) + mu.to(torch.float64)[None, :, None, :],
+        cos.to(torch.float64),
+        sin.to(torch.float64),
+        inverse=False,
+    )
+    vals = vc.decode(pv).to(torch.float64)
+    h = keys.shape[1]
+    g = q.shape[1] // h
+    qq = q.to(torch.float64).reshape(1, h, g, d)
+    s = torch.einsum("bhgd,bhnd->bhgn", qq, keys) * scale
+    return torch.einsum("bhgn,bhnd->bhgd", s.softmax(-1), vals).reshape(1, h * g, 1, d)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="attention shapes (head_dim, kv and query heads)")
+    ap.add_argument("--kv-len", default="16384,65536", help="cached tokens, comma-separated (multiples of --block)")
+    ap.add_argument("--block", default="64,256,1024", help="block sizes G, comma-separated")
+    ap.add_argument("--k-codec", default="tcq:3.5:norm=8:tables=2")
+    ap.add_argument("--v-codec", default="tcq:3:norm=8:tables=2")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--markdown")
+    args = ap.parse_args(argv)
+    if not kernel_available():
+        raise SystemExit("the fused CPU kernel is not available here (a C++ compiler and Python's headers)")
+    shapes = attention_shapes(args.model)
+    d, h, hq = shapes["head_dim"], shapes["kv_heads"], shapes["q_heads"]
+    scale = d**-0.5
+    kc, vc = parse_codec(args.k_codec).bind(0, "k"), parse_codec(args.v_codec).bind(0, "v")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n in (int(x) for x in args.kv_len.split(",")):
+        k = torch.randn(1, h, n, d, generator=gen)
+        v = torch.randn(1, h, n, d, generator=gen)
+        q = torch.randn(1, hq, 1, d, generator=gen)
+        fns = {
+            "sdpa-fp32": lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, enable_gqa=True
+            ),
+        }
+        qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        fns["sdpa-bf16"] = lambda qb=qb, kb=kb, vb=vb: torch.nn.functional.scaled_dot_product_attention(
+            qb, kb, vb, enable_gqa=True
+        )
+        pk, pv = kc.encode(k), vc.encode(v)
+        fns["post-RoPE"] = lambda q=q, pk=pk, pv=pv: decode_attention(q, pk, pv, kc, vc)
+        nbytes = {
+            "sdpa-fp32": 2 * k.numel() * 4,
+            "sdpa-bf16": 2 * k.numel() * 2,
+            "post-RoPE": pk.nbytes() + pv.nbytes(),
+        }
+        errors = {}
+        for g in (int(x) for x in args.block.split(",")):
+            if n % g:
+                raise SystemExit(f"--kv-len {n} is not a multiple of --block {g}")
+            a = torch.eye(d) + 0.3 * torch.randn(h, d, d, generator=gen) / d**0.5  # a well-conditioned dense map
+            ainv = torch.linalg.inv(a)
+            mu = torch.randn(h, d, generator=gen)
+            p0 = torch.div(torch.arange(n), g, rounding_mode="floor") * g
+            cos, sin = _cos_sin(p0, d)
+            kpost = torch.randn(1, h, n, d, generator=gen)
+            y = torch.matmul(_turn(kpost, cos, sin, inverse=True) - mu[None, :, None, :], a.transpose(-1, -2)[None])
+            pkb = kc.encode(y)
+            step = BlockStep(q, pkb, pv, kc, vc, ainv, mu, g, scale)
+            name = f"blockrope:{g}"
+            fns[name] = step
+            nbytes[name] = pkb.nbytes() + pv.nbytes()
+            errors[name] = float(
+                (step().to(torch.float64) - _reference(q, pkb, pv, kc, vc, ainv, mu, g, scale)).abs().max()
+            )
+        times = interleaved_seconds(fns, args.repeats)
+        best = [min(times["sdpa-fp32"][i], times["sdpa-bf16"][i]) for i in range(len(times["sdpa-fp32"]))]
+        for method, ts in times.items():
+            sec = statistics.median(ts)
+            rows.append(
+                {
+                    "kv_len": n,
+                    "method": method,
+                    "ms": 1e3 * sec,
+                    "speedup_vs_best_sdpa": statistics.median(b / t for b, t in zip(best, ts, strict=True)),
+                    "cache_bytes": nbytes[method],
+                    "gb_per_s": nbytes[method] / sec / 1e9,
+                    "max_abs_err": errors.get(method),
+                }
+            )
+            print(
+                f"{n:>7} {method:<16} {1e3 * sec:8.3f} ms  x{rows[-1]['speedup_vs_best_sdpa']:.2f} best SDPA"
+                + (f"  err {errors[method]:.1e}" if method in errors else "")
+            )
+    cmd = "python research/scripts/blockrope_speed.py " + " ".join(argv)
+    meta = {
+        "command": cmd,
+        "model": args.model,
+        "shapes": shapes,
+        "k_codec": args.k_codec,
+        "v_codec": args.v_codec,
+        "threads": torch.get_num_threads(),
+        "code": code_commit(),
+        "cpu": cpu_meta(),
+    }
+    write_json_atomic(args.json, {"meta": meta, "rows": rows})
+    if args.markdown:
+        lines = [
+            f"{args.model} shapes (head_dim {d}, {h} kv heads, {hq} query heads), K `{args.k_codec}`, V "
+            f"`{args.v_codec}`, {torch.get_num_threads()} threads; code {code_commit()}; CPU {cpu_meta()['model']}. "
+            f"Produced by `{cmd}`.",
+            "",
+            "| kv_len | method | ms/step | x fastest SDPA | GB/s | max abs err |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            err = "" if r["max_abs_err"] is None else f"{r['max_abs_err']:.1e}"
+            lines.append(
+                f"| {r['kv_len']:,} | {r['method']} | {r['ms']:.3f} | {r['speedup_vs_best_sdpa']:.2f} | "
+                f"{r['gb_per_s']:.1f} | {err} |"
+            )
+        write_text_atomic(args.markdown, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,53 @@
+"""The block-frame decode step of research/scripts/blockrope_speed.py: the query folded once per block, each block
+scored by the fused CPU kernel as a K stored after RoPE, the blocks merged with their bias, equals attention over
+the decoded keys turned to their positions."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from walshkv.attention.cpu import kernel_available
+from walshkv.codecs import parse_codec
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "blockrope_speed.py"
+
+
+@pytest.fixture(scope="module")
+def bs():
+    spec = importlib.util.spec_from_file_location("blockrope_speed", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["blockrope_speed"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the fused CPU kernel does not build here")
+@pytest.mark.parametrize(("kspec", "block"), [("tcq:3.5:norm=8:tables=2", 64), ("tq:4", 32), ("rot+int4", 128)])
+def test_block_step_is_attention_over_the_keys_turned_to_their_positions(bs, kspec, block):
+    gen = torch.Generator().manual_seed(0)
+    h, g, d, n = 2, 3, 64, 256
+    kc, vc = parse_codec(kspec).bind(0, "k"), parse_codec("tq:3").bind(0, "v")
+    a = torch.eye(d) + 0.3 * torch.randn(h, d, d, generator=gen) / d**0.5
+    mu = torch.randn(h, d, generator=gen)
+    pk = kc.encode(torch.randn(1, h, n, d, generator=gen))
+    pv = vc.encode(torch.randn(1, h, n, d, generator=gen))
+    q = torch.randn(1, h * g, 1, d, generator=gen)
+    ainv = torch.linalg.inv(a)
+    step = bs.BlockStep(q, pk, pv, kc, vc, ainv, mu, block, d**-0.5)
+    want = bs._reference(q, pk, pv, kc, vc, ainv, mu, block, d**-0.5)
+    torch.testing.assert_close(step().to(torch.float64), want, atol=2e-5, rtol=0)
+
+
+def test_blocks_are_views_of_the_cache(bs):
+    kc = parse_codec("tq:4").bind(0, "k")
+    pk = kc.encode(torch.randn(1, 2, 128, 64))
+    blocks = bs._blocks(pk, 32)
+    for name, t in blocks.tensors.items():
+        assert t.shape[:3] == (4, 2, 32)
+        assert t.data_ptr() == pk.tensors[name].data_ptr()
+        torch.testing.assert_close(t[1, 1], pk.tensors[name][0, 1, 32:64])
