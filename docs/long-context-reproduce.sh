@@ -17,7 +17,7 @@ OUT=docs/results/long-context
 DATA="${DATA:-../shared/data}"
 EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
-STAGES="${STAGES:-kld select needle holdout select-check frame select-fast fast report}"
+STAGES="${STAGES:-kld select needle holdout select-check frame frame-blockrope frame-blockrope-speed select-fast fast report}"
 MODELS="${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}"
 # the needle grids (about an hour per part on 2 cores): the models that have one
 NEEDLE_MODELS="${NEEDLE_MODELS:-smollm2-135m qwen2.5-1.5b}"
@@ -193,6 +193,42 @@ for stage in $STAGES; do
         --calib-text python-docs "${frame_codecs[@]}" --quiet --json "$OUT/frame/smollm2-135m-ctx$ctx.json"
     done
     ;;
+  frame-blockrope)
+    # issue 35: K in the block frame (research/scripts/ropecenter_probe.py): each key turned back by its block's first
+    # position p0, eq+ fitted to moments averaged over a block's G offsets (eqr:G+), so a kernel maps the query once
+    # per block instead of each key. blockrope:G+ subtracts the pre-RoPE mean averaged over a block's offsets (no
+    # per-key work); blockropec:G+ the mean turned to each key's offset (exact, a bias per key: O(head_dim)).
+    # Next to the shipped walshkv:3.5 K frame (eq+ before RoPE, a dense map per key) and its fast twin (eqd+),
+    # same codes, at 512 and 4096 tokens of Emma (development text); then the standing test, qwen2.5-1.5b at 3 bits,
+    # and gemma3-270m (head_dim 256) at 512
+    mkdir -p "$OUT/frame-blockrope"
+    frame_run() {  # model ctx windows kq vq tag codecs...
+      local model=$1 ctx=$2 win=$3 kq=$4 vq=$5 tag=$6; shift 6; local cs=()
+      for k in "$@"; do cs+=(--codec "sink:1:$k$kq/$vq"); done
+      [ -f "$OUT/frame-blockrope/$tag.json" ] || python research/scripts/ropecenter_probe.py eval --model "$model" \
+        --text "$EMMA" --ctx "$ctx" --windows "$win" --calib-text python-docs "${cs[@]}" --quiet \
+        --json "$OUT/frame-blockrope/$tag.json" --markdown "$OUT/frame-blockrope/$tag.md"
+    }
+    t35="tcq:3.5:norm=8:tables=2"; t3="tcq:3:norm=8:tables=2"; t25="tcq:2.5:norm=8:tables=2"
+    for ctx in 4096 512; do
+      frame_run smollm2-135m "$ctx" "$(windows_for "$ctx" smollm2-135m)" "$t35" "$t3" "emma-$ctx" \
+        prerope+center+eq+ prerope+center+eqd+ blockrope:64+eqr:64+ blockropec:16+eqr:16+ blockropec:64+eqr:64+ \
+        blockropec:256+eqr:256+
+    done
+    frame_run qwen2.5-1.5b 512 "${FRAME_WINDOWS_qwen:-4}" "$t3" "$t25" qwen2.5-1.5b-emma-512 \
+      prerope+center+eq+ prerope+center+eqd+ blockropec:64+eqr:64+
+    frame_run gemma3-270m 512 "${FRAME_WINDOWS_gemma:-8}" "$t35" "$t3" gemma3-270m-emma-512 \
+      prerope+center+eq+ prerope+center+eqd+ blockropec:64+eqr:64+
+    ;;
+  frame-blockrope-speed)
+    # decode speed of the block frame on the fused CPU kernel, then the shipped presets in walshkv's own bench (each
+    # against the fastest SDPA of its own run; run on an idle machine)
+    mkdir -p "$OUT/frame-blockrope"
+    python research/scripts/blockrope_speed.py --model smollm2-135m --kv-len 16384,65536 --block 64,256,1024 \
+      --json "$OUT/frame-blockrope/speed.json" --markdown "$OUT/frame-blockrope/speed.md"
+    walshkv bench attention --model smollm2-135m --kv-len 16384,65536 --codec walshkv:3.5 --codec walshkv:3.5-fast \
+      --codec "tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2" --quiet --out "$OUT/frame-blockrope/bench-presets"
+    ;;
   select-fast)
     # the fast presets: recommend --fast at --ctx 4096 on python-docs (selection text only), candidates restricted
     # to specs the fused kernels decode without a dense per-key matrix (eqd+ in place of prerope+'s eq+). The
@@ -225,6 +261,6 @@ for stage in $STAGES; do
   report)
     python scripts/long_context_report.py --results "$OUT" --out docs/long-context.md
     ;;
-  *) echo "unknown stage $stage (kld select select-gemma needle holdout holdout-4k select-check frame select-fast fast report)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (kld select select-gemma needle holdout holdout-4k select-check frame frame-blockrope frame-blockrope-speed select-fast fast report)" >&2; exit 2 ;;
   esac
 done

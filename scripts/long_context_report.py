@@ -428,6 +428,117 @@ def frame_section(results: Path, summary: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _map_cost(spec: str) -> str:
+    """What a decode step does per cached key for a K spec of the block-frame stage."""
+    k = (spec.split(":", 2)[-1] if spec.startswith("sink:") else spec).split("/")[0]
+    if k.startswith("blockrope:"):
+        g = int(k.split("+")[0].partition(":")[2])
+        return f"none: the query mapped once per block of {g} keys"
+    if "+eqd+" in k:
+        return "a fast Walsh-Hadamard transform, RoPE"
+    if "+eq+" in k:
+        return "a dense head_dim x head_dim map, RoPE"
+    return "?"
+
+
+def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]:
+    """The block frame (stage frame-blockrope): eq+'s quality with the query folded once per block, and its speed."""
+    lines = ["## K in the block frame: eq+ with the query mapped once per block (stage frame-blockrope, Emma)", ""]
+    folder = results / "frame-blockrope"
+    runs = {}
+    for path in sorted(folder.glob("emma-*.json")) if folder.is_dir() else []:
+        run = json.loads(path.read_text())
+        runs[int(run["meta"]["ctx"])] = run
+    if not runs:
+        return [*lines, "No runs yet: `STAGES=frame-blockrope bash docs/long-context-reproduce.sh`.", ""]
+    ctxs = sorted(runs)
+    first = runs[ctxs[0]]
+    lines += [
+        "`prerope+` stores K before RoPE, so each decode step turns every cached key to its position, and with",
+        "`eq+` maps it by a dense `head_dim x head_dim` matrix first: the per-key map that caps the presets' speed",
+        "(issue 35). `research/scripts/ropecenter_probe.py` adds `blockrope:G+`: a key at position `p` is turned back",
+        "only by its block's first position `p0 = G floor(p / G)` (inside a block it keeps RoPE's turn by its offset),",
+        "minus the pre-RoPE mean turned and averaged over a block's offsets; `eqr:G+` is `eq+` fitted to K and query",
+        "moments averaged over those `G` offsets (`blockrope:1+eqr:1+` is `prerope+center+eq+`, bit for bit). The",
+        "score is `(A⁻ᵀ R(p0)ᵀ q) · codes + (R(p0)ᵀ q) · mean`: the query is turned and mapped once per block and",
+        "query head, and each key is scored as a K stored after RoPE is. smollm2-135m, K `tcq:3.5`, V `tcq:3` (norm=8,",
+        "table set 2), one sink token, calibration from python-docs; "
+        + ", ".join(f"{runs[c]['meta']['windows']} windows of {c} tokens" for c in ctxs)
+        + f". Code {first['meta']['versions']['commit']}; CPU {first['meta'].get('cpu', {}).get('model', '?')} "
+        f"({first['meta'].get('cpu', {}).get('capability', '?')}). `- eq+`: paired per-window difference from the "
+        "`eq+` row (bootstrap, 95%), where a run has 3 windows or more.",
+        "",
+        "| K spec | per cached key, each step | "
+        + " | ".join(f"mean KLD at {c} | - eq+ at {c}" for c in ctxs)
+        + " | "
+        + " | ".join(f"top-1 at {c}" for c in ctxs)
+        + " |",
+        "|---|---|" + "---|---|" * len(ctxs) + "---|" * len(ctxs),
+    ]
+    by_codec = {c: {r["codec"]: r for r in runs[c]["results"]} for c in ctxs}
+    eq_row = {c: next((r for r in runs[c]["results"] if "prerope+center+eq+" in r["codec"]), None) for c in ctxs}
+    for r in first["results"]:
+        cells = []
+        for c in ctxs:
+            x = by_codec[c].get(r["codec"])
+            if x is None:
+                cells += ["—", ""]
+                continue
+            judged = None if eq_row[c] is None or x is eq_row[c] else _judge(x, eq_row[c])
+            diff = "" if judged is None else f"{judged[0]:+.4f} [{judged[1]:+.4f}, {judged[2]:+.4f}]"
+            cells += [_fmt(x["kld_mean"]) + _ci(x, "kld_mean_ci95"), diff]
+        top = [(lambda x: f"{100 * x['top1_agreement']:.1f}%" if x else "—")(by_codec[c].get(r["codec"])) for c in ctxs]
+        lines.append(f"| `{r['codec']}` | {_map_cost(r['codec'])} | " + " | ".join(cells + top) + " |")
+        summary.setdefault("frame_block", {})[r["codec"]] = {
+            c: (by_codec[c].get(r["codec"]) or {}).get("kld_mean") for c in ctxs
+        }
+    lines.append("")
+    speed = folder / "speed.json"
+    if speed.is_file():
+        sp = json.loads(speed.read_text())
+        meta = sp["meta"]
+        lines += [
+            f"Decode speed (`{meta['command']}`; code {meta['code']}; CPU {meta['cpu'].get('model', '?')} "
+            f"({meta['cpu'].get('capability', '?')}), {meta['threads']} threads): one step over random K/V in "
+            f"smollm2-135m's shapes, K `{meta['k_codec']}`, V `{meta['v_codec']}`. `post-RoPE`: the same codecs read "
+            "with one query (no per-block fold: the frame's upper bound); `blockrope:G`: the query turned and mapped "
+            "per block in torch, every block one batch row of the fused kernel, the blocks merged with their bias "
+            "(checked against attention over the decoded keys turned to their positions: `max abs err`). Ratios "
+            "against the fastest SDPA of the same rounds.",
+            "",
+            "| kv_len | method | ms/step | x fastest SDPA | GB/s | max abs err |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in sp["rows"]:
+            err = "" if r.get("max_abs_err") is None else f"{r['max_abs_err']:.1e}"
+            lines.append(
+                f"| {r['kv_len']:,} | {r['method']} | {r['ms']:.3f} | {r['speedup_vs_best_sdpa']:.2f} | "
+                f"{r['gb_per_s']:.1f} | {err} |"
+            )
+        lines.append("")
+    bench = folder / "bench-presets" / "bench.json"
+    if bench.is_file():
+        b = json.loads(bench.read_text())
+        rows = [r for r in b["attention"] if not r["method"].startswith("sdpa")]
+        machine = b["meta"]["machine"]
+        lines += [
+            "The shipped spec, its fast twin and the same codes after RoPE in walshkv's own bench (`"
+            + b["meta"]["command"]
+            + f"`, its own SDPA rounds; code {machine['commit']}; CPU {machine['cpu']} "
+            f"({machine['cpu_capability']}), {machine['torch_threads']} threads):",
+            "",
+            "| kv_len | method | ms/step | x fastest SDPA | GB/s |",
+            "|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['kv_len']:,} | {r['method']} | {r['ms']:.3f} | {r['speedup_vs_best_sdpa']:.2f} | "
+                f"{r['gb_per_s']:.1f} |"
+            )
+        lines.append("")
+    return lines
+
+
 def _judge(row: dict[str, Any], peer: dict[str, Any]) -> tuple[float, float, float, str] | None:
     """``row - peer`` over their paired windows: mean, 95% interval and verdict (met: the interval below zero,
     missed: above, else undecided), or None when the two rows share no windows."""
@@ -587,6 +698,7 @@ def main() -> int:
     lines += kld_section(results, results, summary)
     lines += select_section(results, summary)
     lines += frame_section(results, summary)
+    lines += frame_blockrope_section(results, summary)
     lines += fast_section(results, summary)
     lines += needle_section(results, summary)
     lines += holdout_section(results, summary)

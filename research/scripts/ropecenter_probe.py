@@ -33,6 +33,10 @@ pairs that turn slowly over ``G`` positions; a kernel folds ``R(p0)`` (and every
 block of ``G`` keys, not per key: ``d x d`` multiply-adds per query head per block, ``d²/G`` per key.
 
     python research/scripts/ropecenter_probe.py eval ... --codec "sink:1:blockrope:256+eqr:256+tq:3.5/tq:3"
+
+``blockropec:G+X`` subtracts the mean turned to each key's offset in its block, ``R(p - p0) mu``, instead of its
+average over the block: exact centring, at the price of a bias per key (``(R(p0)ᵀ q) · R(j) mu`` for the ``G``
+offsets ``j``: one ``[query heads, d] x [d, G]`` product per block, a float dot product per key and query head).
 """
 
 from __future__ import annotations
@@ -116,10 +120,13 @@ class BlockRoped(PreRope):
 
     block: int = 1
     mu: torch.Tensor | None = field(default=None, compare=False)
+    #: subtract the mean turned to each key's offset in its block (``R(j) mu``, a bias per key) instead of its
+    #: average over the block (``blockropec:G+``)
+    exact: bool = False
 
     @property
     def prefix(self) -> str:
-        return f"blockrope:{self.block}"
+        return f"blockropec:{self.block}" if self.exact else f"blockrope:{self.block}"
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
@@ -136,9 +143,18 @@ class BlockRoped(PreRope):
         table = stats.rope_table(layer_idx)
         mu = stats.k_bias(layer_idx, "plain").to(torch.float32)  # [kv_heads, head_dim], before RoPE
         offsets = torch.arange(self.block)
-        mu_g = _turn(mu[:, None, :].expand(-1, self.block, -1), table, offsets).mean(1)  # mean_j R(j) mu
+        mu_g = mu if self.exact else _turn(mu[:, None, :].expand(-1, self.block, -1), table, offsets).mean(1)
         inner = self.inner.bind(layer_idx, kind, calibration)  # eqr:G+ fits its moments itself
         return replace(self, inner=inner, rope=table, mu=mu_g)
+
+    def _mean(self, start: int, n: int, device: torch.device) -> torch.Tensor:
+        """The mean subtracted from keys at positions ``start ..``: ``[kv_heads, n, d]`` (or ``[kv_heads, 1, d]``)."""
+        assert self.mu is not None
+        mu = self.mu.to(device)[:, None, :]
+        if not self.exact:
+            return mu
+        pos = torch.arange(start, start + n, device=device)
+        return _turn(mu.expand(-1, n, -1), self._table(), pos - self._starts(start, n, device))
 
     def _starts(self, start: int, n: int, device: torch.device) -> torch.Tensor:
         pos = torch.arange(start, start + n, device=device)
@@ -150,13 +166,13 @@ class BlockRoped(PreRope):
         xf = x if x.dtype == torch.float32 else x.to(torch.float32)
         table = self._table()
         u = _turn(xf, table, self._starts(start, x.shape[-2], x.device), inverse=True) / (table.scaling**2)
-        return self.inner, u - self.mu.to(x.device)[None, :, None, :]
+        return self.inner, u - self._mean(start, x.shape[-2], x.device)[None]
 
     def _decode_at(self, packed: Packed, start: int) -> torch.Tensor:
         if self.mu is None:
             raise ValueError(f"{self.spec} is not bound")
         y = self.inner._decode(packed).to(torch.float32)
-        y = y + self.mu.to(y.device)[None, :, None, :]
+        y = y + self._mean(start, y.shape[-2], y.device)[None]
         table = self._table()
         return _turn(y, table, self._starts(start, y.shape[-2], y.device)) * table.scaling
 
@@ -230,6 +246,11 @@ def _blockrope_factory(args: str | None, inner: Codec) -> Codec:
     return BlockRoped(inner, block=block)
 
 
+def _blockropec_factory(args: str | None, inner: Codec) -> Codec:
+    block = count_argument(args, "blockropec takes a block of positions >= 1 (blockropec:64+eqr:64+tq:3.5)")
+    return BlockRoped(inner, block=block, exact=True)
+
+
 def _factory(args: str | None, inner: Codec) -> Codec:
     if args is None:
         return RopeCentered(inner)
@@ -247,6 +268,7 @@ def main(argv: list[str]) -> int:
             ("ropecenter", _factory, "probe: K after RoPE minus the pre-RoPE mean turned to each position"),
             ("eqr", _eqr_factory, "probe: eq+ after RoPE fitted to moments averaged over positions 0..L-1"),
             ("blockrope", _blockrope_factory, "probe: K turned back by its block's first position (G positions)"),
+            ("blockropec", _blockropec_factory, "probe: blockrope+ minus the mean turned to each key's offset"),
         ],
     )
 

@@ -146,3 +146,20 @@ def test_blockrope_turns_keys_back_by_their_blocks_first_position(probe):
     # block 1 is prerope+: the key before RoPE
     one = probe.BlockRoped(FloatCodec("fp32"), table, block=1, mu=mu)
     torch.testing.assert_close(one._transform(apply_rope(k_pre, table, start), start)[1], k_pre, atol=1e-5, rtol=0)
+
+
+def test_blockropec_centres_each_key_exactly(probe):
+    torch.manual_seed(4)
+    d, block, start = 16, 8, 13
+    table = _table(d)
+    mu = torch.randn(2, d)
+    codec = probe.BlockRoped(FloatCodec("fp32"), table, block=block, mu=mu, exact=True)
+    k_pre = mu[None, :, None, :] + 0.01 * torch.randn(1, 2, 6, d)
+    _, u = codec._transform(apply_rope(k_pre, table, start), start)
+    assert u.abs().max() < 0.05  # the keys' own mean is gone at every offset
+    torch.testing.assert_close(
+        codec.decode(codec.encode(apply_rope(k_pre, table, start), start), start),
+        apply_rope(k_pre, table, start),
+        atol=1e-5,
+        rtol=0,
+    )
