@@ -431,8 +431,10 @@ def frame_section(results: Path, summary: dict[str, Any]) -> list[str]:
 def _map_cost(spec: str) -> str:
     """What a decode step does per cached key for a K spec of the block-frame stage."""
     k = (spec.split(":", 2)[-1] if spec.startswith("sink:") else spec).split("/")[0]
-    if k.startswith("blockrope:"):
+    if k.startswith(("blockrope:", "blockropec:")):
         g = int(k.split("+")[0].partition(":")[2])
+        if k.startswith("blockropec:"):
+            return f"one bias product (head_dim); the query mapped once per block of {g} keys"
         return f"none: the query mapped once per block of {g} keys"
     if "+eqd+" in k:
         return "a fast Walsh-Hadamard transform, RoPE"
@@ -461,7 +463,10 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
         "minus the pre-RoPE mean turned and averaged over a block's offsets; `eqr:G+` is `eq+` fitted to K and query",
         "moments averaged over those `G` offsets (`blockrope:1+eqr:1+` is `prerope+center+eq+`, bit for bit). The",
         "score is `(A⁻ᵀ R(p0)ᵀ q) · codes + (R(p0)ᵀ q) · mean`: the query is turned and mapped once per block and",
-        "query head, and each key is scored as a K stored after RoPE is. smollm2-135m, K `tcq:3.5`, V `tcq:3` (norm=8,",
+        "query head, and each key is scored as a K stored after RoPE is. `blockropec:G+` subtracts the mean turned",
+        "to each key's own offset `j` instead (`R(j) mu`, exact centring): its score term `(R(p0)ᵀ q) · R(j) mu` is",
+        "one more `head_dim` product per key and query head, made per block with the fold from a `G x head_dim`",
+        "table and added to the kernel's scores. smollm2-135m, K `tcq:3.5`, V `tcq:3` (norm=8,",
         "table set 2), one sink token, calibration from python-docs; "
         + ", ".join(f"{runs[c]['meta']['windows']} windows of {c} tokens" for c in ctxs)
         + f". Code {first['meta']['versions']['commit']}; CPU {first['meta'].get('cpu', {}).get('model', '?')} "
@@ -493,6 +498,29 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
             c: (by_codec[c].get(r["codec"]) or {}).get("kld_mean") for c in ctxs
         }
     lines.append("")
+    others = [json.loads(p.read_text()) for p in sorted(folder.glob("*-emma-*.json"))]
+    if others:
+        lines += [
+            "The same frames on the other models (Emma, one sink token, calibration from python-docs; qwen2.5-1.5b at",
+            "3 bits, K `tcq:3` and V `tcq:2.5`, its llama.cpp K types' standing test; gemma3-270m, head_dim 256, at",
+            "3.5 bits as above). `- eq+` as above.",
+            "",
+            "| model | tokens x windows | K spec | per cached key, each step | mean KLD | - eq+ | top-1 | code, CPU |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for run in others:
+            meta = run["meta"]
+            eq = next((r for r in run["results"] if "prerope+center+eq+" in r["codec"]), None)
+            for r in run["results"]:
+                judged = None if eq is None or r is eq else _judge(r, eq)
+                diff = "" if judged is None else f"{judged[0]:+.4f} [{judged[1]:+.4f}, {judged[2]:+.4f}]"
+                lines.append(
+                    f"| {meta['model']} | {meta['ctx']} x {meta['windows']} | `{r['codec']}` | {_map_cost(r['codec'])} "
+                    f"| {_fmt(r['kld_mean'])}{_ci(r, 'kld_mean_ci95')} | {diff} | {100 * r['top1_agreement']:.1f}% | "
+                    f"{meta['versions']['commit']}, {meta.get('cpu', {}).get('capability', '?')} |"
+                )
+                summary.setdefault("frame_block_models", {}).setdefault(meta["model"], {})[r["codec"]] = r["kld_mean"]
+        lines.append("")
     speed = folder / "speed.json"
     if speed.is_file():
         sp = json.loads(speed.read_text())
@@ -502,8 +530,10 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
             f"({meta['cpu'].get('capability', '?')}), {meta['threads']} threads): one step over random K/V in "
             f"smollm2-135m's shapes, K `{meta['k_codec']}`, V `{meta['v_codec']}`. `post-RoPE`: the same codecs read "
             "with one query (no per-block fold: the frame's upper bound); `blockrope:G`: the query turned and mapped "
-            "per block in torch, every block one batch row of the fused kernel, the blocks merged with their bias "
-            "(checked against attention over the decoded keys turned to their positions: `max abs err`). Ratios "
+            "per block in torch, every block one batch row of the fused kernel, the blocks merged with their bias; "
+            "`blockropec:G`: the same with each key's bias made in the fold's product and added to its score in the "
+            "kernel (each checked against attention over the decoded keys turned to their positions: `max abs err`). "
+            "Ratios "
             "against the fastest SDPA of the same rounds.",
             "",
             "| kv_len | method | ms/step | x fastest SDPA | GB/s | max abs err |",

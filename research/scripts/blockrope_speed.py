@@ -7,15 +7,21 @@ transform, ``mu_G``: the mean of a block). The score of query ``q`` (after RoPE)
 
 so a decode step turns the query back once per block and maps it once per block (``d x d`` multiply-adds per query
 head per block, ``d²/G`` per key), then scores the block's codes exactly as a K stored after RoPE is scored: no
-per-key map. This script times that step on the fused CPU kernel (each block one batch row of the kernel, its
-codes a strided view of the cache, the blocks merged by their softmax statistics plus the block bias) against
+per-key map. ``blockropec:G+`` subtracts the mean turned to each key's offset ``j`` in its block instead,
+``A (R(p0)ᵀ k - R(j) mu)``: its score term ``(R(p0)ᵀ q) · R(j) mu`` is one more product per key, made for a whole
+block at once with the fold (``R(p0)ᵀ q`` times ``[A⁻¹ | Mᵀ]``, ``M`` the ``G x d`` table of ``R(j) mu``: ``d`` more
+multiply-adds per key and query head) and added to the kernel's scores (``fused_decode_cpu``'s ``bias``).
+
+This script times that step on the fused CPU kernel (each block one batch row of the kernel, its codes a strided
+view of the cache, the blocks merged by their softmax statistics plus the block bias) against
 torch SDPA over fp32 and bf16 caches and the same codecs read with one query (``post-RoPE``: the step without the
 per-block fold, its upper bound), in interleaved rounds as ``walshkv bench attention`` times them. Each blockrope
 row is checked against attention over the codec's decoded keys turned to their positions (``max_abs_err``).
 
-    python research/scripts/blockrope_speed.py --model smollm2-135m --kv-len 16384,65536 --block 64,256,1024 \\
-        --json docs/results/long-context/frame-block/speed.json \\
-        --markdown docs/results/long-context/frame-block/speed.md
+    python research/scripts/blockrope_speed.py --model smollm2-135m --kv-len 16384,65536 \\
+        --frames blockrope:64,blockropec:16,blockropec:64,blockropec:256 \\
+        --json docs/results/long-context/frame-blockrope/speed.json \\
+        --markdown docs/results/long-context/frame-blockrope/speed.md
 
 The output records the code commit and the CPU (as every walshkv result does).
 """
@@ -67,16 +73,21 @@ def _blocks(packed: Packed, block: int) -> Packed:
 class BlockStep:
     """One decode step over a block-frame K cache: fold the query per block, score every block, merge."""
 
-    def __init__(self, q, pk, pv, kc, vc, ainv, mu, block, scale):  # type: ignore[no-untyped-def]
+    def __init__(self, q, pk, pv, kc, vc, ainv, mu, block, scale, exact=False):  # type: ignore[no-untyped-def]
         _, hq, _, d = q.shape
         h = ainv.shape[0]
         n = pk.seq_len
         self.g = hq // h
         self.q = q.reshape(h, self.g, d)
         self.nb = n // block
+        self.block, self.d, self.exact = block, d, exact
         p0 = torch.arange(self.nb) * block
         self.cos, self.sin = _cos_sin(p0, d)  # [nb, d]: static for a cache, made once
         self.ainv, self.mu, self.scale = ainv, mu, scale
+        if exact:  # [A^-1 | M^T] per kv head: the fold and the bias table in one product, [h, d, d + G]
+            cos_j, sin_j = _cos_sin(torch.arange(block), d)
+            table = _turn(mu[:, None, :].expand(-1, block, -1), cos_j, sin_j, inverse=False)  # [h, G, d]
+            self.fold = torch.cat([ainv, table.transpose(1, 2) * scale], dim=2).contiguous()
         self.pk, self.pv = _blocks(pk, block), _blocks(pv, block)
         self.plan = cpu_plan(kc, vc, d, scale)
         if self.plan is None:
@@ -84,27 +95,44 @@ class BlockStep:
 
     def __call__(self) -> torch.Tensor:
         qr = _turn(self.q[None], self.cos[:, None, None, :], self.sin[:, None, None, :], inverse=True)  # [nb,h,g,d]
+        if self.exact:  # per kv head one [nb g, d] x [d, d + G] product: the folded queries and every key's bias
+            h, g, d = self.q.shape
+            y = torch.bmm(qr.permute(1, 0, 2, 3).reshape(h, self.nb * g, d), self.fold)  # [h, nb g, d + G]
+            y = y.reshape(h, self.nb, g, d + self.block).permute(1, 0, 2, 3)
+            res = fused_decode_cpu(y[..., :d].contiguous(), self.plan, self.pk, self.pv, bias=y[..., d:].contiguous())
+            if res is None:
+                raise RuntimeError("the fused CPU kernel is not available")
+            return _merge(*res)
         qy = torch.matmul(qr, self.ainv)  # (A^-T R(p0)^T q)^T = q^T R(p0) A^-1, per kv head
         bias = (qr * self.mu[None, :, None, :]).sum(-1) * self.scale  # [nb, h, g]
         res = fused_decode_cpu(qy.contiguous(), self.plan, self.pk, self.pv)
         if res is None:
             raise RuntimeError("the fused CPU kernel is not available")
         m, l_sum, acc = res
-        m = m + bias
-        top = m.amax(0, keepdim=True)
-        w = torch.exp(m - top) * (l_sum > 0)
-        num = (w[..., None] * acc).sum(0)
-        return (num / (w * l_sum).sum(0)[..., None]).reshape(1, -1, 1, acc.shape[-1])
+        return _merge(m + bias, l_sum, acc)
 
 
-def _reference(q, pk, pv, kc, vc, ainv, mu, block, scale):  # type: ignore[no-untyped-def]
+def _merge(m: torch.Tensor, l_sum: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """Blocks' softmax statistics ``[nb, h, g]`` and sums ``[nb, h, g, d]`` merged: ``[1, h g, 1, d]``."""
+    top = m.amax(0, keepdim=True)
+    w = torch.exp(m - top) * (l_sum > 0)
+    num = (w[..., None] * acc).sum(0)
+    return (num / (w * l_sum).sum(0)[..., None]).reshape(1, -1, 1, acc.shape[-1])
+
+
+def _reference(q, pk, pv, kc, vc, ainv, mu, block, scale, exact=False):  # type: ignore[no-untyped-def]
     """Attention (float64) over the decoded keys turned to their positions."""
     y = kc.decode(pk).to(torch.float64)  # [1, h, n, d]
     n, d = y.shape[2], y.shape[3]
-    p0 = torch.div(torch.arange(n), block, rounding_mode="floor") * block
+    pos = torch.arange(n)
+    p0 = torch.div(pos, block, rounding_mode="floor") * block
     cos, sin = _cos_sin(p0, d)
+    mean = mu.to(torch.float64)[None, :, None, :]
+    if exact:  # R(j) mu, j the key's offset in its block
+        cos_j, sin_j = _cos_sin(pos - p0, d)
+        mean = _turn(mean.expand(1, -1, n, -1), cos_j.to(torch.float64), sin_j.to(torch.float64), inverse=False)
     keys = _turn(
-        torch.matmul(y, ainv.to(torch.float64).transpose(-1, -2)[None]) + mu.to(torch.float64)[None, :, None, :],
+        torch.matmul(y, ainv.to(torch.float64).transpose(-1, -2)[None]) + mean,
         cos.to(torch.float64),
         sin.to(torch.float64),
         inverse=False,
@@ -121,7 +149,11 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="attention shapes (head_dim, kv and query heads)")
     ap.add_argument("--kv-len", default="16384,65536", help="cached tokens, comma-separated (multiples of --block)")
-    ap.add_argument("--block", default="64,256,1024", help="block sizes G, comma-separated")
+    ap.add_argument(
+        "--frames",
+        default="blockrope:64,blockropec:16,blockropec:64,blockropec:256",
+        help="block frames, comma-separated: blockrope:G (a block's mean) or blockropec:G (each key's mean, a bias)",
+    )
     ap.add_argument("--k-codec", default="tcq:3.5:norm=8:tables=2")
     ap.add_argument("--v-codec", default="tcq:3:norm=8:tables=2")
     ap.add_argument("--repeats", type=int, default=30)
@@ -157,9 +189,13 @@ def main(argv: list[str]) -> int:
             "post-RoPE": pk.nbytes() + pv.nbytes(),
         }
         errors = {}
-        for g in (int(x) for x in args.block.split(",")):
+        for name in args.frames.split(","):
+            kind, _, size = name.partition(":")
+            if kind not in ("blockrope", "blockropec") or not size.isdigit() or int(size) < 1:
+                raise SystemExit(f"--frames: {name!r} is not blockrope:G or blockropec:G (G >= 1)")
+            g, exact = int(size), kind == "blockropec"
             if n % g:
-                raise SystemExit(f"--kv-len {n} is not a multiple of --block {g}")
+                raise SystemExit(f"--kv-len {n} is not a multiple of the block {g} of {name}")
             a = torch.eye(d) + 0.3 * torch.randn(h, d, d, generator=gen) / d**0.5  # a well-conditioned dense map
             ainv = torch.linalg.inv(a)
             mu = torch.randn(h, d, generator=gen)
@@ -168,13 +204,11 @@ def main(argv: list[str]) -> int:
             kpost = torch.randn(1, h, n, d, generator=gen)
             y = torch.matmul(_turn(kpost, cos, sin, inverse=True) - mu[None, :, None, :], a.transpose(-1, -2)[None])
             pkb = kc.encode(y)
-            step = BlockStep(q, pkb, pv, kc, vc, ainv, mu, g, scale)
-            name = f"blockrope:{g}"
+            step = BlockStep(q, pkb, pv, kc, vc, ainv, mu, g, scale, exact=exact)
             fns[name] = step
             nbytes[name] = pkb.nbytes() + pv.nbytes()
-            errors[name] = float(
-                (step().to(torch.float64) - _reference(q, pkb, pv, kc, vc, ainv, mu, g, scale)).abs().max()
-            )
+            ref = _reference(q, pkb, pv, kc, vc, ainv, mu, g, scale, exact=exact)
+            errors[name] = float((step().to(torch.float64) - ref).abs().max())
         times = interleaved_seconds(fns, args.repeats)
         best = [min(times["sdpa-fp32"][i], times["sdpa-bf16"][i]) for i in range(len(times["sdpa-fp32"]))]
         for method, ts in times.items():

@@ -1,5 +1,6 @@
 """The block-frame decode step of research/scripts/blockrope_speed.py: the query folded once per block, each block
-scored by the fused CPU kernel as a K stored after RoPE, the blocks merged with their bias, equals attention over
+scored by the fused CPU kernel as a K stored after RoPE, the blocks merged with their bias (or, blockropec, each
+key's bias added to its score in the kernel), equals attention over
 the decoded keys turned to their positions."""
 
 from __future__ import annotations
@@ -27,8 +28,17 @@ def bs():
 
 
 @pytest.mark.skipif(not kernel_available(), reason="the fused CPU kernel does not build here")
-@pytest.mark.parametrize(("kspec", "block"), [("tcq:3.5:norm=8:tables=2", 64), ("tq:4", 32), ("rot+int4", 128)])
-def test_block_step_is_attention_over_the_keys_turned_to_their_positions(bs, kspec, block):
+@pytest.mark.parametrize(
+    ("kspec", "block", "exact"),
+    [
+        ("tcq:3.5:norm=8:tables=2", 64, False),
+        ("tq:4", 32, False),
+        ("rot+int4", 128, False),
+        ("tcq:3.5:norm=8:tables=2", 16, True),
+        ("rot+int4", 64, True),
+    ],
+)
+def test_block_step_is_attention_over_the_keys_turned_to_their_positions(bs, kspec, block, exact):
     gen = torch.Generator().manual_seed(0)
     h, g, d, n = 2, 3, 64, 256
     kc, vc = parse_codec(kspec).bind(0, "k"), parse_codec("tq:3").bind(0, "v")
@@ -38,8 +48,8 @@ def test_block_step_is_attention_over_the_keys_turned_to_their_positions(bs, ksp
     pv = vc.encode(torch.randn(1, h, n, d, generator=gen))
     q = torch.randn(1, h * g, 1, d, generator=gen)
     ainv = torch.linalg.inv(a)
-    step = bs.BlockStep(q, pk, pv, kc, vc, ainv, mu, block, d**-0.5)
-    want = bs._reference(q, pk, pv, kc, vc, ainv, mu, block, d**-0.5)
+    step = bs.BlockStep(q, pk, pv, kc, vc, ainv, mu, block, d**-0.5, exact=exact)
+    want = bs._reference(q, pk, pv, kc, vc, ainv, mu, block, d**-0.5, exact=exact)
     torch.testing.assert_close(step().to(torch.float64), want, atol=2e-5, rtol=0)
 
 

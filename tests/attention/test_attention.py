@@ -476,3 +476,52 @@ def test_parallel_ranges_merge() -> None:
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")), reason="no C++ compiler")
 def test_kernel_builds_where_a_compiler_exists() -> None:
     assert attention_cpu.kernel_available()
+
+
+# ---- an additive score bias per key (a block frame's mean term) ----------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["tcq:3.5:norm=8:tables=2", "rot+int4", "q8_0"])
+def test_fused_cpu_bias_is_added_to_each_scaled_score(spec: str) -> None:
+    from walshkv.attention.cpu_formats import cpu_plan
+
+    b, h, g, t, d = 2, 2, 3, 77, 64  # t not a multiple of the kernel's tile
+    k, v = _kv(b, h, t, d, seed=21)
+    codec, pk = _encode(spec, k)
+    pv = codec.encode(v)
+    scale = d**-0.5
+    plan = cpu_plan(codec, codec, d, scale)
+    assert plan is not None
+    q = _query(b, h * g, d).reshape(b, h, g, d)
+    bias = torch.randn(b, h, g, t, generator=torch.Generator().manual_seed(5))
+    res = attention_cpu.fused_decode_cpu(q, plan, pk, pv, bias=bias)
+    assert res is not None
+    _, l_sum, acc = res
+    out = acc / l_sum[..., None]
+    keys, vals = codec.decode(pk).to(torch.float64), codec.decode(pv).to(torch.float64)
+    s = torch.einsum("bhgd,bhtd->bhgt", q.to(torch.float64), keys) * scale + bias.to(torch.float64)
+    want = torch.einsum("bhgt,bhtd->bhgd", s.softmax(-1), vals)
+    torch.testing.assert_close(out.to(torch.float64), want, atol=2e-5, rtol=1e-4)
+    # a bias that is a view with other strides gives the same answer
+    wide = torch.zeros(b, h, g, t + 5)
+    wide[..., :t] = bias
+    _, l2, acc2 = attention_cpu.fused_decode_cpu(q, plan, pk, pv, bias=wide[..., :t])
+    torch.testing.assert_close(acc2 / l2[..., None], out)
+
+
+def test_fused_cpu_bias_refuses_bad_shapes_and_values() -> None:
+    from walshkv.attention.cpu_formats import cpu_plan
+
+    k, v = _kv(1, 1, 16, 64, seed=22)
+    codec, pk = _encode("int4", k)
+    plan = cpu_plan(codec, codec, 64, 0.125)
+    assert plan is not None
+    q = _query(1, 2, 64).reshape(1, 1, 2, 64)
+    with pytest.raises(ValueError, match=r"float32 \[batch, kv_heads, group, seq_len\] = \[1, 1, 2, 16\]"):
+        attention_cpu.fused_decode_cpu(q, plan, pk, codec.encode(v), bias=torch.zeros(1, 1, 2, 15))
+    with pytest.raises(ValueError, match="float32"):
+        attention_cpu.fused_decode_cpu(q, plan, pk, codec.encode(v), bias=torch.zeros(1, 1, 2, 16, dtype=torch.float64))
+    bad = torch.zeros(1, 1, 2, 16)
+    bad[0, 0, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        attention_cpu.fused_decode_cpu(q, plan, pk, codec.encode(v), bias=bad)

@@ -691,6 +691,7 @@ def fused_decode_cpu(
     packed_v: Packed,
     start: int = 0,
     paged: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Unnormalised attention of one query step over packed K/V, with the C++ kernel.
 
@@ -708,6 +709,9 @@ def fused_decode_cpu(
             ``t % block_size`` of block ``block_table[b, t // block_size]``; each request reads its own
             ``seq_lens[b]`` tokens (at positions ``0 ..``; ``start`` must be 0). ``None``: fields are
             ``[batch, kv_heads, seq_len, ...]``.
+        bias: float32 ``[batch, kv_heads, group, seq_len]`` (paged: ``seq_len`` the longest request's), added to
+            every scaled score before the softmax: a term per key that the codes do not hold (a block frame's
+            mean turned to each key's offset, research/scripts/blockrope_speed.py). ``None``: no bias.
 
     Returns:
         ``(m, l, acc)``: running max ``[batch, kv_heads, group]`` of the scaled scores, softmax denominator
@@ -737,6 +741,18 @@ def fused_decode_cpu(
     keep_p: list[torch.Tensor] = []
     if plan.prerope is not None:
         kpost, keep_p = _kpost(plan, h, int(start), t)
+    bdesc: list[int] = []
+    if bias is not None:
+        if bias.dtype != torch.float32 or bias.shape != (b, h, g, t) or bias.device.type != "cpu":
+            raise ValueError(
+                f"bias must be float32 [batch, kv_heads, group, seq_len] = [{b}, {h}, {g}, {t}] on the CPU, got "
+                f"{bias.dtype} {tuple(bias.shape)} on {bias.device}"
+            )
+        if not bool(torch.isfinite(bias).all()):
+            raise ValueError("bias has NaN or Inf entries: scores would be undefined (check the query and the mean)")
+        if bias.stride(3) != 1 or bias.stride(0) != h * bias.stride(1):
+            bias = bias.contiguous()
+        bdesc = [bias.data_ptr(), bias.stride(1), bias.stride(2)]
     qb = (q @ plan.q_map if plan.q_map is not None else q * plan.scale).contiguous()
     m = torch.empty(b, h, g)
     l_sum = torch.empty(b, h, g)
@@ -761,8 +777,9 @@ def fused_decode_cpu(
         threads,
         int_dot=int_dot_scores(),
         paging=paging,
+        bias=bdesc,
     )
-    del keep_k, keep_v, keep_p, keep_g
+    del keep_k, keep_v, keep_p, keep_g, bias
     if plan.out_map is not None:
         acc = acc @ plan.out_map
     return m, l_sum, acc

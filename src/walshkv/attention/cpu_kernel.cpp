@@ -63,14 +63,32 @@ static Paging make_paging(const std::vector<int64_t>& a, int64_t B, int64_t& T) 
   return pg;
 }
 
+// An additive score bias per key (a frame whose keys carry a term the codes do not: a block frame's mean turned to
+// each key's offset): bias[g * stride_g + t] is added to head g's scaled score of token t. ptr == nullptr: none.
+struct Bias {
+  const float* ptr = nullptr;
+  int64_t stride_n = 0, stride_g = 0;
+};
+
+// Bias from its descriptor: empty, or [pointer, stride per (batch, kv head), stride per query head of a group].
+static Bias make_bias(const std::vector<int64_t>& a) {
+  Bias bs;
+  if (a.empty()) return bs;
+  if (a.size() != 3 || a[1] < 0 || a[2] < 0) throw std::invalid_argument("walshkv decode attention: bad bias descriptor");
+  bs.ptr = reinterpret_cast<const float*>(a[0]);
+  bs.stride_n = a[1];
+  bs.stride_g = a[2];
+  return bs;
+}
+
 // One (batch, head, token range): online softmax over tiles. q: [G][LK] (zero columns pad), acc: [G][LV];
-// m, l: [G]. LK, LV are multiples of VW; buffers 64-byte aligned.
+// m, l: [G]. LK, LV are multiples of VW; buffers 64-byte aligned. bias: this (batch, head)'s rows, or nullptr.
 static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, const KPost& kp,
                       const float* __restrict q, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t G, int64_t LKD,
                       int64_t LK, int64_t LV, float* __restrict m, float* __restrict l, float* __restrict acc,
                       float* __restrict ktile, float* __restrict ztile, float* __restrict vtile,
                       float* __restrict sc, uint16_t* __restrict abf, IdotFn idot, const IQuery* __restrict iq,
-                      int nch, const Paging& pg) {
+                      int nch, const Paging& pg, const float* __restrict bias, int64_t bias_g) {
   // LKD: floats per decoded K row; LK: per scored row (the query's length: LKD, or kp.ld for prerope+)
   // iq: the heads' integer queries where K's 4-bit codes are scored by byte dot products (idot), else nullptr
   // pg: with a block table, token t of request b is row t % block_size of block table[b][t / block_size] (the
@@ -102,6 +120,9 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
         score_tile(kscore, q, G, LK, nk, (int)nt, rsk, sc);
       }
     }
+    if (bias)
+      for (int64_t j = 0; j < G; ++j)
+        for (int i = 0; i < nt; ++i) sc[j * TILE + i] += bias[j * bias_g + tb + i];
     softmax_tile(sc, (int)nt, G, first, m, l, acc, LV, nv);
     first = false;
     vdec(V, rb, h, rt, (int)nt, vtile, LV, rsv);
@@ -135,11 +156,13 @@ static float* alloc_floats(int64_t n) {  // 64-byte aligned, zeroed
 // buffer order). The T tokens are cut into nsplit ranges run in parallel, then merged.
 // kpost: empty, or the prerope+ descriptor (make_kpost); then q is [B*H][G][d] in the model's basis.
 // paging: empty, or a block table (make_paging): then B is the number of requests, T is taken from their lengths,
-// and the codes' batch strides step over blocks.
+// and the codes' batch strides step over blocks. bias: empty, or an additive score bias per key (make_bias).
 static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& vdesc, const std::vector<int64_t>& kpost,
                 int64_t q_ptr, int64_t m_ptr, int64_t l_ptr, int64_t acc_ptr, int64_t B, int64_t H, int64_t G, int64_t T,
-                int64_t nsplit, int64_t nthreads, bool int_dot, const std::vector<int64_t>& paging) {
+                int64_t nsplit, int64_t nthreads, bool int_dot, const std::vector<int64_t>& paging,
+                const std::vector<int64_t>& bias) {
   const Paging pg = make_paging(paging, B, T);
+  const Bias bs = make_bias(bias);
   const Src K = make_src(kdesc), V = make_src(vdesc);
   const KPost kp = make_kpost(kpost, H, T);
   if (kp.on && kp.L != K.L) throw std::invalid_argument("walshkv decode attention: prerope matrix rows != K row length");
@@ -188,7 +211,8 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
         if (t0 < t1)
           run_range(K, V, kdec, vdec, kp, qp + n * G * LK, n / H, n % H, t0, t1, G, LKD, LK, LV, pm.data() + task * G,
                     pl.data() + task * G, pacc + task * G * LV, ktile, ztile, vtile, sc, abf, idot,
-                    iqs ? iqs + n * G : nullptr, nch, pg);
+                    iqs ? iqs + n * G : nullptr, nch, pg, bs.ptr ? bs.ptr + n * bs.stride_n : nullptr,
+                    bs.stride_g);
       }
       std::free(ktile);
       amx_scratch_free(abf);
@@ -273,7 +297,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("run", &run, "fused decode attention over packed K/V (see walshkv.attention.cpu)", py::arg("kdesc"),
           py::arg("vdesc"), py::arg("kpost"), py::arg("q"), py::arg("m"), py::arg("l"), py::arg("acc"), py::arg("B"),
           py::arg("H"), py::arg("G"), py::arg("T"), py::arg("nsplit"), py::arg("nthreads"), py::arg("int_dot") = true,
-          py::arg("paging") = std::vector<int64_t>{});
+          py::arg("paging") = std::vector<int64_t>{}, py::arg("bias") = std::vector<int64_t>{});
   mod.def("decode_rows", &decode_rows, "packed rows to floats, as the kernel reads them (prefill tiles)");
   mod.def("tq_pack", &tq_pack, "tq's encoder after its rotation: rows to packed codes (TurboQuant._encode)");
   mod.def("tcq_encode", &tcq_encode, "tcq's encoder after its rotation: rows to trellis codes (TrellisQuant._encode)");
