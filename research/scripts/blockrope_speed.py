@@ -148,7 +148,7 @@ def _reference(q, pk, pv, kc, vc, ainv, mu, block, scale, exact=False):  # type:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="attention shapes (head_dim, kv and query heads)")
-    ap.add_argument("--kv-len", default="16384,65536", help="cached tokens, comma-separated (multiples of --block)")
+    ap.add_argument("--kv-len", default="16384,65536", help="cached tokens, comma-separated (multiples of the blocks)")
     ap.add_argument(
         "--frames",
         default="blockrope:64,blockropec:16,blockropec:64,blockropec:256",

@@ -25,6 +25,10 @@ frequencies decorrelates). One fixed transform after RoPE folds into the query o
 map); ``eq+`` fitted to the post-RoPE statistics of short calibration windows does not hold at 4k (the table in
 docs/long-context.md), since slow pairs have not turned there yet.
 
+``eqr:L:Q+X`` averages the query moment over ``Q`` positions instead (``inf``: the limit): in the block frame the
+query a key's codes meet is ``R(p0)ᵀ q = R(pq - p0) q_pre``, turned by the distance from the query to the key's
+block, not by an offset inside a block.
+
 ``blockrope:G+X`` (K only) is the frame between the two: K turned back by the first position of its block of ``G``
 positions, ``u = R(p0)ᵀ k = R(p - p0) k_pre`` with ``p0 = G floor(p / G)``, minus the pre-RoPE mean turned and
 averaged over a block's offsets (``mean_j R(j) mu``). Inside a block the keys keep RoPE's turn by their offset
@@ -215,9 +219,13 @@ class RopeAveragedEqualized(Equalized):
     other_kind = "refuse"
 
     length: int | None = None
+    #: positions the query moment is averaged over, when not ``length`` (``eqr:G:Q``; ``0``: the limit, ``inf``)
+    q_length: int | None = None
 
     @property
     def prefix(self) -> str:
+        if self.q_length is not None:
+            return f"eqr:{self.length}:{self.q_length or 'inf'}"
         return "eqr" if self.length is None else f"eqr:{self.length}"
 
     def bind(self, layer_idx, kind, calibration=None):  # type: ignore[no-untyped-def]
@@ -229,7 +237,8 @@ class RopeAveragedEqualized(Equalized):
         pre = calibration.pre_rope()
         inv_freq = pre.rope_table(layer_idx).inv_freq
         cov = rope_averaged(pre.k_covariance(layer_idx), inv_freq, self.length)
-        qmom = rope_averaged(pre.query_moment(layer_idx), inv_freq, self.length)
+        q_len = self.length if self.q_length is None else (self.q_length or None)
+        qmom = rope_averaged(pre.query_moment(layer_idx), inv_freq, q_len)
         matrix = k_equalizer(cov, qmom).to(torch.float32)
         return replace(self, inner=inner, matrix=matrix)
 
@@ -237,8 +246,12 @@ class RopeAveragedEqualized(Equalized):
 def _eqr_factory(args: str | None, inner: Codec) -> Codec:
     if args is None:
         return RopeAveragedEqualized(inner)
-    length = count_argument(args, "eqr takes a number of positions >= 1 (eqr:32768+tq:3.5)")
-    return RopeAveragedEqualized(inner, length=length)
+    what = "eqr takes a number of positions >= 1, then optionally the query's (a number or inf) (eqr:64:inf+tq:3.5)"
+    head, _, q_arg = args.partition(":")
+    length = count_argument(head, what)
+    if not q_arg:
+        return RopeAveragedEqualized(inner, length=length)
+    return RopeAveragedEqualized(inner, length=length, q_length=0 if q_arg == "inf" else count_argument(q_arg, what))
 
 
 def _blockrope_factory(args: str | None, inner: Codec) -> Codec:

@@ -121,6 +121,13 @@ def test_eqr_transform_after_rope_is_fixed_and_refuses_v(probe):
         probe._eqr_factory("0", FloatCodec("fp32"))
     with pytest.raises(ValueError, match="K only"):
         codec.bind(0, "v", None)
+    # the query moment averaged over its own number of positions (inf: the limit)
+    assert probe._eqr_factory("64:inf", FloatCodec("fp32")).spec == "eqr:64:inf+fp32"
+    split = probe._eqr_factory("64:512", FloatCodec("fp32"))
+    assert (split.length, split.q_length, split.spec) == (64, 512, "eqr:64:512+fp32")
+    for bad in ("64:0", "64:x", "x:inf"):
+        with pytest.raises(ValueError, match="then optionally the query's"):
+            probe._eqr_factory(bad, FloatCodec("fp32"))
 
 
 @pytest.mark.parametrize("block", [1, 4, 64])
