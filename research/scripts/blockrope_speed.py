@@ -12,8 +12,8 @@ per-key map. ``blockropec:G+`` subtracts the mean turned to each key's offset ``
 block at once with the fold (``R(p0)ᵀ q`` times ``[A⁻¹ | Mᵀ]``, ``M`` the ``G x d`` table of ``R(j) mu``: ``d`` more
 multiply-adds per key and query head) and added to the kernel's scores (``fused_decode_cpu``'s ``bias``).
 
-This script times that step on the fused CPU kernel (each block one batch row of the kernel, its codes a strided
-view of the cache, the blocks merged by their softmax statistics plus the block bias) against
+This script times that step on the fused CPU kernel (one call: every block scored against its own folded query,
+``fused_decode_cpu``'s ``query_block``, each block's or key's mean term added as a score bias) against
 torch SDPA over fp32 and bf16 caches and the same codecs read with one query (``post-RoPE``: the step without the
 per-block fold, its upper bound), in interleaved rounds as ``walshkv bench attention`` times them. Each blockrope
 row is checked against attention over the codec's decoded keys turned to their positions (``max_abs_err``).
@@ -29,6 +29,7 @@ The output records the code commit and the CPU (as every walshkv result does).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 
@@ -40,7 +41,6 @@ from walshkv.attention.decode import decode_attention
 from walshkv.bench.attention import attention_shapes
 from walshkv.bench.machine import interleaved_seconds
 from walshkv.codecs import parse_codec
-from walshkv.codecs.base import Packed
 from walshkv.eval.provenance import code_commit, cpu_meta
 from walshkv.fileio import write_json_atomic, write_text_atomic
 
@@ -59,19 +59,9 @@ def _cos_sin(pos: torch.Tensor, d: int, base: float = 10000.0) -> tuple[torch.Te
     return emb.cos().to(torch.float32), emb.sin().to(torch.float32)
 
 
-def _blocks(packed: Packed, block: int) -> Packed:
-    """``packed`` ``[1, H, n, ...]`` as ``[n / block, H, block, ...]`` views (no copy)."""
-    out = {}
-    for name, t in packed.tensors.items():
-        _, h, n = t.shape[:3]
-        rest = t.shape[3:]
-        st = t.stride()
-        out[name] = t.as_strided((n // block, h, block, *rest), (block * st[2], st[1], st[2], *st[3:]))
-    return Packed(out, packed.head_dim, packed.dtype)
-
-
 class BlockStep:
-    """One decode step over a block-frame K cache: fold the query per block, score every block, merge."""
+    """One decode step over a block-frame K cache: the query turned back and mapped once per block, every block
+    scored against its own query in one fused-kernel call (``query_block``), each key's mean term a score bias."""
 
     def __init__(self, q, pk, pv, kc, vc, ainv, mu, block, scale, exact=False):  # type: ignore[no-untyped-def]
         _, hq, _, d = q.shape
@@ -79,45 +69,38 @@ class BlockStep:
         n = pk.seq_len
         self.g = hq // h
         self.q = q.reshape(h, self.g, d)
-        self.nb = n // block
-        self.block, self.d, self.exact = block, d, exact
+        self.nb = -(-n // block)
+        self.n, self.block, self.d = n, block, d
         p0 = torch.arange(self.nb) * block
         self.cos, self.sin = _cos_sin(p0, d)  # [nb, d]: static for a cache, made once
-        self.ainv, self.mu, self.scale = ainv, mu, scale
-        if exact:  # [A^-1 | M^T] per kv head: the fold and the bias table in one product, [h, d, d + G]
+        # [A^-1 | M^T] per kv head, [h, d, d + G] (blockrope: [A^-1 | mu], one column): the fold and the bias in one
+        # product; M is the G x d table of the mean turned to each offset in a block
+        if exact:
             cos_j, sin_j = _cos_sin(torch.arange(block), d)
             table = _turn(mu[:, None, :].expand(-1, block, -1), cos_j, sin_j, inverse=False)  # [h, G, d]
-            self.fold = torch.cat([ainv, table.transpose(1, 2) * scale], dim=2).contiguous()
-        self.pk, self.pv = _blocks(pk, block), _blocks(pv, block)
-        self.plan = cpu_plan(kc, vc, d, scale)
-        if self.plan is None:
+        else:
+            table = mu[:, None, :]
+        self.pk, self.pv = pk, pv
+        plan = cpu_plan(kc, vc, d, scale)
+        if plan is None:
             raise ValueError(f"the CPU kernel cannot read {kc.spec} / {vc.spec}")
+        qmap = ainv
+        if plan.q_map is not None and plan.q_map.shape == (d, d):  # the codec's rotations and scale: into the fold
+            qmap, plan = ainv @ plan.q_map, dataclasses.replace(plan, q_map=None, scale=1.0)
+        self.plan = plan
+        self.fold = torch.cat([qmap, table.transpose(1, 2) * scale], dim=2).contiguous()
 
     def __call__(self) -> torch.Tensor:
-        qr = _turn(self.q[None], self.cos[:, None, None, :], self.sin[:, None, None, :], inverse=True)  # [nb,h,g,d]
-        if self.exact:  # per kv head one [nb g, d] x [d, d + G] product: the folded queries and every key's bias
-            h, g, d = self.q.shape
-            y = torch.bmm(qr.permute(1, 0, 2, 3).reshape(h, self.nb * g, d), self.fold)  # [h, nb g, d + G]
-            y = y.reshape(h, self.nb, g, d + self.block).permute(1, 0, 2, 3)
-            res = fused_decode_cpu(y[..., :d].contiguous(), self.plan, self.pk, self.pv, bias=y[..., d:].contiguous())
-            if res is None:
-                raise RuntimeError("the fused CPU kernel is not available")
-            return _merge(*res)
-        qy = torch.matmul(qr, self.ainv)  # (A^-T R(p0)^T q)^T = q^T R(p0) A^-1, per kv head
-        bias = (qr * self.mu[None, :, None, :]).sum(-1) * self.scale  # [nb, h, g]
-        res = fused_decode_cpu(qy.contiguous(), self.plan, self.pk, self.pv)
+        h, g, d = self.q.shape
+        qr = _turn(self.q[:, None], self.cos[:, None, :], self.sin[:, None, :], inverse=True)  # [h, nb, g, d]
+        y = torch.bmm(qr.reshape(h, self.nb * g, d), self.fold).reshape(h, self.nb, g, -1)  # [h, nb, g, d + G|1]
+        bias = y[..., d:].permute(0, 2, 1, 3).expand(h, g, self.nb, self.block)  # [h, g, nb, G]
+        bias = bias.reshape(1, h, g, self.nb * self.block)[..., : self.n]
+        res = fused_decode_cpu(y[None, ..., :d], self.plan, self.pk, self.pv, bias=bias, query_block=self.block)
         if res is None:
             raise RuntimeError("the fused CPU kernel is not available")
-        m, l_sum, acc = res
-        return _merge(m + bias, l_sum, acc)
-
-
-def _merge(m: torch.Tensor, l_sum: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """Blocks' softmax statistics ``[nb, h, g]`` and sums ``[nb, h, g, d]`` merged: ``[1, h g, 1, d]``."""
-    top = m.amax(0, keepdim=True)
-    w = torch.exp(m - top) * (l_sum > 0)
-    num = (w[..., None] * acc).sum(0)
-    return (num / (w * l_sum).sum(0)[..., None]).reshape(1, -1, 1, acc.shape[-1])
+        _, l_sum, acc = res
+        return (acc / l_sum[..., None]).reshape(1, h * g, 1, acc.shape[-1])
 
 
 def _reference(q, pk, pv, kc, vc, ainv, mu, block, scale, exact=False):  # type: ignore[no-untyped-def]
@@ -148,7 +131,7 @@ def _reference(q, pk, pv, kc, vc, ainv, mu, block, scale, exact=False):  # type:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="attention shapes (head_dim, kv and query heads)")
-    ap.add_argument("--kv-len", default="16384,65536", help="cached tokens, comma-separated (multiples of the blocks)")
+    ap.add_argument("--kv-len", default="16384,65536", help="cached tokens, comma-separated ")
     ap.add_argument(
         "--frames",
         default="blockrope:64,blockropec:16,blockropec:64,blockropec:256",
@@ -194,8 +177,6 @@ def main(argv: list[str]) -> int:
             if kind not in ("blockrope", "blockropec") or not size.isdigit() or int(size) < 1:
                 raise SystemExit(f"--frames: {name!r} is not blockrope:G or blockropec:G (G >= 1)")
             g, exact = int(size), kind == "blockropec"
-            if n % g:
-                raise SystemExit(f"--kv-len {n} is not a multiple of the block {g} of {name}")
             a = torch.eye(d) + 0.3 * torch.randn(h, d, d, generator=gen) / d**0.5  # a well-conditioned dense map
             ainv = torch.linalg.inv(a)
             mu = torch.randn(h, d, generator=gen)

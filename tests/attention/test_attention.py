@@ -525,3 +525,51 @@ def test_fused_cpu_bias_refuses_bad_shapes_and_values() -> None:
     bad[0, 0, 1, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         attention_cpu.fused_decode_cpu(q, plan, pk, codec.encode(v), bias=bad)
+
+
+# ---- one query per block of keys (a block frame's query, turned back and mapped once per block) -------------
+
+
+@pytest.mark.parametrize(("spec", "block"), [("tcq:3.5:norm=8:tables=2", 16), ("rot+int4", 40), ("q8_0", 64)])
+def test_fused_cpu_query_block_scores_each_block_with_its_query(spec: str, block: int) -> None:
+    from walshkv.attention.cpu_formats import cpu_plan
+
+    b, h, g, t, d = 2, 2, 3, 77, 64  # t not a multiple of the block or the tile; block 40 straddles tiles
+    k, v = _kv(b, h, t, d, seed=23)
+    codec, pk = _encode(spec, k)
+    pv = codec.encode(v)
+    scale = d**-0.5
+    plan = cpu_plan(codec, codec, d, scale)
+    assert plan is not None
+    nb = -(-t // block)
+    q = torch.randn(b, h, nb, g, d, generator=torch.Generator().manual_seed(6))
+    bias = torch.randn(b, h, g, t, generator=torch.Generator().manual_seed(7))
+    res = attention_cpu.fused_decode_cpu(q, plan, pk, pv, bias=bias, query_block=block)
+    assert res is not None
+    _, l_sum, acc = res
+    out = acc / l_sum[..., None]
+    keys, vals = codec.decode(pk).to(torch.float64), codec.decode(pv).to(torch.float64)
+    q_per_key = q.to(torch.float64).repeat_interleave(block, dim=2)[:, :, :t]  # [b, h, t, g, d]
+    s = torch.einsum("bhtgd,bhtd->bhgt", q_per_key, keys) * scale + bias.to(torch.float64)
+    want = torch.einsum("bhgt,bhtd->bhgd", s.softmax(-1), vals)
+    torch.testing.assert_close(out.to(torch.float64), want, atol=2e-5, rtol=1e-4)
+    # one block as long as the cache is the ordinary one-query step
+    _, l1, acc1 = attention_cpu.fused_decode_cpu(q[:, :, :1], plan, pk, pv, query_block=t)
+    _, l0, acc0 = attention_cpu.fused_decode_cpu(q[:, :, 0], plan, pk, pv)
+    torch.testing.assert_close(acc1 / l1[..., None], acc0 / l0[..., None], atol=1e-6, rtol=1e-5)
+
+
+def test_fused_cpu_query_block_refuses_bad_shapes() -> None:
+    from walshkv.attention.cpu_formats import cpu_plan
+
+    k, v = _kv(1, 1, 16, 64, seed=24)
+    codec, pk = _encode("int4", k)
+    pv = codec.encode(v)
+    plan = cpu_plan(codec, codec, 64, 0.125)
+    assert plan is not None
+    with pytest.raises(ValueError, match="2 query blocks; 16 keys in blocks of 4 need 4"):
+        attention_cpu.fused_decode_cpu(torch.zeros(1, 1, 2, 2, 64), plan, pk, pv, query_block=4)
+    with pytest.raises(ValueError, match=r"q must be \[batch, kv_heads, n_blocks, group, head_dim\]"):
+        attention_cpu.fused_decode_cpu(torch.zeros(1, 1, 2, 64), plan, pk, pv, query_block=4)
+    with pytest.raises(ValueError, match="query_block must be 0 or a block of keys >= 1"):
+        attention_cpu.fused_decode_cpu(torch.zeros(1, 1, 2, 64), plan, pk, pv, query_block=-1)

@@ -692,6 +692,7 @@ def fused_decode_cpu(
     start: int = 0,
     paged: tuple[torch.Tensor, torch.Tensor] | None = None,
     bias: torch.Tensor | None = None,
+    query_block: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Unnormalised attention of one query step over packed K/V, with the C++ kernel.
 
@@ -700,7 +701,8 @@ def fused_decode_cpu(
     (:mod:`walshkv.attention.keys`): the query stays in the model's basis.
 
     Args:
-        q: float32 ``[batch, kv_heads, group, head_dim]``, unscaled, in the model's basis.
+        q: float32 ``[batch, kv_heads, group, head_dim]``, unscaled, in the model's basis; with ``query_block``
+            ``[batch, kv_heads, n_blocks, group, head_dim]``, one query per block of keys.
         plan: :func:`cpu_plan` of the K and V codecs at this head_dim and softmax scale.
         packed_k, packed_v: CPU fields ``[batch, kv_heads, seq_len, ...]`` written by those codecs.
         start: position of packed token 0 (``prerope+`` only; sink tokens come before it).
@@ -712,6 +714,9 @@ def fused_decode_cpu(
         bias: float32 ``[batch, kv_heads, group, seq_len]`` (paged: ``seq_len`` the longest request's), added to
             every scaled score before the softmax: a term per key that the codes do not hold (a block frame's
             mean turned to each key's offset, research/scripts/blockrope_speed.py). ``None``: no bias.
+        query_block: ``G > 0``: keys ``i G .. (i + 1) G - 1`` are scored against query block ``i`` of ``q``
+            (``n_blocks = ceil(seq_len / G)``): a block frame's query turned back to each block's first position
+            and mapped once per block, all blocks in one kernel call. Not with ``prerope+`` keys. ``0``: one query.
 
     Returns:
         ``(m, l, acc)``: running max ``[batch, kv_heads, group]`` of the scaled scores, softmax denominator
@@ -721,7 +726,13 @@ def fused_decode_cpu(
     kernel = load_kernel()
     if kernel is None:
         return None
-    b, h, g, d = q.shape
+    if query_block < 0 or (query_block > 0 and plan.prerope is not None):
+        raise ValueError(f"query_block must be 0 or a block of keys >= 1 (not with prerope+ keys), got {query_block}")
+    if q.dim() != (5 if query_block else 4):
+        raise ValueError(
+            f"q must be [batch, kv_heads, {'n_blocks, ' if query_block else ''}group, head_dim], got {tuple(q.shape)}"
+        )
+    b, h, g, d = q.shape[0], q.shape[1], q.shape[-2], q.shape[-1]
     kdesc, keep_k = _desc(packed_k, plan.k, d, "K", kernel.FORMATS[plan.k.fmt])
     vdesc, keep_v = _desc(packed_v, plan.v, d, "V", kernel.FORMATS[plan.v.fmt])
     t = packed_k.seq_len
@@ -737,6 +748,10 @@ def fused_decode_cpu(
         t = int(lens.max()) if b else 0  # the longest request: the RoPE table's reach (prerope+)
         paging = [table.data_ptr(), table.stride(0), packed_k.seq_len, lens.data_ptr(), packed_k.batch_size]
         keep_g = [table, lens]
+    if query_block and q.shape[2] != max(1, -(-t // query_block)):
+        raise ValueError(
+            f"q has {q.shape[2]} query blocks; {t} keys in blocks of {query_block} need {max(1, -(-t // query_block))}"
+        )
     kpost: list[int] = []
     keep_p: list[torch.Tensor] = []
     if plan.prerope is not None:
@@ -778,6 +793,7 @@ def fused_decode_cpu(
         int_dot=int_dot_scores(),
         paging=paging,
         bias=bdesc,
+        qblock=query_block,
     )
     del keep_k, keep_v, keep_p, keep_g, bias
     if plan.out_map is not None:

@@ -83,8 +83,9 @@ static Bias make_bias(const std::vector<int64_t>& a) {
 
 // One (batch, head, token range): online softmax over tiles. q: [G][LK] (zero columns pad), acc: [G][LV];
 // m, l: [G]. LK, LV are multiples of VW; buffers 64-byte aligned. bias: this (batch, head)'s rows, or nullptr.
+// qblock > 0: q is [ceil(T / qblock)][G][LK], one query per block of qblock tokens (tiles stop at block ends).
 static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, const KPost& kp,
-                      const float* __restrict q, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t G, int64_t LKD,
+                      const float* __restrict qall, int64_t qblock, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t G, int64_t LKD,
                       int64_t LK, int64_t LV, float* __restrict m, float* __restrict l, float* __restrict acc,
                       float* __restrict ktile, float* __restrict ztile, float* __restrict vtile,
                       float* __restrict sc, uint16_t* __restrict abf, IdotFn idot, const IQuery* __restrict iq,
@@ -98,6 +99,11 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
   bool first = true;
   for (int64_t tb = t0, nt = 0; tb < t1; tb += nt) {
     nt = std::min<int64_t>(TILE, t1 - tb);
+    const float* q = qall;
+    if (qblock > 0) {  // this block's query
+      nt = std::min<int64_t>(nt, qblock - tb % qblock);
+      q = qall + (tb / qblock) * G * LK;
+    }
     int64_t rb = b, rt = tb;  // where the rows are: (batch, token), or (block, row in block) when paged
     if (pg.table) {
       nt = std::min<int64_t>(nt, pg.block_size - tb % pg.block_size);
@@ -157,16 +163,21 @@ static float* alloc_floats(int64_t n) {  // 64-byte aligned, zeroed
 // kpost: empty, or the prerope+ descriptor (make_kpost); then q is [B*H][G][d] in the model's basis.
 // paging: empty, or a block table (make_paging): then B is the number of requests, T is taken from their lengths,
 // and the codes' batch strides step over blocks. bias: empty, or an additive score bias per key (make_bias).
+// qblock > 0: one query per block of qblock tokens, q: [B*H][ceil(T / qblock)][G][K.L] (a block frame's query turned
+// back to each block's first position and mapped once per block); not with kpost, and scored in floats.
 static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& vdesc, const std::vector<int64_t>& kpost,
                 int64_t q_ptr, int64_t m_ptr, int64_t l_ptr, int64_t acc_ptr, int64_t B, int64_t H, int64_t G, int64_t T,
                 int64_t nsplit, int64_t nthreads, bool int_dot, const std::vector<int64_t>& paging,
-                const std::vector<int64_t>& bias) {
+                const std::vector<int64_t>& bias, int64_t qblock) {
   const Paging pg = make_paging(paging, B, T);
   const Bias bs = make_bias(bias);
   const Src K = make_src(kdesc), V = make_src(vdesc);
   const KPost kp = make_kpost(kpost, H, T);
   if (kp.on && kp.L != K.L) throw std::invalid_argument("walshkv decode attention: prerope matrix rows != K row length");
   if (kp.amx && !amx_ready()) throw std::invalid_argument("walshkv decode attention: AMX is not available here");
+  if (qblock < 0 || (qblock > 0 && kp.on))
+    throw std::invalid_argument("walshkv decode attention: a query per block needs qblock >= 1 and no prerope matrix");
+  const int64_t NB = qblock > 0 ? std::max<int64_t>(1, (T + qblock - 1) / qblock) : 1;  // queries per (batch, head)
   const TileFn kdec = tile_fn(K.fmt), vdec = tile_fn(V.fmt);
   const float* q = reinterpret_cast<const float*>(q_ptr);
   float* m_out = reinterpret_cast<float*>(m_ptr);
@@ -177,11 +188,10 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
   const int64_t LK = kp.on ? kp.ld : LKD, QL = kp.on ? kp.d : K.L;  // scored row length; query floats given
   const int64_t per = (T + nsplit - 1) / nsplit;
   const float NEG_INF = -std::numeric_limits<float>::infinity();
-  float* qp = alloc_floats(N * G * LK);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t j = 0; j < G; ++j) std::memcpy(qp + (n * G + j) * LK, q + (n * G + j) * QL, sizeof(float) * QL);
-  // 4-bit K (int4, q4_0; not keys before RoPE): the heads' queries split for byte dot products (IQuery)
-  const int nch = int_dot && !kp.on ? idot_chunks(K) : 0;
+  float* qp = alloc_floats(N * NB * G * LK);
+  for (int64_t r = 0; r < N * NB * G; ++r) std::memcpy(qp + r * LK, q + r * QL, sizeof(float) * QL);
+  // 4-bit K (int4, q4_0; not keys before RoPE, one query per head): the queries split for byte dot products (IQuery)
+  const int nch = int_dot && !kp.on && qblock == 0 ? idot_chunks(K) : 0;
   IQuery* iqs = nullptr;
   if (nch > 0) {
     iqs = static_cast<IQuery*>(std::aligned_alloc(64, (size_t)round_up(N * G * (int64_t)sizeof(IQuery), 64)));
@@ -209,7 +219,7 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
         const int64_t n = task / nsplit, sp = task % nsplit;
         const int64_t t0 = sp * per, t1 = std::min<int64_t>(pg.lens ? pg.lens[n / H] : T, t0 + per);
         if (t0 < t1)
-          run_range(K, V, kdec, vdec, kp, qp + n * G * LK, n / H, n % H, t0, t1, G, LKD, LK, LV, pm.data() + task * G,
+          run_range(K, V, kdec, vdec, kp, qp + n * NB * G * LK, qblock, n / H, n % H, t0, t1, G, LKD, LK, LV, pm.data() + task * G,
                     pl.data() + task * G, pacc + task * G * LV, ktile, ztile, vtile, sc, abf, idot,
                     iqs ? iqs + n * G : nullptr, nch, pg, bs.ptr ? bs.ptr + n * bs.stride_n : nullptr,
                     bs.stride_g);
@@ -297,7 +307,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("run", &run, "fused decode attention over packed K/V (see walshkv.attention.cpu)", py::arg("kdesc"),
           py::arg("vdesc"), py::arg("kpost"), py::arg("q"), py::arg("m"), py::arg("l"), py::arg("acc"), py::arg("B"),
           py::arg("H"), py::arg("G"), py::arg("T"), py::arg("nsplit"), py::arg("nthreads"), py::arg("int_dot") = true,
-          py::arg("paging") = std::vector<int64_t>{}, py::arg("bias") = std::vector<int64_t>{});
+          py::arg("paging") = std::vector<int64_t>{}, py::arg("bias") = std::vector<int64_t>{},
+          py::arg("qblock") = 0);
   mod.def("decode_rows", &decode_rows, "packed rows to floats, as the kernel reads them (prefill tiles)");
   mod.def("tq_pack", &tq_pack, "tq's encoder after its rotation: rows to packed codes (TurboQuant._encode)");
   mod.def("tcq_encode", &tcq_encode, "tcq's encoder after its rotation: rows to trellis codes (TrellisQuant._encode)");
