@@ -491,6 +491,8 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
                 continue
             judged = None if eq_row[c] is None or x is eq_row[c] else _judge(x, eq_row[c])
             diff = "" if judged is None else f"{judged[0]:+.4f} [{judged[1]:+.4f}, {judged[2]:+.4f}]"
+            if judged is not None and runs[c]["meta"]["windows"] < 3:  # too few windows for a paired interval
+                diff = f"{judged[0]:+.4f} ({runs[c]['meta']['windows']} windows: no interval)"
             cells += [_fmt(x["kld_mean"]) + _ci(x, "kld_mean_ci95"), diff]
         top = [(lambda x: f"{100 * x['top1_agreement']:.1f}%" if x else "—")(by_codec[c].get(r["codec"])) for c in ctxs]
         lines.append(f"| `{r['codec']}` | {_map_cost(r['codec'])} | " + " | ".join(cells + top) + " |")
@@ -510,16 +512,17 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
         ]
         for run in others:
             meta = run["meta"]
+            name = meta["model"]["name"] if isinstance(meta["model"], dict) else meta["model"]
             eq = next((r for r in run["results"] if "prerope+center+eq+" in r["codec"]), None)
             for r in run["results"]:
                 judged = None if eq is None or r is eq else _judge(r, eq)
                 diff = "" if judged is None else f"{judged[0]:+.4f} [{judged[1]:+.4f}, {judged[2]:+.4f}]"
                 lines.append(
-                    f"| {meta['model']} | {meta['ctx']} x {meta['windows']} | `{r['codec']}` | {_map_cost(r['codec'])} "
+                    f"| {name} | {meta['ctx']} x {meta['windows']} | `{r['codec']}` | {_map_cost(r['codec'])} "
                     f"| {_fmt(r['kld_mean'])}{_ci(r, 'kld_mean_ci95')} | {diff} | {100 * r['top1_agreement']:.1f}% | "
                     f"{meta['versions']['commit']}, {meta.get('cpu', {}).get('capability', '?')} |"
                 )
-                summary.setdefault("frame_block_models", {}).setdefault(meta["model"], {})[r["codec"]] = r["kld_mean"]
+                summary.setdefault("frame_block_models", {}).setdefault(name, {})[r["codec"]] = r["kld_mean"]
         lines.append("")
     speed = folder / "speed.json"
     if speed.is_file():
@@ -529,12 +532,12 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
             f"Decode speed (`{meta['command']}`; code {meta['code']}; CPU {meta['cpu'].get('model', '?')} "
             f"({meta['cpu'].get('capability', '?')}), {meta['threads']} threads): one step over random K/V in "
             f"smollm2-135m's shapes, K `{meta['k_codec']}`, V `{meta['v_codec']}`. `post-RoPE`: the same codecs read "
-            "with one query (no per-block fold: the frame's upper bound); `blockrope:G`: the query turned and mapped "
-            "per block in torch, every block one batch row of the fused kernel, the blocks merged with their bias; "
-            "`blockropec:G`: the same with each key's bias made in the fold's product and added to its score in the "
-            "kernel (each checked against attention over the decoded keys turned to their positions: `max abs err`). "
-            "Ratios "
-            "against the fastest SDPA of the same rounds.",
+            "with one query (no per-block fold: the frame's upper bound); `blockrope:G`: the query turned back and "
+            "mapped per block in one torch product (`eq+`'s inverse and the codec's rotations folded together), then "
+            "one fused-kernel call that scores each block of keys against its own query (`query_block`), the block's "
+            "mean term added to its scores; `blockropec:G`: the same with each key's mean term made in the fold's "
+            "product from the `G x head_dim` table (each checked against attention over the decoded keys turned to "
+            "their positions: `max abs err`). Ratios against the fastest SDPA of the same rounds.",
             "",
             "| kv_len | method | ms/step | x fastest SDPA | GB/s | max abs err |",
             "|---|---|---|---|---|---|",
