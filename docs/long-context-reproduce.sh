@@ -200,7 +200,7 @@ for stage in $STAGES; do
     # per-key work); blockropec:G+ the mean turned to each key's offset (exact, a bias per key: O(head_dim)).
     # Next to the shipped walshkv:3.5 K frame (eq+ before RoPE, a dense map per key) and its fast twin (eqd+),
     # same codes, at 512 and 4096 tokens of Emma (development text); then the standing test, qwen2.5-1.5b at 3 bits,
-    # and gemma3-270m (head_dim 256) at 512
+    # and gemma3-270m (head_dim 256) at 512, then qwen2.5-1.5b at 4096
     mkdir -p "$OUT/frame-blockrope"
     frame_run() {  # model ctx windows kq vq tag codecs...
       local model=$1 ctx=$2 win=$3 kq=$4 vq=$5 tag=$6; shift 6; local cs=()
@@ -218,6 +218,8 @@ for stage in $STAGES; do
     frame_run qwen2.5-1.5b 512 "${FRAME_WINDOWS_qwen:-4}" "$t3" "$t25" qwen2.5-1.5b-emma-512 \
       prerope+center+eq+ prerope+center+eqd+ blockropec:64+eqr:64+
     frame_run gemma3-270m 512 "${FRAME_WINDOWS_gemma:-8}" "$t35" "$t3" gemma3-270m-emma-512 \
+      prerope+center+eq+ prerope+center+eqd+ blockropec:64+eqr:64+
+    frame_run qwen2.5-1.5b 4096 "${FRAME_WINDOWS_qwen4k:-2}" "$t3" "$t25" qwen2.5-1.5b-emma-4096 \
       prerope+center+eq+ prerope+center+eqd+ blockropec:64+eqr:64+
     ;;
   frame-blockrope-speed)
