@@ -226,9 +226,12 @@ for stage in $STAGES; do
     # decode speed of the block frame on the fused CPU kernel, then the shipped presets in walshkv's own bench (each
     # against the fastest SDPA of its own run; run on an idle machine)
     mkdir -p "$OUT/frame-blockrope"
-    python research/scripts/blockrope_speed.py --model smollm2-135m --kv-len 16384,65536 \
-      --frames blockrope:64,blockropec:16,blockropec:64,blockropec:256 \
-      --json "$OUT/frame-blockrope/speed.json" --markdown "$OUT/frame-blockrope/speed.md"
+    # (each model's attention shapes: head_dim 64, 128 and 256)
+    for model in smollm2-135m qwen2.5-1.5b gemma3-270m; do
+      python research/scripts/blockrope_speed.py --model "$model" --kv-len 16384,65536 \
+        --frames blockrope:64,blockropec:16,blockropec:64,blockropec:256,blockropec:1024 \
+        --json "$OUT/frame-blockrope/speed-$model.json" --markdown "$OUT/frame-blockrope/speed-$model.md"
+    done
     walshkv bench attention --model smollm2-135m --kv-len 16384,65536 --codec walshkv:3.5 --codec walshkv:3.5-fast \
       --codec "tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2" --quiet --out "$OUT/frame-blockrope/bench-presets"
     ;;

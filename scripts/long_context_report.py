@@ -524,30 +524,36 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
                 )
                 summary.setdefault("frame_block_models", {}).setdefault(name, {})[r["codec"]] = r["kld_mean"]
         lines.append("")
-    speed = folder / "speed.json"
-    if speed.is_file():
-        sp = json.loads(speed.read_text())
-        meta = sp["meta"]
+    speeds = [json.loads(p.read_text()) for p in sorted(folder.glob("speed-*.json"))]
+    if speeds:
+        meta = speeds[0]["meta"]
         lines += [
-            f"Decode speed (`{meta['command']}`; code {meta['code']}; CPU {meta['cpu'].get('model', '?')} "
-            f"({meta['cpu'].get('capability', '?')}), {meta['threads']} threads): one step over random K/V in "
-            f"smollm2-135m's shapes, K `{meta['k_codec']}`, V `{meta['v_codec']}`. `post-RoPE`: the same codecs read "
-            "with one query (no per-block fold: the frame's upper bound); `blockrope:G`: the query turned back and "
-            "mapped per block in one torch product (`eq+`'s inverse and the codec's rotations folded together), then "
-            "one fused-kernel call that scores each block of keys against its own query (`query_block`), the block's "
-            "mean term added to its scores; `blockropec:G`: the same with each key's mean term made in the fold's "
-            "product from the `G x head_dim` table (each checked against attention over the decoded keys turned to "
-            "their positions: `max abs err`). Ratios against the fastest SDPA of the same rounds.",
+            f"Decode speed (`{meta['command']}`, and the same for each model's attention shapes; code {meta['code']}; "
+            f"CPU {meta['cpu'].get('model', '?')} ({meta['cpu'].get('capability', '?')}), {meta['threads']} threads): "
+            f"one step over random K/V, K `{meta['k_codec']}`, V `{meta['v_codec']}`. `post-RoPE`: the same codecs "
+            "read with one query (no per-block fold: the frame's upper bound); `blockrope:G`: the query turned back "
+            "and mapped per block in one torch product (`eq+`'s inverse and the codec's rotations folded together), "
+            "then one fused-kernel call that scores each block of keys against its own query (`query_block`) and "
+            "adds each key's mean term, made in the kernel from the block's turned query and a `G x head_dim` table "
+            "(`mean_table`: the block's mean in every row); `blockropec:G`: the table holds the mean turned to each "
+            "offset (each row checked against attention over the decoded keys turned to their positions: `max abs "
+            "err`). Ratios against the fastest SDPA of the same rounds.",
             "",
-            "| kv_len | method | ms/step | x fastest SDPA | GB/s | max abs err |",
-            "|---|---|---|---|---|---|",
+            "| model (head_dim, kv heads, GQA) | kv_len | method | ms/step | x fastest SDPA | GB/s | max abs err |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for r in sp["rows"]:
-            err = "" if r.get("max_abs_err") is None else f"{r['max_abs_err']:.1e}"
-            lines.append(
-                f"| {r['kv_len']:,} | {r['method']} | {r['ms']:.3f} | {r['speedup_vs_best_sdpa']:.2f} | "
-                f"{r['gb_per_s']:.1f} | {err} |"
-            )
+        for sp in speeds:
+            sh = sp["meta"]["shapes"]
+            model = f"{sp['meta']['model']} ({sh['head_dim']}, {sh['kv_heads']}, {sh['q_heads'] // sh['kv_heads']})"
+            for r in sp["rows"]:
+                err = "" if r.get("max_abs_err") is None else f"{r['max_abs_err']:.1e}"
+                lines.append(
+                    f"| {model} | {r['kv_len']:,} | {r['method']} | {r['ms']:.3f} | "
+                    f"{r['speedup_vs_best_sdpa']:.2f} | {r['gb_per_s']:.1f} | {err} |"
+                )
+                summary.setdefault("frame_block_speed", {}).setdefault(sp["meta"]["model"], {})[
+                    f"{r['method']}@{r['kv_len']}"
+                ] = r["speedup_vs_best_sdpa"]
         lines.append("")
     bench = folder / "bench-presets" / "bench.json"
     if bench.is_file():

@@ -8,12 +8,13 @@ transform, ``mu_G``: the mean of a block). The score of query ``q`` (after RoPE)
 so a decode step turns the query back once per block and maps it once per block (``d x d`` multiply-adds per query
 head per block, ``d²/G`` per key), then scores the block's codes exactly as a K stored after RoPE is scored: no
 per-key map. ``blockropec:G+`` subtracts the mean turned to each key's offset ``j`` in its block instead,
-``A (R(p0)ᵀ k - R(j) mu)``: its score term ``(R(p0)ᵀ q) · R(j) mu`` is one more product per key, made for a whole
-block at once with the fold (``R(p0)ᵀ q`` times ``[A⁻¹ | Mᵀ]``, ``M`` the ``G x d`` table of ``R(j) mu``: ``d`` more
-multiply-adds per key and query head) and added to the kernel's scores (``fused_decode_cpu``'s ``bias``).
+``A (R(p0)ᵀ k - R(j) mu)``: its score term ``(R(p0)ᵀ q) · R(j) mu`` is one more product per key, made in
+the kernel from ``R(p0)ᵀ q`` and ``M``, the ``G x d`` table of ``R(j) mu`` (``d`` more multiply-adds per key and
+query head, no tensor the length of the cache: ``fused_decode_cpu``'s ``mean_table``).
 
 This script times that step on the fused CPU kernel (one call: every block scored against its own folded query,
-``fused_decode_cpu``'s ``query_block``, each block's or key's mean term added as a score bias) against
+``fused_decode_cpu``'s ``query_block``, each key's mean term made in the kernel from the block's turned query and
+the ``G x d`` table, its ``mean_table``) against
 torch SDPA over fp32 and bf16 caches and the same codecs read with one query (``post-RoPE``: the step without the
 per-block fold, its upper bound), in interleaved rounds as ``walshkv bench attention`` times them. Each blockrope
 row is checked against attention over the codec's decoded keys turned to their positions (``max_abs_err``).
@@ -61,7 +62,8 @@ def _cos_sin(pos: torch.Tensor, d: int, base: float = 10000.0) -> tuple[torch.Te
 
 class BlockStep:
     """One decode step over a block-frame K cache: the query turned back and mapped once per block, every block
-    scored against its own query in one fused-kernel call (``query_block``), each key's mean term a score bias."""
+    scored against its own query in one fused-kernel call (``query_block``), each key's mean term made in the kernel
+    from the block's turned query and the offsets' table (``mean_table``)."""
 
     def __init__(self, q, pk, pv, kc, vc, ainv, mu, block, scale, exact=False):  # type: ignore[no-untyped-def]
         _, hq, _, d = q.shape
@@ -73,30 +75,28 @@ class BlockStep:
         self.n, self.block, self.d = n, block, d
         p0 = torch.arange(self.nb) * block
         self.cos, self.sin = _cos_sin(p0, d)  # [nb, d]: static for a cache, made once
-        # [A^-1 | M^T] per kv head, [h, d, d + G] (blockrope: [A^-1 | mu], one column): the fold and the bias in one
-        # product; M is the G x d table of the mean turned to each offset in a block
+        # M: the G x d table of the mean turned to each offset in a block (blockrope: the block's mean in every row)
         if exact:
             cos_j, sin_j = _cos_sin(torch.arange(block), d)
-            table = _turn(mu[:, None, :].expand(-1, block, -1), cos_j, sin_j, inverse=False)  # [h, G, d]
+            self.table = _turn(mu[:, None, :].expand(-1, block, -1), cos_j, sin_j, inverse=False).contiguous()
         else:
-            table = mu[:, None, :]
-        self.pk, self.pv = pk, pv
+            self.table = mu[:, None, :].expand(-1, block, -1).contiguous()
+        self.pk, self.pv, self.scale = pk, pv, scale
         plan = cpu_plan(kc, vc, d, scale)
         if plan is None:
             raise ValueError(f"the CPU kernel cannot read {kc.spec} / {vc.spec}")
-        qmap = ainv
+        fold = ainv
         if plan.q_map is not None and plan.q_map.shape == (d, d):  # the codec's rotations and scale: into the fold
-            qmap, plan = ainv @ plan.q_map, dataclasses.replace(plan, q_map=None, scale=1.0)
-        self.plan = plan
-        self.fold = torch.cat([qmap, table.transpose(1, 2) * scale], dim=2).contiguous()
+            fold, plan = ainv @ plan.q_map, dataclasses.replace(plan, q_map=None, scale=1.0)
+        self.plan, self.fold = plan, fold.contiguous()
 
     def __call__(self) -> torch.Tensor:
         h, g, d = self.q.shape
         qr = _turn(self.q[:, None], self.cos[:, None, :], self.sin[:, None, :], inverse=True)  # [h, nb, g, d]
-        y = torch.bmm(qr.reshape(h, self.nb * g, d), self.fold).reshape(h, self.nb, g, -1)  # [h, nb, g, d + G|1]
-        bias = y[..., d:].permute(0, 2, 1, 3).expand(h, g, self.nb, self.block)  # [h, g, nb, G]
-        bias = bias.reshape(1, h, g, self.nb * self.block)[..., : self.n]
-        res = fused_decode_cpu(y[None, ..., :d], self.plan, self.pk, self.pv, bias=bias, query_block=self.block)
+        y = torch.bmm(qr.reshape(h, self.nb * g, d), self.fold).reshape(1, h, self.nb, g, -1)  # folded, per block
+        res = fused_decode_cpu(
+            y, self.plan, self.pk, self.pv, query_block=self.block, mean_table=(qr[None] * self.scale, self.table)
+        )
         if res is None:
             raise RuntimeError("the fused CPU kernel is not available")
         _, l_sum, acc = res

@@ -693,6 +693,7 @@ def fused_decode_cpu(
     paged: tuple[torch.Tensor, torch.Tensor] | None = None,
     bias: torch.Tensor | None = None,
     query_block: int = 0,
+    mean_table: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Unnormalised attention of one query step over packed K/V, with the C++ kernel.
 
@@ -717,6 +718,11 @@ def fused_decode_cpu(
         query_block: ``G > 0``: keys ``i G .. (i + 1) G - 1`` are scored against query block ``i`` of ``q``
             (``n_blocks = ceil(seq_len / G)``): a block frame's query turned back to each block's first position
             and mapped once per block, all blocks in one kernel call. Not with ``prerope+`` keys. ``0``: one query.
+        mean_table: ``(u, table)`` with ``query_block``: float32 ``u [batch, kv_heads, n_blocks, group, head_dim]``
+            and ``table [kv_heads, query_block, head_dim]``; the kernel adds ``u[..., i, g, :] · table[h, j]`` to
+            the scaled score of key ``i G + j`` (a block frame's mean turned to each key's offset ``j``, ``u``
+            the query turned back to block ``i``'s first position, times the softmax scale): ``bias`` made in
+            the kernel, with no tensor the length of the cache. ``None``: none.
 
     Returns:
         ``(m, l, acc)``: running max ``[batch, kv_heads, group]`` of the scaled scores, softmax denominator
@@ -756,6 +762,29 @@ def fused_decode_cpu(
     keep_p: list[torch.Tensor] = []
     if plan.prerope is not None:
         kpost, keep_p = _kpost(plan, h, int(start), t)
+    mdesc: list[int] = []
+    keep_m: list[torch.Tensor] = []
+    if mean_table is not None:
+        u, table = mean_table
+        nb = q.shape[2] if query_block else 0
+        if (
+            not query_block
+            or u.dtype != torch.float32
+            or table.dtype != torch.float32
+            or tuple(u.shape) != (b, h, nb, g, u.shape[-1])
+            or tuple(table.shape) != (h, query_block, u.shape[-1])
+            or u.device.type != "cpu"
+            or table.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"mean_table needs query_block and float32 CPU tensors u [batch, kv_heads, n_blocks, group, d] = "
+                f"[{b}, {h}, {nb}, {g}, d] and table [kv_heads, query_block, d] = [{h}, {query_block}, d], got "
+                f"{u.dtype} {tuple(u.shape)} and {table.dtype} {tuple(table.shape)}"
+            )
+        if not (bool(torch.isfinite(u).all()) and bool(torch.isfinite(table).all())):
+            raise ValueError("mean_table has NaN or Inf entries: scores undefined (check q and the mean)")
+        keep_m = [u.contiguous(), table.contiguous()]
+        mdesc = [keep_m[0].data_ptr(), keep_m[1].data_ptr(), u.shape[-1]]
     bdesc: list[int] = []
     if bias is not None:
         if bias.dtype != torch.float32 or bias.shape != (b, h, g, t) or bias.device.type != "cpu":
@@ -794,8 +823,9 @@ def fused_decode_cpu(
         paging=paging,
         bias=bdesc,
         qblock=query_block,
+        mean_table=mdesc,
     )
-    del keep_k, keep_v, keep_p, keep_g, bias
+    del keep_k, keep_v, keep_p, keep_g, keep_m, bias
     if plan.out_map is not None:
         acc = acc @ plan.out_map
     return m, l_sum, acc
