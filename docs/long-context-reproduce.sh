@@ -214,6 +214,9 @@ for stage in $STAGES; do
       frame_run smollm2-135m "$ctx" "$(windows_for "$ctx" smollm2-135m)" "$t35" "$t3" "emma-$ctx" \
         prerope+center+eq+ prerope+center+eqd+ blockrope:64+eqr:64+ blockropec:16+eqr:16+ blockropec:64+eqr:64+ \
         blockropec:256+eqr:256+
+      # the widest block the speed stage times (a block as long as a 512-token window: one block per window)
+      frame_run smollm2-135m "$ctx" "$(windows_for "$ctx" smollm2-135m)" "$t35" "$t3" "emma-$ctx-wide" \
+        blockropec:1024+eqr:1024+
     done
     frame_run qwen2.5-1.5b 512 "${FRAME_WINDOWS_qwen:-4}" "$t3" "$t25" qwen2.5-1.5b-emma-512 \
       prerope+center+eq+ prerope+center+eqd+ blockropec:64+eqr:64+

@@ -448,9 +448,14 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
     lines = ["## K in the block frame: eq+ with the query mapped once per block (stage frame-blockrope, Emma)", ""]
     folder = results / "frame-blockrope"
     runs = {}
-    for path in sorted(folder.glob("emma-*.json")) if folder.is_dir() else []:
+    paths = sorted(folder.glob("emma-*.json"), key=lambda p: (len(p.stem), p.stem)) if folder.is_dir() else []
+    for path in paths:  # emma-CTX.json first, then emma-CTX-*.json
         run = json.loads(path.read_text())
-        runs[int(run["meta"]["ctx"])] = run
+        ctx = int(run["meta"]["ctx"])
+        if ctx in runs:  # more rows at the same length (the same windows: paired with the eq+ row)
+            runs[ctx] = {**runs[ctx], "results": runs[ctx]["results"] + run["results"]}
+        else:
+            runs[ctx] = run
     if not runs:
         return [*lines, "No runs yet: `STAGES=frame-blockrope bash docs/long-context-reproduce.sh`.", ""]
     ctxs = sorted(runs)
