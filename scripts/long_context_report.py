@@ -529,7 +529,9 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
                 )
                 summary.setdefault("frame_block_models", {}).setdefault(name, {})[r["codec"]] = r["kld_mean"]
         lines.append("")
-    speeds = [json.loads(p.read_text()) for p in sorted(folder.glob("speed-*.json"))]
+    speeds = sorted(  # by head_dim: smollm2-135m's shapes first
+        (json.loads(p.read_text()) for p in folder.glob("speed-*.json")), key=lambda r: r["meta"]["shapes"]["head_dim"]
+    )
     if speeds:
         meta = speeds[0]["meta"]
         lines += [
