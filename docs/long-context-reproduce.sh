@@ -235,8 +235,11 @@ for stage in $STAGES; do
         --frames blockrope:64,blockropec:16,blockropec:64,blockropec:256,blockropec:1024 \
         --json "$OUT/frame-blockrope/speed-$model.json" --markdown "$OUT/frame-blockrope/speed-$model.md"
     done
-    walshkv bench attention --model smollm2-135m --kv-len 16384,65536 --codec walshkv:3.5 --codec walshkv:3.5-fast \
-      --codec "tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2" --quiet --out "$OUT/frame-blockrope/bench-presets"
+    for model in smollm2-135m qwen2.5-1.5b gemma3-270m; do  # the shipped 3.5-bit spec (and its fast twin)
+      fast=(); [ "$model" = smollm2-135m ] && fast=(--codec walshkv:3.5-fast)
+      walshkv bench attention --model "$model" --kv-len 16384,65536 --codec walshkv:3.5 "${fast[@]}" \
+        --codec "tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2" --quiet --out "$OUT/frame-blockrope/bench-presets-$model"
+    done
     ;;
   select-fast)
     # the fast presets: recommend --fast at --ctx 4096 on python-docs (selection text only), candidates restricted

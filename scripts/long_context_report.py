@@ -562,25 +562,29 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
                     f"{r['method']}@{r['kv_len']}"
                 ] = r["speedup_vs_best_sdpa"]
         lines.append("")
-    bench = folder / "bench-presets" / "bench.json"
-    if bench.is_file():
-        b = json.loads(bench.read_text())
-        rows = [r for r in b["attention"] if not r["method"].startswith("sdpa")]
-        machine = b["meta"]["machine"]
+    benches = [json.loads(p.read_text()) for p in folder.glob("bench-presets-*/bench.json")]
+    benches.sort(key=lambda b: b["meta"].get("attention_model", {}).get("head_dim", 0))
+    if benches:
+        machine = benches[0]["meta"]["machine"]
         lines += [
-            "The shipped spec, its fast twin and the same codes after RoPE in walshkv's own bench (`"
-            + b["meta"]["command"]
-            + f"`, its own SDPA rounds; code {machine['commit']}; CPU {machine['cpu']} "
-            f"({machine['cpu_capability']}), {machine['torch_threads']} threads):",
+            "Each model's shipped 3.5-bit spec (smollm2-135m's fast twin too) and the same codes after RoPE in "
+            "walshkv's own bench (`" + benches[0]["meta"]["command"] + "`, the same for each model; its own SDPA "
+            f"rounds; code {machine['commit']}; CPU {machine['cpu']} ({machine['cpu_capability']}), "
+            f"{machine['torch_threads']} threads):",
             "",
-            "| kv_len | method | ms/step | x fastest SDPA | GB/s |",
-            "|---|---|---|---|---|",
+            "| model | kv_len | method | spec | ms/step | x fastest SDPA | GB/s |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for r in rows:
-            lines.append(
-                f"| {r['kv_len']:,} | {r['method']} | {r['ms']:.3f} | {r['speedup_vs_best_sdpa']:.2f} | "
-                f"{r['gb_per_s']:.1f} |"
-            )
+        for b in benches:
+            model = b["meta"].get("attention_model", {}).get("model", "?")
+            for r in b["attention"]:
+                if r["method"].startswith("sdpa"):
+                    continue
+                spec = r.get("spec") or ""
+                lines.append(
+                    f"| {model} | {r['kv_len']:,} | {r['method']} | {f'`{spec}`' if spec else ''} | {r['ms']:.3f} | "
+                    f"{r['speedup_vs_best_sdpa']:.2f} | {r['gb_per_s']:.1f} |"
+                )
         lines.append("")
     return lines
 
