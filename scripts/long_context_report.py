@@ -460,6 +460,7 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
         return [*lines, "No runs yet: `STAGES=frame-blockrope bash docs/long-context-reproduce.sh`.", ""]
     ctxs = sorted(runs)
     first = runs[ctxs[0]]
+    commits = sorted({json.loads(p.read_text())["meta"]["versions"]["commit"] for p in paths})
     lines += [
         "`prerope+` stores K before RoPE, so each decode step turns every cached key to its position, and with",
         "`eq+` maps it by a dense `head_dim x head_dim` matrix first: the per-key map that caps the presets' speed",
@@ -470,11 +471,11 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
         "score is `(A⁻ᵀ R(p0)ᵀ q) · codes + (R(p0)ᵀ q) · mean`: the query is turned and mapped once per block and",
         "query head, and each key is scored as a K stored after RoPE is. `blockropec:G+` subtracts the mean turned",
         "to each key's own offset `j` instead (`R(j) mu`, exact centring): its score term `(R(p0)ᵀ q) · R(j) mu` is",
-        "one more `head_dim` product per key and query head, made per block with the fold from a `G x head_dim`",
-        "table and added to the kernel's scores. smollm2-135m, K `tcq:3.5`, V `tcq:3` (norm=8,",
+        "one more `head_dim` product per key and query head, made in the kernel from the block's turned query and",
+        "a `G x head_dim` table. smollm2-135m, K `tcq:3.5`, V `tcq:3` (norm=8,",
         "table set 2), one sink token, calibration from python-docs; "
         + ", ".join(f"{runs[c]['meta']['windows']} windows of {c} tokens" for c in ctxs)
-        + f". Code {first['meta']['versions']['commit']}; CPU {first['meta'].get('cpu', {}).get('model', '?')} "
+        + f". Code {', '.join(commits)}; CPU {first['meta'].get('cpu', {}).get('model', '?')} "
         f"({first['meta'].get('cpu', {}).get('capability', '?')}). `- eq+`: paired per-window difference from the "
         "`eq+` row (bootstrap, 95%), where a run has 3 windows or more.",
         "",
