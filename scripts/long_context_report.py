@@ -471,8 +471,8 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
         "score is `(A⁻ᵀ R(p0)ᵀ q) · codes + (R(p0)ᵀ q) · mean`: the query is turned and mapped once per block and",
         "query head, and each key is scored as a K stored after RoPE is. `blockropec:G+` subtracts the mean turned",
         "to each key's own offset `j` instead (`R(j) mu`, exact centring): its score term `(R(p0)ᵀ q) · R(j) mu` is",
-        "one more `head_dim` product per key and query head, made in the kernel from the block's turned query and",
-        "a `G x head_dim` table. smollm2-135m, K `tcq:3.5`, V `tcq:3` (norm=8,",
+        "`(A⁻ᵀ R(p0)ᵀ q) · A R(j) mu`: the kernel adds row `j` of a `G x head_dim` table (`A R(j) mu`) to each",
+        "decoded key before scoring it, one add per element and kv head. smollm2-135m, K `tcq:3.5`, V `tcq:3` (norm=8,",
         "table set 2), one sink token, calibration from python-docs; "
         + ", ".join(f"{runs[c]['meta']['windows']} windows of {c} tokens" for c in ctxs)
         + f". Code {', '.join(commits)}; CPU {first['meta'].get('cpu', {}).get('model', '?')} "
@@ -541,11 +541,11 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
             f"one step over random K/V, K `{meta['k_codec']}`, V `{meta['v_codec']}`. `post-RoPE`: the same codecs "
             "read with one query (no per-block fold: the frame's upper bound); `blockrope:G`: the query turned back "
             "and mapped per block in one torch product (`eq+`'s inverse and the codec's rotations folded together), "
-            "then one fused-kernel call that scores each block of keys against its own query (`query_block`) and "
-            "adds each key's mean term, made in the kernel from the block's turned query and a `G x head_dim` table "
-            "(`mean_table`: the block's mean in every row); `blockropec:G`: the table holds the mean turned to each "
-            "offset (each row checked against attention over the decoded keys turned to their positions: `max abs "
-            "err`). Ratios against the fastest SDPA of the same rounds.",
+            "then one fused-kernel call that scores each block of keys against its own query (`query_block`), each "
+            "decoded key plus its offset's row of a `G x head_dim` table in the codes' basis (`key_table`: `A` times "
+            "the block's mean in every row); `blockropec:G`: the table holds `A` times the mean turned to each offset "
+            "(each row checked against attention over the decoded keys turned to their positions: `max abs err`). "
+            "Ratios against the fastest SDPA of the same rounds.",
             "",
             "| model (head_dim, kv heads, GQA) | kv_len | method | ms/step | x fastest SDPA | GB/s | max abs err |",
             "|---|---|---|---|---|---|---|",

@@ -9,12 +9,13 @@ so a decode step turns the query back once per block and maps it once per block 
 head per block, ``d²/G`` per key), then scores the block's codes exactly as a K stored after RoPE is scored: no
 per-key map. ``blockropec:G+`` subtracts the mean turned to each key's offset ``j`` in its block instead,
 ``A (R(p0)ᵀ k - R(j) mu)``: its score term ``(R(p0)ᵀ q) · R(j) mu`` is one more product per key, made in
-the kernel from ``R(p0)ᵀ q`` and ``M``, the ``G x d`` table of ``R(j) mu`` (``d`` more multiply-adds per key and
-query head, no tensor the length of the cache: ``fused_decode_cpu``'s ``mean_table``).
+the kernel by adding ``A R(j) mu`` (row ``j`` of a ``G x d`` table, in the codes' basis) to each decoded key before it
+is scored: ``d`` adds per key and kv head, shared by its query heads, no tensor the length of the cache
+(``fused_decode_cpu``'s ``key_table``).
 
 This script times that step on the fused CPU kernel (one call: every block scored against its own folded query,
-``fused_decode_cpu``'s ``query_block``, each key's mean term made in the kernel from the block's turned query and
-the ``G x d`` table, its ``mean_table``) against
+``fused_decode_cpu``'s ``query_block``, each decoded key plus its offset's row of the table, its ``key_table``)
+against
 torch SDPA over fp32 and bf16 caches and the same codecs read with one query (``post-RoPE``: the step without the
 per-block fold, its upper bound), in interleaved rounds as ``walshkv bench attention`` times them. Each blockrope
 row is checked against attention over the codec's decoded keys turned to their positions (``max_abs_err``).
@@ -62,8 +63,8 @@ def _cos_sin(pos: torch.Tensor, d: int, base: float = 10000.0) -> tuple[torch.Te
 
 class BlockStep:
     """One decode step over a block-frame K cache: the query turned back and mapped once per block, every block
-    scored against its own query in one fused-kernel call (``query_block``), each key's mean term made in the kernel
-    from the block's turned query and the offsets' table (``mean_table``)."""
+    scored against its own query in one fused-kernel call (``query_block``), each decoded key plus its offset's row of
+    the mean's table (``key_table``)."""
 
     def __init__(self, q, pk, pv, kc, vc, ainv, mu, block, scale, exact=False):  # type: ignore[no-untyped-def]
         _, hq, _, d = q.shape
@@ -75,28 +76,30 @@ class BlockStep:
         self.n, self.block, self.d = n, block, d
         p0 = torch.arange(self.nb) * block
         self.cos, self.sin = _cos_sin(p0, d)  # [nb, d]: static for a cache, made once
-        # M: the G x d table of the mean turned to each offset in a block (blockrope: the block's mean in every row)
+        # the G x d table of the mean turned to each offset in a block (blockrope: the block's mean in every row),
+        # mapped by A into the space the codes live in: u · R(j) mu = (A^-T u) · (A R(j) mu)
         if exact:
             cos_j, sin_j = _cos_sin(torch.arange(block), d)
-            self.table = _turn(mu[:, None, :].expand(-1, block, -1), cos_j, sin_j, inverse=False).contiguous()
+            mean = _turn(mu[:, None, :].expand(-1, block, -1), cos_j, sin_j, inverse=False)
         else:
-            self.table = mu[:, None, :].expand(-1, block, -1).contiguous()
-        self.pk, self.pv, self.scale = pk, pv, scale
+            mean = mu[:, None, :].expand(-1, block, -1)
+        table = torch.matmul(mean, torch.linalg.inv(ainv).transpose(-1, -2))  # rows R(j) mu @ A^T
+        self.pk, self.pv = pk, pv
         plan = cpu_plan(kc, vc, d, scale)
         if plan is None:
             raise ValueError(f"the CPU kernel cannot read {kc.spec} / {vc.spec}")
         fold = ainv
         if plan.q_map is not None and plan.q_map.shape == (d, d):  # the codec's rotations and scale: into the fold
-            fold, plan = ainv @ plan.q_map, dataclasses.replace(plan, q_map=None, scale=1.0)
-        self.plan, self.fold = plan, fold.contiguous()
+            # (the table goes to the kernel's buffer basis with them: q_map / scale is orthogonal there)
+            fold, table = ainv @ plan.q_map, table @ (plan.q_map / scale)
+            plan = dataclasses.replace(plan, q_map=None, scale=1.0)
+        self.plan, self.fold, self.table = plan, fold.contiguous(), table.contiguous()
 
     def __call__(self) -> torch.Tensor:
         h, g, d = self.q.shape
         qr = _turn(self.q[:, None], self.cos[:, None, :], self.sin[:, None, :], inverse=True)  # [h, nb, g, d]
         y = torch.bmm(qr.reshape(h, self.nb * g, d), self.fold).reshape(1, h, self.nb, g, -1)  # folded, per block
-        res = fused_decode_cpu(
-            y, self.plan, self.pk, self.pv, query_block=self.block, mean_table=(qr[None] * self.scale, self.table)
-        )
+        res = fused_decode_cpu(y, self.plan, self.pk, self.pv, query_block=self.block, key_table=self.table)
         if res is None:
             raise RuntimeError("the fused CPU kernel is not available")
         _, l_sum, acc = res

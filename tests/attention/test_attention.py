@@ -579,7 +579,7 @@ def test_fused_cpu_query_block_refuses_bad_shapes() -> None:
     ("spec", "block", "g", "d"),
     [("tcq:3.5:norm=8:tables=2", 16, 3, 64), ("rot+int4", 40, 1, 128), ("q8_0", 64, 7, 64), ("tq:3", 32, 6, 256)],
 )
-def test_fused_cpu_mean_table_adds_each_keys_offset_term(spec: str, block: int, g: int, d: int) -> None:
+def test_fused_cpu_key_table_adds_each_offsets_row_to_its_keys(spec: str, block: int, g: int, d: int) -> None:
     from walshkv.attention.cpu_formats import cpu_plan
 
     b, h, t = 2, 2, 77  # GQA 1, 3, 6, 7; head_dim 64, 128, 256
@@ -592,24 +592,21 @@ def test_fused_cpu_mean_table_adds_each_keys_offset_term(spec: str, block: int, 
     nb = -(-t // block)
     gen = torch.Generator().manual_seed(8)
     q = torch.randn(b, h, nb, g, d, generator=gen)
-    u = torch.randn(b, h, nb, g, d, generator=gen)
     table = torch.randn(h, block, d, generator=gen)
-    res = attention_cpu.fused_decode_cpu(q, plan, pk, pv, query_block=block, mean_table=(u, table))
+    bias = torch.randn(b, h, g, t, generator=gen)
+    res = attention_cpu.fused_decode_cpu(q, plan, pk, pv, query_block=block, key_table=table, bias=bias)
     assert res is not None
     _, l_sum, acc = res
-    # the same term as a bias tensor: u of the key's block times the table row of its offset
     pos = torch.arange(t)
-    bias = torch.einsum("bhtgd,htd->bhgt", u[:, :, pos // block], table[:, pos % block])
-    _, l2, acc2 = attention_cpu.fused_decode_cpu(q, plan, pk, pv, bias=bias.contiguous(), query_block=block)
-    torch.testing.assert_close(acc / l_sum[..., None], acc2 / l2[..., None], atol=2e-5, rtol=1e-4)
-    keys, vals = codec.decode(pk).to(torch.float64), codec.decode(pv).to(torch.float64)
+    keys = codec.decode(pk).to(torch.float64) + table[:, pos % block].to(torch.float64)[None]
+    vals = codec.decode(pv).to(torch.float64)
     q_per_key = q.to(torch.float64).repeat_interleave(block, dim=2)[:, :, :t]
     s = torch.einsum("bhtgd,bhtd->bhgt", q_per_key, keys) * scale + bias.to(torch.float64)
     want = torch.einsum("bhgt,bhtd->bhgd", s.softmax(-1), vals)
     torch.testing.assert_close((acc / l_sum[..., None]).to(torch.float64), want, atol=2e-5, rtol=1e-4)
 
 
-def test_fused_cpu_mean_table_refuses_bad_shapes_and_values() -> None:
+def test_fused_cpu_key_table_refuses_bad_shapes_and_values() -> None:
     from walshkv.attention.cpu_formats import cpu_plan
 
     k, v = _kv(1, 1, 16, 64, seed=26)
@@ -618,12 +615,12 @@ def test_fused_cpu_mean_table_refuses_bad_shapes_and_values() -> None:
     plan = cpu_plan(codec, codec, 64, 0.125)
     assert plan is not None
     q = torch.zeros(1, 1, 4, 2, 64)
-    u, table = torch.zeros(1, 1, 4, 2, 64), torch.zeros(1, 4, 64)
-    with pytest.raises(ValueError, match="mean_table needs query_block"):
-        attention_cpu.fused_decode_cpu(q[:, :, 0], plan, pk, pv, mean_table=(u, table))
-    with pytest.raises(ValueError, match=r"table \[kv_heads, query_block, d\] = \[1, 4, d\]"):
-        attention_cpu.fused_decode_cpu(q, plan, pk, pv, query_block=4, mean_table=(u, table[:, :3]))
+    table = torch.zeros(1, 4, 64)
+    with pytest.raises(ValueError, match="key_table needs query_block"):
+        attention_cpu.fused_decode_cpu(q[:, :, 0], plan, pk, pv, key_table=table)
+    with pytest.raises(ValueError, match=r"\[kv_heads, query_block, head_dim\] = \[1, 4, 64\]"):
+        attention_cpu.fused_decode_cpu(q, plan, pk, pv, query_block=4, key_table=table[:, :3])
     bad = table.clone()
     bad[0, 1, 2] = float("inf")
     with pytest.raises(ValueError, match="NaN or Inf"):
-        attention_cpu.fused_decode_cpu(q, plan, pk, pv, query_block=4, mean_table=(u, bad))
+        attention_cpu.fused_decode_cpu(q, plan, pk, pv, query_block=4, key_table=bad)

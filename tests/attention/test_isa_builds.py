@@ -5,8 +5,8 @@ the machines here differ (AVX2 only, AVX-512, AVX-512 with AMX). These builds ru
 machine: AVX2 only (``-march=haswell``), AVX-512 without AMX (``-march=skylake-avx512``) and AVX-512 with VBMI
 (``-march=icelake-server``: tcq's byte-permute decoder), each where the CPU can run it (elsewhere the compiler alone
 checks the source for it). The presets' parts (tq and tcq), rot+int4 and q4_0 (their K scored by byte dot products),
-decode attention, a prefill tile's decode and a block frame's step (a query per block of keys, each key's mean
-term made in the kernel).
+decode attention, a prefill tile's decode and a block frame's step (a query per block of keys, each key plus its
+offset's row of a table).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def test_the_kernel_built_for_each_isa_matches_the_reference(isa, monkeypatch):
         want = decode_attention(q, pk, pv, kc, vc, backend="reference")
         got = decode_attention(q, pk, pv, kc, vc, backend="cpu")
         torch.testing.assert_close(got, want, atol=3e-5, rtol=0, msg=f"{isa} {kspec} d={d}")
-    # a block frame's step (issue 35): one query per block of keys and each key's mean term made in the kernel
+    # a block frame's step (issue 35): one query per block of keys, each key plus its offset's row of a table
     from walshkv.attention.cpu_formats import cpu_plan
 
     kc, vc = parse_codec("tcq:3.5").bind(1, "k", cal), parse_codec("tq:3").bind(1, "v", cal)
@@ -134,12 +134,12 @@ def test_the_kernel_built_for_each_isa_matches_the_reference(isa, monkeypatch):
     pv = vc.encode(torch.randn(2, KV, t, D, generator=gen))
     plan = cpu_plan(kc, vc, D, D**-0.5)
     q = torch.randn(2, KV, 2, g, D, generator=gen)
-    u, table = torch.randn(2, KV, 2, g, D, generator=gen), torch.randn(KV, block, D, generator=gen)
-    _, l_sum, acc = cpu.fused_decode_cpu(q, plan, pk, pv, query_block=block, mean_table=(u, table))
+    table = torch.randn(KV, block, D, generator=gen)
+    _, l_sum, acc = cpu.fused_decode_cpu(q, plan, pk, pv, query_block=block, key_table=table)
     pos = torch.arange(t)
-    bias = torch.einsum("bhtgd,htd->bhgt", u[:, :, pos // block], table[:, pos % block]).to(torch.float64)
+    keys = kc.decode(pk).to(torch.float64) + table[:, pos % block].to(torch.float64)[None]
     qk = q.to(torch.float64).repeat_interleave(block, dim=2)[:, :, :t]
-    s = torch.einsum("bhtgd,bhtd->bhgt", qk, kc.decode(pk).to(torch.float64)) * D**-0.5 + bias
+    s = torch.einsum("bhtgd,bhtd->bhgt", qk, keys) * D**-0.5
     want = torch.einsum("bhgt,bhtd->bhgd", s.softmax(-1), vc.decode(pv).to(torch.float64))
     got = (acc / l_sum[..., None]).to(torch.float64)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"{isa} query_block + mean_table")
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"{isa} query_block + key_table")

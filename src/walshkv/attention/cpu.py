@@ -693,7 +693,7 @@ def fused_decode_cpu(
     paged: tuple[torch.Tensor, torch.Tensor] | None = None,
     bias: torch.Tensor | None = None,
     query_block: int = 0,
-    mean_table: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Unnormalised attention of one query step over packed K/V, with the C++ kernel.
 
@@ -718,11 +718,11 @@ def fused_decode_cpu(
         query_block: ``G > 0``: keys ``i G .. (i + 1) G - 1`` are scored against query block ``i`` of ``q``
             (``n_blocks = ceil(seq_len / G)``): a block frame's query turned back to each block's first position
             and mapped once per block, all blocks in one kernel call. Not with ``prerope+`` keys. ``0``: one query.
-        mean_table: ``(u, table)`` with ``query_block``: float32 ``u [batch, kv_heads, n_blocks, group, head_dim]``
-            and ``table [kv_heads, query_block, head_dim]``; the kernel adds ``u[..., i, g, :] · table[h, j]`` to
-            the scaled score of key ``i G + j`` (a block frame's mean turned to each key's offset ``j``, ``u``
-            the query turned back to block ``i``'s first position, times the softmax scale): ``bias`` made in
-            the kernel, with no tensor the length of the cache. ``None``: none.
+        key_table: with ``query_block``, float32 ``[kv_heads, query_block, head_dim]``: row ``j`` is added to every
+            decoded key at offset ``j`` of its block before it is scored (a block frame's mean turned to each offset,
+            in the space the K codec encodes: before its rotations). One add per element and kv head, shared by
+            its query heads; no tensor the length of the cache. Needs a K codec whose kernel buffer is an
+            orthogonal map of that space (rotations, reordering). ``None``: none.
 
     Returns:
         ``(m, l, acc)``: running max ``[batch, kv_heads, group]`` of the scaled scores, softmax denominator
@@ -762,29 +762,34 @@ def fused_decode_cpu(
     keep_p: list[torch.Tensor] = []
     if plan.prerope is not None:
         kpost, keep_p = _kpost(plan, h, int(start), t)
-    mdesc: list[int] = []
-    keep_m: list[torch.Tensor] = []
-    if mean_table is not None:
-        u, table = mean_table
-        nb = q.shape[2] if query_block else 0
+    kt_desc: list[int] = []
+    keep_t: list[torch.Tensor] = []
+    if key_table is not None:
         if (
             not query_block
-            or u.dtype != torch.float32
-            or table.dtype != torch.float32
-            or tuple(u.shape) != (b, h, nb, g, u.shape[-1])
-            or tuple(table.shape) != (h, query_block, u.shape[-1])
-            or u.device.type != "cpu"
-            or table.device.type != "cpu"
+            or key_table.dtype != torch.float32
+            or tuple(key_table.shape) != (h, query_block, d)
+            or key_table.device.type != "cpu"
         ):
             raise ValueError(
-                f"mean_table needs query_block and float32 CPU tensors u [batch, kv_heads, n_blocks, group, d] = "
-                f"[{b}, {h}, {nb}, {g}, d] and table [kv_heads, query_block, d] = [{h}, {query_block}, d], got "
-                f"{u.dtype} {tuple(u.shape)} and {table.dtype} {tuple(table.shape)}"
+                f"key_table needs query_block and a float32 CPU tensor [kv_heads, query_block, head_dim] = "
+                f"[{h}, {query_block}, {d}], got {key_table.dtype} {tuple(key_table.shape)}"
             )
-        if not (bool(torch.isfinite(u).all()) and bool(torch.isfinite(table).all())):
-            raise ValueError("mean_table has NaN or Inf entries: scores undefined (check q and the mean)")
-        keep_m = [u.contiguous(), table.contiguous()]
-        mdesc = [keep_m[0].data_ptr(), keep_m[1].data_ptr(), u.shape[-1]]
+        if not bool(torch.isfinite(key_table).all()):
+            raise ValueError("key_table has NaN or Inf entries: the keys would be undefined (check the mean)")
+        table = key_table
+        if plan.q_map is not None:  # to the kernel's K buffer: q_map / scale, when it is an orthogonal map
+            m = plan.q_map / plan.scale  # [d, L]
+            if not torch.allclose(m @ m.T, torch.eye(d), atol=1e-4):
+                raise ValueError(
+                    "key_table needs a K codec whose kernel buffer is an orthogonal map of the head (rotations, "
+                    "reordering); this one is not: add the term as a score bias instead (bias=)"
+                )
+            table = key_table @ m
+        if table.shape[-1] != plan.k.length:
+            raise ValueError(f"key_table rows are {table.shape[-1]} floats, K's kernel buffer {plan.k.length}")
+        keep_t = [table.contiguous()]
+        kt_desc = [keep_t[0].data_ptr(), plan.k.length]
     bdesc: list[int] = []
     if bias is not None:
         if bias.dtype != torch.float32 or bias.shape != (b, h, g, t) or bias.device.type != "cpu":
@@ -823,9 +828,9 @@ def fused_decode_cpu(
         paging=paging,
         bias=bdesc,
         qblock=query_block,
-        mean_table=mdesc,
+        key_table=kt_desc,
     )
-    del keep_k, keep_v, keep_p, keep_g, keep_m, bias
+    del keep_k, keep_v, keep_p, keep_g, keep_t, bias
     if plan.out_map is not None:
         acc = acc @ plan.out_map
     return m, l_sum, acc

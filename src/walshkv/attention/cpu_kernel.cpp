@@ -81,31 +81,27 @@ static Bias make_bias(const std::vector<int64_t>& a) {
   return bs;
 }
 
-// A mean term per key made in the kernel (a block frame whose keys carry their mean turned to their offset j in a
-// block: the score gains u_i · M[j], u_i the query turned back to block i's first position, scaled). Copies, padded
-// to LM floats a row: u [B*H][NB][G][LM], M [H][qblock][LM]. u == nullptr: none.
-struct MeanTab {
-  float* u = nullptr;
-  float* M = nullptr;
-  int64_t LM = 0;
+// A vector added to every decoded key at offset j of its block (a block frame whose keys carry their mean turned to
+// that offset): row = row * row_factor + W[h][j], in K's buffer basis, before the scores. One add per element and
+// kv head, shared by its query heads. W: a padded copy [H][qblock][LKD]; nullptr: none.
+struct KeyTab {
+  float* W = nullptr;
 };
 
-// MeanTab from its descriptor: empty, or [u pointer, M pointer, d] (u: [B*H][NB][G][d], M: [H][qblock][d], both
-// contiguous float32).
-static MeanTab make_mean_tab(const std::vector<int64_t>& a, int64_t N, int64_t NB, int64_t G, int64_t H,
-                             int64_t qblock);
+// KeyTab from its descriptor: empty, or [pointer, L] (W: [H][qblock][L] contiguous float32, L = K's buffer floats).
+static KeyTab make_key_tab(const std::vector<int64_t>& a, int64_t H, int64_t qblock, int64_t L, int64_t LKD);
 
 // One (batch, head, token range): online softmax over tiles. q: [G][LK] (zero columns pad), acc: [G][LV];
 // m, l: [G]. LK, LV are multiples of VW; buffers 64-byte aligned. bias: this (batch, head)'s rows, or nullptr.
 // qblock > 0: q is [ceil(T / qblock)][G][LK], one query per block of qblock tokens (tiles stop at block ends);
-// mu, mrows: this (batch, head)'s rows of a MeanTab (u [NB][G][LM], M [qblock][LM]) or nullptr; tmp: G x TILE floats.
+// ktab: this head's rows of a KeyTab ([qblock][LKD]) or nullptr.
 static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, const KPost& kp,
                       const float* __restrict qall, int64_t qblock, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t G, int64_t LKD,
                       int64_t LK, int64_t LV, float* __restrict m, float* __restrict l, float* __restrict acc,
                       float* __restrict ktile, float* __restrict ztile, float* __restrict vtile,
                       float* __restrict sc, uint16_t* __restrict abf, IdotFn idot, const IQuery* __restrict iq,
                       int nch, const Paging& pg, const float* __restrict bias, int64_t bias_g,
-                      const float* __restrict mu, const float* __restrict mrows, int64_t LM, float* __restrict tmp) {
+                      const float* __restrict ktab) {
   // LKD: floats per decoded K row; LK: per scored row (the query's length: LKD, or kp.ld for prerope+)
   // iq: the heads' integer queries where K's 4-bit codes are scored by byte dot products (idot), else nullptr
   // pg: with a block table, token t of request b is row t % block_size of block table[b][t / block_size] (the
@@ -130,6 +126,15 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
       idot(K, rb, h, rt, (int)nt, iq, G, nch, sc);
     } else {
       const bool pairs = decode_k_tile(K, kdec, kp, rb, h, rt, (int)nt, ktile, LKD, rsk, abf);
+      if (ktab) {  // each key plus the table row of its offset in its block (row factor applied first)
+        for (int i = 0; i < nt; ++i) {
+          vf* row = (vf*)(ktile + i * LKD);
+          const vf* w = (const vf*)(ktab + ((tb + i) % qblock) * LKD);
+          const vf r = splat(rsk[i]);
+          for (int64_t v = 0; v < LKD / VW; ++v) row[v] = row[v] * r + w[v];
+          rsk[i] = 1.0f;
+        }
+      }
       if (kp.on && had_fused(kp) && !pairs) {  // Hadamard form: each key scored in registers where it is made
         had_score_tile(kp, h, tb, (int)nt, ktile, LKD, rsk, q, G, LK, sc);
       } else {
@@ -145,15 +150,6 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
     if (bias)
       for (int64_t j = 0; j < G; ++j)
         for (int i = 0; i < nt; ++i) sc[j * TILE + i] += bias[j * bias_g + tb + i];
-    if (mu) {  // each key's mean term: the block's turned query times the table row of the key's offset
-      static const float ones[TILE] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f,
-                                       1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f,
-                                       1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
-      static_assert(TILE == 32, "ones[] holds one tile");
-      score_tile(mrows + (tb % qblock) * LM, mu + (tb / qblock) * G * LM, G, LM, LM / VW, (int)nt, ones, tmp);
-      for (int64_t j = 0; j < G; ++j)
-        for (int i = 0; i < nt; ++i) sc[j * TILE + i] += tmp[j * TILE + i];
-    }
     softmax_tile(sc, (int)nt, G, first, m, l, acc, LV, nv);
     first = false;
     vdec(V, rb, h, rt, (int)nt, vtile, LV, rsv);
@@ -183,21 +179,16 @@ static float* alloc_floats(int64_t n) {  // 64-byte aligned, zeroed
   return p;
 }
 
-static MeanTab make_mean_tab(const std::vector<int64_t>& a, int64_t N, int64_t NB, int64_t G, int64_t H,
-                             int64_t qblock) {
-  MeanTab mt;
-  if (a.empty()) return mt;
-  if (a.size() != 3 || a[2] < 1 || qblock < 1)
-    throw std::invalid_argument("walshkv decode attention: bad mean table descriptor (it needs a query per block)");
-  const int64_t d = a[2];
-  mt.LM = round_up(d, VW);
-  const float* u = reinterpret_cast<const float*>(a[0]);
-  const float* M = reinterpret_cast<const float*>(a[1]);
-  mt.u = alloc_floats(N * NB * G * mt.LM);
-  mt.M = alloc_floats(H * qblock * mt.LM);
-  for (int64_t r = 0; r < N * NB * G; ++r) std::memcpy(mt.u + r * mt.LM, u + r * d, sizeof(float) * d);
-  for (int64_t r = 0; r < H * qblock; ++r) std::memcpy(mt.M + r * mt.LM, M + r * d, sizeof(float) * d);
-  return mt;
+static KeyTab make_key_tab(const std::vector<int64_t>& a, int64_t H, int64_t qblock, int64_t L, int64_t LKD) {
+  KeyTab kt;
+  if (a.empty()) return kt;
+  if (a.size() != 2 || a[1] != L || qblock < 1)
+    throw std::invalid_argument("walshkv decode attention: bad key table descriptor (it needs a query per block and "
+                                "K's buffer length)");
+  const float* W = reinterpret_cast<const float*>(a[0]);
+  kt.W = alloc_floats(H * qblock * LKD);
+  for (int64_t r = 0; r < H * qblock; ++r) std::memcpy(kt.W + r * LKD, W + r * L, sizeof(float) * L);
+  return kt;
 }
 
 // q: float [B*H][G][K.L] (scaled, in K's buffer order). Outputs: m, l: [B*H][G]; acc: [B*H][G][V.L] (V's
@@ -207,11 +198,11 @@ static MeanTab make_mean_tab(const std::vector<int64_t>& a, int64_t N, int64_t N
 // and the codes' batch strides step over blocks. bias: empty, or an additive score bias per key (make_bias).
 // qblock > 0: one query per block of qblock tokens, q: [B*H][ceil(T / qblock)][G][K.L] (a block frame's query turned
 // back to each block's first position and mapped once per block); not with kpost, and scored in floats.
-// mtab: empty, or a mean term per key made here (make_mean_tab; needs qblock).
+// ktab: empty, or a vector added to each decoded key by its offset in its block (make_key_tab; needs qblock).
 static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& vdesc, const std::vector<int64_t>& kpost,
                 int64_t q_ptr, int64_t m_ptr, int64_t l_ptr, int64_t acc_ptr, int64_t B, int64_t H, int64_t G, int64_t T,
                 int64_t nsplit, int64_t nthreads, bool int_dot, const std::vector<int64_t>& paging,
-                const std::vector<int64_t>& bias, int64_t qblock, const std::vector<int64_t>& mtab) {
+                const std::vector<int64_t>& bias, int64_t qblock, const std::vector<int64_t>& ktab) {
   const Paging pg = make_paging(paging, B, T);
   const Bias bs = make_bias(bias);
   const Src K = make_src(kdesc), V = make_src(vdesc);
@@ -231,7 +222,7 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
   const int64_t LK = kp.on ? kp.ld : LKD, QL = kp.on ? kp.d : K.L;  // scored row length; query floats given
   const int64_t per = (T + nsplit - 1) / nsplit;
   const float NEG_INF = -std::numeric_limits<float>::infinity();
-  const MeanTab mt = make_mean_tab(mtab, N, NB, G, H, qblock);
+  const KeyTab kt = make_key_tab(ktab, H, qblock, K.L, LKD);
   float* qp = alloc_floats(N * NB * G * LK);
   for (int64_t r = 0; r < N * NB * G; ++r) std::memcpy(qp + r * LK, q + r * QL, sizeof(float) * QL);
   // 4-bit K (int4, q4_0; not keys before RoPE, one query per head): the queries split for byte dot products (IQuery)
@@ -253,11 +244,10 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
     py::gil_scoped_release nogil;
 #pragma omp parallel num_threads((int)std::max<int64_t>(1, nthreads))
     {
-      float* ktile = alloc_floats(TILE * LKD + TILE * LK + TILE * LV + 2 * G * TILE);
+      float* ktile = alloc_floats(TILE * LKD + TILE * LK + TILE * LV + G * TILE);
       float* ztile = ktile + TILE * LKD;
       float* vtile = ztile + TILE * LK;
       float* sc = vtile + TILE * LV;
-      float* tmp = sc + G * TILE;
       uint16_t* abf = amx_scratch(kp);  // AMX: the K tile's rows as bf16 hi and lo
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < N * nsplit; ++task) {
@@ -267,8 +257,7 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
           run_range(K, V, kdec, vdec, kp, qp + n * NB * G * LK, qblock, n / H, n % H, t0, t1, G, LKD, LK, LV, pm.data() + task * G,
                     pl.data() + task * G, pacc + task * G * LV, ktile, ztile, vtile, sc, abf, idot,
                     iqs ? iqs + n * G : nullptr, nch, pg, bs.ptr ? bs.ptr + n * bs.stride_n : nullptr,
-                    bs.stride_g, mt.u ? mt.u + n * NB * G * mt.LM : nullptr,
-                    mt.u ? mt.M + (n % H) * qblock * mt.LM : nullptr, mt.LM, tmp);
+                    bs.stride_g, kt.W ? kt.W + (n % H) * qblock * LKD : nullptr);
       }
       std::free(ktile);
       amx_scratch_free(abf);
@@ -295,8 +284,7 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
   std::free(qp);
   std::free(pacc);
   std::free(iqs);
-  std::free(mt.u);
-  std::free(mt.M);
+  std::free(kt.W);
 }
 
 // Packed rows t0 .. t0+n-1 of every (batch, head) to floats: out [B*H][n][Lout], 64-byte aligned rows not needed.
@@ -356,7 +344,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("vdesc"), py::arg("kpost"), py::arg("q"), py::arg("m"), py::arg("l"), py::arg("acc"), py::arg("B"),
           py::arg("H"), py::arg("G"), py::arg("T"), py::arg("nsplit"), py::arg("nthreads"), py::arg("int_dot") = true,
           py::arg("paging") = std::vector<int64_t>{}, py::arg("bias") = std::vector<int64_t>{},
-          py::arg("qblock") = 0, py::arg("mean_table") = std::vector<int64_t>{});
+          py::arg("qblock") = 0, py::arg("key_table") = std::vector<int64_t>{});
   mod.def("decode_rows", &decode_rows, "packed rows to floats, as the kernel reads them (prefill tiles)");
   mod.def("tq_pack", &tq_pack, "tq's encoder after its rotation: rows to packed codes (TurboQuant._encode)");
   mod.def("tcq_encode", &tcq_encode, "tcq's encoder after its rotation: rows to trellis codes (TrellisQuant._encode)");
