@@ -235,6 +235,12 @@ for stage in $STAGES; do
         --frames blockrope:64,blockropec:16,blockropec:64,blockropec:256,blockropec:1024 \
         --json "$OUT/frame-blockrope/speed-$model.json" --markdown "$OUT/frame-blockrope/speed-$model.md"
     done
+    if grep -qw avx2 /proc/cpuinfo; then  # the AVX2-only code paths (tcq without VBMI), as an AVX2 machine runs them
+      python research/scripts/blockrope_speed.py --model smollm2-135m --kv-len 16384,65536 --march haswell \
+        --frames blockrope:64,blockropec:64,blockropec:256 \
+        --json "$OUT/frame-blockrope/speed-smollm2-135m-haswell.json" \
+        --markdown "$OUT/frame-blockrope/speed-smollm2-135m-haswell.md"
+    fi
     for model in smollm2-135m qwen2.5-1.5b gemma3-270m; do  # the shipped 3.5-bit spec (and its fast twin)
       fast=(); [ "$model" = smollm2-135m ] && fast=(--codec walshkv:3.5-fast)
       walshkv bench attention --model "$model" --kv-len 16384,65536 --codec walshkv:3.5 "${fast[@]}" \

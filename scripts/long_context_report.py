@@ -530,8 +530,9 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
                 )
                 summary.setdefault("frame_block_models", {}).setdefault(name, {})[r["codec"]] = r["kld_mean"]
         lines.append("")
-    speeds = sorted(  # by head_dim: smollm2-135m's shapes first
-        (json.loads(p.read_text()) for p in folder.glob("speed-*.json")), key=lambda r: r["meta"]["shapes"]["head_dim"]
+    speeds = sorted(  # by head_dim (smollm2-135m's shapes first), the CPU's own build before another -march
+        (json.loads(p.read_text()) for p in folder.glob("speed-*.json")),
+        key=lambda r: (r["meta"]["shapes"]["head_dim"], r["meta"].get("march", "native") != "native"),
     )
     if speeds:
         meta = speeds[0]["meta"]
@@ -552,7 +553,10 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
         ]
         for sp in speeds:
             sh = sp["meta"]["shapes"]
-            model = f"{sp['meta']['model']} ({sh['head_dim']}, {sh['kv_heads']}, {sh['q_heads'] // sh['kv_heads']})"
+            march = sp["meta"].get("march", "native")
+            model = f"{sp['meta']['model']} ({sh['head_dim']}, {sh['kv_heads']}, {sh['q_heads'] // sh['kv_heads']})" + (
+                "" if march == "native" else f", kernel built with -march={march}"
+            )
             for r in sp["rows"]:
                 err = "" if r.get("max_abs_err") is None else f"{r['max_abs_err']:.1e}"
                 lines.append(

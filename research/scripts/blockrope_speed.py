@@ -143,11 +143,23 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--k-codec", default="tcq:3.5:norm=8:tables=2")
     ap.add_argument("--v-codec", default="tcq:3:norm=8:tables=2")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument(
+        "--march",
+        help="build the kernel for this -march instead of the CPU's own (haswell: the AVX2-only code paths, as an "
+        "AVX2 machine runs them; the CPU must run that code)",
+    )
     ap.add_argument("--json", required=True)
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
     if not kernel_available():
         raise SystemExit("the fused CPU kernel is not available here (a C++ compiler and Python's headers)")
+    if args.march:  # every kernel call of this run (post-RoPE and the block steps) reads this build
+        from walshkv.attention import cpu
+
+        module = cpu.build_kernel(["-O3", f"-march={args.march}", "-fopenmp", "-std=c++20"])
+        cpu.check_kernel_constants(module)
+        cpu._kernel = module
+        cpu._KPOST.clear()
     shapes = attention_shapes(args.model)
     d, h, hq = shapes["head_dim"], shapes["kv_heads"], shapes["q_heads"]
     scale = d**-0.5
@@ -220,6 +232,7 @@ def main(argv: list[str]) -> int:
         "k_codec": args.k_codec,
         "v_codec": args.v_codec,
         "threads": torch.get_num_threads(),
+        "march": args.march or "native",
         "code": code_commit(),
         "cpu": cpu_meta(),
     }
