@@ -405,9 +405,8 @@ def frame_section(results: Path, summary: dict[str, Any]) -> list[str]:
         "`research/scripts/ropecenter_probe.py` adds one K wrapper for this measurement, `ropecenter+`: K is stored",
         "after RoPE, minus the calibrated pre-RoPE K mean turned to each key's position (the residual is",
         "`prerope+center+`'s turned by RoPE). smollm2-135m, V `tq:4`, one sink token, K mean from python-docs; "
-        + ", ".join(f"{runs[c]['meta']['windows']} windows of {c} tokens" for c in ctxs)
-        + f". Code {first['meta']['versions']['commit']}; CPU {first['meta'].get('cpu', {}).get('model', '?')} "
-        f"({first['meta'].get('cpu', {}).get('capability', '?')}).",
+        + _windows_code_cpu(runs, [first["meta"]["versions"]["commit"]])
+        + ".",
         "",
         "| K spec | codes stored | mean taken | "
         + " | ".join(f"mean KLD at {c}" for c in ctxs)
@@ -443,6 +442,16 @@ def _map_cost(spec: str) -> str:
     return "?"
 
 
+def _windows_code_cpu(runs: dict[int, Any], commits: list[str]) -> str:
+    """``N windows of C tokens, ...; Code X; CPU Y (ISA)`` for runs keyed by context length."""
+    first = runs[min(runs)]["meta"]
+    cpu = first.get("cpu", {})
+    return (
+        ", ".join(f"{runs[c]['meta']['windows']} windows of {c} tokens" for c in sorted(runs))
+        + f". Code {', '.join(commits)}; CPU {cpu.get('model', '?')} ({cpu.get('capability', '?')})"
+    )
+
+
 def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]:
     """The block frame (stage frame-blockrope): eq+'s quality with the query folded once per block, and its speed."""
     lines = ["## K in the block frame: eq+ with the query mapped once per block (stage frame-blockrope, Emma)", ""]
@@ -474,10 +483,9 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
         "`(A⁻ᵀ R(p0)ᵀ q) · A R(j) mu`: the kernel adds row `j` of a `G x head_dim` table (`A R(j) mu`) to each",
         "decoded key before scoring it, one add per element and kv head. smollm2-135m, K `tcq:3.5`, V `tcq:3` (norm=8,",
         "table set 2), one sink token, calibration from python-docs; "
-        + ", ".join(f"{runs[c]['meta']['windows']} windows of {c} tokens" for c in ctxs)
-        + f". Code {', '.join(commits)}; CPU {first['meta'].get('cpu', {}).get('model', '?')} "
-        f"({first['meta'].get('cpu', {}).get('capability', '?')}). `- eq+`: paired per-window difference from the "
-        "`eq+` row (bootstrap, 95%), where a run has 3 windows or more.",
+        + _windows_code_cpu(runs, commits)
+        + ". `- eq+`: paired per-window difference from the `eq+` row (bootstrap, 95%), where a run has 3 windows "
+        "or more.",
         "",
         "| K spec | per cached key, each step | "
         + " | ".join(f"mean KLD at {c} | - eq+ at {c}" for c in ctxs)

@@ -478,20 +478,25 @@ def test_kernel_builds_where_a_compiler_exists() -> None:
     assert attention_cpu.kernel_available()
 
 
-# ---- an additive score bias per key (a block frame's mean term) ----------------------------------------
+# ---- a block frame's step: a score bias per key, a query per block of keys, a table added to the keys -----
+
+
+def _fused_case(spec: str, b: int, h: int, t: int, d: int, seed: int):  # type: ignore[no-untyped-def]
+    """``(codec, packed K, packed V, CPU plan)`` for random K/V ``[b, h, t, d]``, scale ``d ** -0.5``."""
+    from walshkv.attention.cpu_formats import cpu_plan
+
+    k, v = _kv(b, h, t, d, seed=seed)
+    codec, pk = _encode(spec, k)
+    plan = cpu_plan(codec, codec, d, d**-0.5)
+    assert plan is not None
+    return codec, pk, codec.encode(v), plan
 
 
 @pytest.mark.parametrize("spec", ["tcq:3.5:norm=8:tables=2", "rot+int4", "q8_0"])
 def test_fused_cpu_bias_is_added_to_each_scaled_score(spec: str) -> None:
-    from walshkv.attention.cpu_formats import cpu_plan
-
     b, h, g, t, d = 2, 2, 3, 77, 64  # t not a multiple of the kernel's tile
-    k, v = _kv(b, h, t, d, seed=21)
-    codec, pk = _encode(spec, k)
-    pv = codec.encode(v)
+    codec, pk, pv, plan = _fused_case(spec, b, h, t, d, seed=21)
     scale = d**-0.5
-    plan = cpu_plan(codec, codec, d, scale)
-    assert plan is not None
     q = _query(b, h * g, d).reshape(b, h, g, d)
     bias = torch.randn(b, h, g, t, generator=torch.Generator().manual_seed(5))
     res = attention_cpu.fused_decode_cpu(q, plan, pk, pv, bias=bias)
@@ -510,21 +515,16 @@ def test_fused_cpu_bias_is_added_to_each_scaled_score(spec: str) -> None:
 
 
 def test_fused_cpu_bias_refuses_bad_shapes_and_values() -> None:
-    from walshkv.attention.cpu_formats import cpu_plan
-
-    k, v = _kv(1, 1, 16, 64, seed=22)
-    codec, pk = _encode("int4", k)
-    plan = cpu_plan(codec, codec, 64, 0.125)
-    assert plan is not None
+    _, pk, pv, plan = _fused_case("int4", 1, 1, 16, 64, seed=22)
     q = _query(1, 2, 64).reshape(1, 1, 2, 64)
     with pytest.raises(ValueError, match=r"float32 \[batch, kv_heads, group, seq_len\] = \[1, 1, 2, 16\]"):
-        attention_cpu.fused_decode_cpu(q, plan, pk, codec.encode(v), bias=torch.zeros(1, 1, 2, 15))
+        attention_cpu.fused_decode_cpu(q, plan, pk, pv, bias=torch.zeros(1, 1, 2, 15))
     with pytest.raises(ValueError, match="float32"):
-        attention_cpu.fused_decode_cpu(q, plan, pk, codec.encode(v), bias=torch.zeros(1, 1, 2, 16, dtype=torch.float64))
+        attention_cpu.fused_decode_cpu(q, plan, pk, pv, bias=torch.zeros(1, 1, 2, 16, dtype=torch.float64))
     bad = torch.zeros(1, 1, 2, 16)
     bad[0, 0, 1, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
-        attention_cpu.fused_decode_cpu(q, plan, pk, codec.encode(v), bias=bad)
+        attention_cpu.fused_decode_cpu(q, plan, pk, pv, bias=bad)
 
 
 # ---- one query per block of keys (a block frame's query, turned back and mapped once per block) -------------
@@ -532,15 +532,9 @@ def test_fused_cpu_bias_refuses_bad_shapes_and_values() -> None:
 
 @pytest.mark.parametrize(("spec", "block"), [("tcq:3.5:norm=8:tables=2", 16), ("rot+int4", 40), ("q8_0", 64)])
 def test_fused_cpu_query_block_scores_each_block_with_its_query(spec: str, block: int) -> None:
-    from walshkv.attention.cpu_formats import cpu_plan
-
     b, h, g, t, d = 2, 2, 3, 77, 64  # t not a multiple of the block or the tile; block 40 straddles tiles
-    k, v = _kv(b, h, t, d, seed=23)
-    codec, pk = _encode(spec, k)
-    pv = codec.encode(v)
+    codec, pk, pv, plan = _fused_case(spec, b, h, t, d, seed=23)
     scale = d**-0.5
-    plan = cpu_plan(codec, codec, d, scale)
-    assert plan is not None
     nb = -(-t // block)
     q = torch.randn(b, h, nb, g, d, generator=torch.Generator().manual_seed(6))
     bias = torch.randn(b, h, g, t, generator=torch.Generator().manual_seed(7))
@@ -560,13 +554,7 @@ def test_fused_cpu_query_block_scores_each_block_with_its_query(spec: str, block
 
 
 def test_fused_cpu_query_block_refuses_bad_shapes() -> None:
-    from walshkv.attention.cpu_formats import cpu_plan
-
-    k, v = _kv(1, 1, 16, 64, seed=24)
-    codec, pk = _encode("int4", k)
-    pv = codec.encode(v)
-    plan = cpu_plan(codec, codec, 64, 0.125)
-    assert plan is not None
+    _, pk, pv, plan = _fused_case("int4", 1, 1, 16, 64, seed=24)
     with pytest.raises(ValueError, match="2 query blocks; 16 keys in blocks of 4 need 4"):
         attention_cpu.fused_decode_cpu(torch.zeros(1, 1, 2, 2, 64), plan, pk, pv, query_block=4)
     with pytest.raises(ValueError, match=r"q must be \[batch, kv_heads, n_blocks, group, head_dim\]"):
@@ -580,15 +568,9 @@ def test_fused_cpu_query_block_refuses_bad_shapes() -> None:
     [("tcq:3.5:norm=8:tables=2", 16, 3, 64), ("rot+int4", 40, 1, 128), ("q8_0", 64, 7, 64), ("tq:3", 32, 6, 256)],
 )
 def test_fused_cpu_key_table_adds_each_offsets_row_to_its_keys(spec: str, block: int, g: int, d: int) -> None:
-    from walshkv.attention.cpu_formats import cpu_plan
-
     b, h, t = 2, 2, 77  # GQA 1, 3, 6, 7; head_dim 64, 128, 256
-    k, v = _kv(b, h, t, d, seed=25)
-    codec, pk = _encode(spec, k)
-    pv = codec.encode(v)
+    codec, pk, pv, plan = _fused_case(spec, b, h, t, d, seed=25)
     scale = d**-0.5
-    plan = cpu_plan(codec, codec, d, scale)
-    assert plan is not None
     nb = -(-t // block)
     gen = torch.Generator().manual_seed(8)
     q = torch.randn(b, h, nb, g, d, generator=gen)
@@ -607,13 +589,7 @@ def test_fused_cpu_key_table_adds_each_offsets_row_to_its_keys(spec: str, block:
 
 
 def test_fused_cpu_key_table_refuses_bad_shapes_and_values() -> None:
-    from walshkv.attention.cpu_formats import cpu_plan
-
-    k, v = _kv(1, 1, 16, 64, seed=26)
-    codec, pk = _encode("int4", k)
-    pv = codec.encode(v)
-    plan = cpu_plan(codec, codec, 64, 0.125)
-    assert plan is not None
+    _, pk, pv, plan = _fused_case("int4", 1, 1, 16, 64, seed=26)
     q = torch.zeros(1, 1, 4, 2, 64)
     table = torch.zeros(1, 4, 64)
     with pytest.raises(ValueError, match="key_table needs query_block"):
