@@ -224,6 +224,12 @@ for stage in $STAGES; do
       prerope+center+eq+ prerope+center+eqd+ blockropec:64+eqr:64+
     frame_run qwen2.5-1.5b 4096 "${FRAME_WINDOWS_qwen4k:-2}" "$t3" "$t25" qwen2.5-1.5b-emma-4096 \
       prerope+center+eq+ prerope+center+eqd+ blockropec:64+eqr:64+
+    # the block the speed stage favours (256) on the other models, and gemma3-270m at 4096 (rows of the same
+    # length and windows merge into one table)
+    frame_run qwen2.5-1.5b 512 "${FRAME_WINDOWS_qwen:-4}" "$t3" "$t25" qwen2.5-1.5b-emma-512-g256 blockropec:256+eqr:256+
+    frame_run gemma3-270m 512 "${FRAME_WINDOWS_gemma:-8}" "$t35" "$t3" gemma3-270m-emma-512-g256 blockropec:256+eqr:256+
+    frame_run gemma3-270m 4096 "${FRAME_WINDOWS_gemma4k:-2}" "$t35" "$t3" gemma3-270m-emma-4096 \
+      prerope+center+eq+ prerope+center+eqd+ blockropec:64+eqr:64+ blockropec:256+eqr:256+
     ;;
   frame-blockrope-speed)
     # decode speed of the block frame on the fused CPU kernel, then the shipped presets in walshkv's own bench (each
