@@ -514,8 +514,14 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
             c: (by_codec[c].get(r["codec"]) or {}).get("kld_mean") for c in ctxs
         }
     lines.append("")
-    others = [json.loads(p.read_text()) for p in sorted(folder.glob("*-emma-*.json"))]
-    if others:
+    groups: dict[tuple[str, int, int], list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for path in sorted(folder.glob("*-emma-*.json"), key=lambda p: (len(p.stem), p.stem)):  # MODEL-emma-CTX first
+        run = json.loads(path.read_text())
+        meta = run["meta"]
+        name = meta["model"]["name"] if isinstance(meta["model"], dict) else meta["model"]
+        key = (name, int(meta["ctx"]), int(meta["windows"]))  # rows of the same windows are paired across files
+        groups.setdefault(key, []).extend((meta, r) for r in run["results"])
+    if groups:
         lines += [
             "The same frames on the other models (Emma, one sink token, calibration from python-docs; qwen2.5-1.5b at",
             "3 bits, K `tcq:3` and V `tcq:2.5`, its llama.cpp K types' standing test; gemma3-270m, head_dim 256, at",
@@ -524,19 +530,19 @@ def frame_blockrope_section(results: Path, summary: dict[str, Any]) -> list[str]
             "| model | tokens x windows | K spec | per cached key, each step | mean KLD | - eq+ | top-1 | code, CPU |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for run in others:
-            meta = run["meta"]
-            name = meta["model"]["name"] if isinstance(meta["model"], dict) else meta["model"]
-            eq = next((r for r in run["results"] if "prerope+center+eq+" in r["codec"]), None)
-            for r in run["results"]:
+        for (name, ctx, windows), rows in sorted(groups.items()):
+            eq = next((r for _, r in rows if "prerope+center+eq+" in r["codec"]), None)
+            for meta, r in rows:
                 judged = None if eq is None or r is eq else _judge(r, eq)
                 diff = "" if judged is None else f"{judged[0]:+.4f} [{judged[1]:+.4f}, {judged[2]:+.4f}]"
+                if judged is not None and windows < 3:
+                    diff = f"{judged[0]:+.4f} ({windows} windows: no interval)"
                 lines.append(
-                    f"| {name} | {meta['ctx']} x {meta['windows']} | `{r['codec']}` | {_map_cost(r['codec'])} "
+                    f"| {name} | {ctx} x {windows} | `{r['codec']}` | {_map_cost(r['codec'])} "
                     f"| {_fmt(r['kld_mean'])}{_ci(r, 'kld_mean_ci95')} | {diff} | {100 * r['top1_agreement']:.1f}% | "
                     f"{meta['versions']['commit']}, {meta.get('cpu', {}).get('capability', '?')} |"
                 )
-                summary.setdefault("frame_block_models", {}).setdefault(name, {})[r["codec"]] = r["kld_mean"]
+                summary.setdefault("frame_block_models", {}).setdefault(name, {})[f"{r['codec']}@{ctx}"] = r["kld_mean"]
         lines.append("")
     speeds = sorted(  # by head_dim (smollm2-135m's shapes first), the CPU's own build before another -march
         (json.loads(p.read_text()) for p in folder.glob("speed-*.json")),
