@@ -197,7 +197,8 @@ for stage in $STAGES; do
     # issue 35: K in the block frame (research/scripts/ropecenter_probe.py): each key turned back by its block's first
     # position p0, eq+ fitted to moments averaged over a block's G offsets (eqr:G+), so a kernel maps the query once
     # per block instead of each key. blockrope:G+ subtracts the pre-RoPE mean averaged over a block's offsets (no
-    # per-key work); blockropec:G+ the mean turned to each key's offset (exact, a bias per key: O(head_dim)).
+    # per-key work); blockropec:G+ the mean turned to each key's offset (exact: the kernel adds A R(j) mu, row j of a
+    # G x head_dim table, to each decoded key, O(head_dim) adds per key and kv head).
     # Next to the shipped walshkv:3.5 K frame (eq+ before RoPE, a dense map per key) and its fast twin (eqd+),
     # same codes, at 512 and 4096 tokens of Emma (development text); then the standing test, qwen2.5-1.5b at 3 bits,
     # and gemma3-270m (head_dim 256) at 512, then qwen2.5-1.5b at 4096

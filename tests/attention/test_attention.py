@@ -7,6 +7,7 @@ to float32 rounding (then the query dtype's own rounding).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import warnings
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from walshkv.attention import cpu as attention_cpu
 from walshkv.attention import decode as attn
+from walshkv.attention.cpu_formats import cpu_plan
 from walshkv.attention.decode import BACKENDS as ALL_BACKENDS
 from walshkv.attention.decode import decode_attention, decode_attention_reference
 from walshkv.codecs.base import Codec, Packed
@@ -483,13 +485,22 @@ def test_kernel_builds_where_a_compiler_exists() -> None:
 
 def _fused_case(spec: str, b: int, h: int, t: int, d: int, seed: int):  # type: ignore[no-untyped-def]
     """``(codec, packed K, packed V, CPU plan)`` for random K/V ``[b, h, t, d]``, scale ``d ** -0.5``."""
-    from walshkv.attention.cpu_formats import cpu_plan
-
     k, v = _kv(b, h, t, d, seed=seed)
     codec, pk = _encode(spec, k)
     plan = cpu_plan(codec, codec, d, d**-0.5)
     assert plan is not None
     return codec, pk, codec.encode(v), plan
+
+
+def _block_attention(q, keys, vals, block, scale, bias=None):  # type: ignore[no-untyped-def]
+    """Float64 attention of query block ``i`` (``q [b, h, n_blocks, g, d]``) over keys ``i G .. (i + 1) G - 1``
+    (``keys``, ``vals`` ``[b, h, t, d]``), plus ``bias [b, h, g, t]``: ``[b, h, g, d]``."""
+    t = keys.shape[2]
+    q_per_key = q.to(torch.float64).repeat_interleave(block, dim=2)[:, :, :t]  # [b, h, t, g, d]
+    s = torch.einsum("bhtgd,bhtd->bhgt", q_per_key, keys.to(torch.float64)) * scale
+    if bias is not None:
+        s = s + bias.to(torch.float64)
+    return torch.einsum("bhgt,bhtd->bhgd", s.softmax(-1), vals.to(torch.float64))
 
 
 @pytest.mark.parametrize("spec", ["tcq:3.5:norm=8:tables=2", "rot+int4", "q8_0"])
@@ -542,10 +553,7 @@ def test_fused_cpu_query_block_scores_each_block_with_its_query(spec: str, block
     assert res is not None
     _, l_sum, acc = res
     out = acc / l_sum[..., None]
-    keys, vals = codec.decode(pk).to(torch.float64), codec.decode(pv).to(torch.float64)
-    q_per_key = q.to(torch.float64).repeat_interleave(block, dim=2)[:, :, :t]  # [b, h, t, g, d]
-    s = torch.einsum("bhtgd,bhtd->bhgt", q_per_key, keys) * scale + bias.to(torch.float64)
-    want = torch.einsum("bhgt,bhtd->bhgd", s.softmax(-1), vals)
+    want = _block_attention(q, codec.decode(pk), codec.decode(pv), block, scale, bias)
     torch.testing.assert_close(out.to(torch.float64), want, atol=2e-5, rtol=1e-4)
     # one block as long as the cache is the ordinary one-query step
     _, l1, acc1 = attention_cpu.fused_decode_cpu(q[:, :, :1], plan, pk, pv, query_block=t)
@@ -579,12 +587,8 @@ def test_fused_cpu_key_table_adds_each_offsets_row_to_its_keys(spec: str, block:
     res = attention_cpu.fused_decode_cpu(q, plan, pk, pv, query_block=block, key_table=table, bias=bias)
     assert res is not None
     _, l_sum, acc = res
-    pos = torch.arange(t)
-    keys = codec.decode(pk).to(torch.float64) + table[:, pos % block].to(torch.float64)[None]
-    vals = codec.decode(pv).to(torch.float64)
-    q_per_key = q.to(torch.float64).repeat_interleave(block, dim=2)[:, :, :t]
-    s = torch.einsum("bhtgd,bhtd->bhgt", q_per_key, keys) * scale + bias.to(torch.float64)
-    want = torch.einsum("bhgt,bhtd->bhgd", s.softmax(-1), vals)
+    keys = codec.decode(pk).to(torch.float64) + table[:, torch.arange(t) % block].to(torch.float64)[None]
+    want = _block_attention(q, keys, codec.decode(pv), block, scale, bias)
     torch.testing.assert_close((acc / l_sum[..., None]).to(torch.float64), want, atol=2e-5, rtol=1e-4)
 
 
@@ -600,3 +604,6 @@ def test_fused_cpu_key_table_refuses_bad_shapes_and_values() -> None:
     bad[0, 1, 2] = float("inf")
     with pytest.raises(ValueError, match="NaN or Inf"):
         attention_cpu.fused_decode_cpu(q, plan, pk, pv, query_block=4, key_table=bad)
+    skew = dataclasses.replace(plan, k_buffer_orthogonal=False)  # a buffer the table cannot be mapped onto
+    with pytest.raises(ValueError, match="orthogonal map of the head"):
+        attention_cpu.fused_decode_cpu(q, skew, pk, pv, query_block=4, key_table=table)

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codecs"))  # the s
 from matrix import CalibrationStub
 
 from walshkv.attention import cpu, decode_attention
+from walshkv.attention.cpu_formats import cpu_plan
 from walshkv.codecs.registry import parse_codec
 
 KV, D = 2, 64
@@ -126,8 +127,6 @@ def test_the_kernel_built_for_each_isa_matches_the_reference(isa, monkeypatch):
         got = decode_attention(q, pk, pv, kc, vc, backend="cpu")
         torch.testing.assert_close(got, want, atol=3e-5, rtol=0, msg=f"{isa} {kspec} d={d}")
     # a block frame's step (issue 35): one query per block of keys, each key plus its offset's row of a table
-    from walshkv.attention.cpu_formats import cpu_plan
-
     kc, vc = parse_codec("tcq:3.5").bind(1, "k", cal), parse_codec("tq:3").bind(1, "v", cal)
     t, block, g = 77, 40, 3
     pk = kc.encode(torch.randn(2, KV, t, D, generator=gen))

@@ -713,8 +713,8 @@ def fused_decode_cpu(
             ``seq_lens[b]`` tokens (at positions ``0 ..``; ``start`` must be 0). ``None``: fields are
             ``[batch, kv_heads, seq_len, ...]``.
         bias: float32 ``[batch, kv_heads, group, seq_len]`` (paged: ``seq_len`` the longest request's), added to
-            every scaled score before the softmax: a term per key that the codes do not hold (a block frame's
-            mean turned to each key's offset, research/scripts/blockrope_speed.py). ``None``: no bias.
+            every scaled score before the softmax: a term per key and query head that the codes do not hold.
+            ``None``: no bias.
         query_block: ``G > 0``: keys ``i G .. (i + 1) G - 1`` are scored against query block ``i`` of ``q``
             (``n_blocks = ceil(seq_len / G)``): a block frame's query turned back to each block's first position
             and mapped once per block, all blocks in one kernel call. Not with ``prerope+`` keys. ``0``: one query.
@@ -778,14 +778,13 @@ def fused_decode_cpu(
         if not bool(torch.isfinite(key_table).all()):
             raise ValueError("key_table has NaN or Inf entries: the keys would be undefined (check the mean)")
         table = key_table
-        if plan.q_map is not None:  # to the kernel's K buffer: q_map / scale, when it is an orthogonal map
-            m = plan.q_map / plan.scale  # [d, L]
-            if not torch.allclose(m @ m.T, torch.eye(d), atol=1e-4):
-                raise ValueError(
-                    "key_table needs a K codec whose kernel buffer is an orthogonal map of the head (rotations, "
-                    "reordering); this one is not: add the term as a score bias instead (bias=)"
-                )
-            table = key_table @ m
+        if not plan.k_buffer_orthogonal:
+            raise ValueError(
+                "key_table needs a K codec whose kernel buffer is an orthogonal map of the head (rotations, "
+                "reordering); this one is not: add the term as a score bias instead (bias=)"
+            )
+        if plan.q_map is not None:  # to the kernel's K buffer
+            table = key_table @ (plan.q_map / plan.scale)
         if table.shape[-1] != plan.k.length:
             raise ValueError(f"key_table rows are {table.shape[-1]} floats, K's kernel buffer {plan.k.length}")
         keep_t = [table.contiguous()]

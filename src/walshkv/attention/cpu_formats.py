@@ -223,6 +223,9 @@ class CpuPlan:
     q_map: torch.Tensor | None  # [d, L_k]: scale, K's rotations and buffer order in one matmul (None: q * scale)
     out_map: torch.Tensor | None  # [L_v, d]: V's buffer order back and its unrotation (None: identity)
     prerope: PreRopeParts | None = None  # K stored before RoPE: the kernel turns each row into the key (q_map None)
+    #: ``q_map / scale`` is an orthogonal map of the head onto K's buffer (rotations, reordering): a vector in the
+    #: head's basis reaches the buffer as ``x @ (q_map / scale)`` (fused_decode_cpu's key_table)
+    k_buffer_orthogonal: bool = True
 
 
 _PLANS: dict[tuple[Any, ...], tuple[CpuPlan | None, Codec, Codec]] = {}
@@ -258,7 +261,8 @@ def _make_plan(k_codec: Codec, v_codec: Codec, d: int, scale: float) -> CpuPlan 
         out_map = basis_t @ (rot_v if rot_v is not None else torch.eye(d))
     if parts is not None:  # the query stays in the model's basis; the kernel maps each key row (KeyTransform)
         return CpuPlan(fk, fv, scale, None, out_map, parts)
-    return CpuPlan(fk, fv, scale, q_map, out_map)
+    orthogonal = q_map is None or torch.allclose((q_map / scale) @ (q_map / scale).T, torch.eye(d), atol=1e-4)
+    return CpuPlan(fk, fv, scale, q_map, out_map, k_buffer_orthogonal=orthogonal)
 
 
 def cpu_plan(k_codec: Codec, v_codec: Codec, head_dim: int, scale: float) -> CpuPlan | None:

@@ -88,16 +88,14 @@ struct KeyTab {
   float* W = nullptr;
 };
 
-// KeyTab from its descriptor: empty, or [pointer, L] (W: [H][qblock][L] contiguous float32, L = K's buffer floats).
-static KeyTab make_key_tab(const std::vector<int64_t>& a, int64_t H, int64_t qblock, int64_t L, int64_t LKD);
-
 // One (batch, head, token range): online softmax over tiles. q: [G][LK] (zero columns pad), acc: [G][LV];
 // m, l: [G]. LK, LV are multiples of VW; buffers 64-byte aligned. bias: this (batch, head)'s rows, or nullptr.
 // qblock > 0: q is [ceil(T / qblock)][G][LK], one query per block of qblock tokens (tiles stop at block ends);
 // ktab: this head's rows of a KeyTab ([qblock][LKD]) or nullptr.
 static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, const KPost& kp,
-                      const float* __restrict qall, int64_t qblock, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t G, int64_t LKD,
-                      int64_t LK, int64_t LV, float* __restrict m, float* __restrict l, float* __restrict acc,
+                      const float* __restrict qall, int64_t qblock, int64_t b, int64_t h, int64_t t0, int64_t t1,
+                      int64_t G, int64_t LKD, int64_t LK, int64_t LV, float* __restrict m, float* __restrict l,
+                      float* __restrict acc,
                       float* __restrict ktile, float* __restrict ztile, float* __restrict vtile,
                       float* __restrict sc, uint16_t* __restrict abf, IdotFn idot, const IQuery* __restrict iq,
                       int nch, const Paging& pg, const float* __restrict bias, int64_t bias_g,
@@ -179,6 +177,7 @@ static float* alloc_floats(int64_t n) {  // 64-byte aligned, zeroed
   return p;
 }
 
+// KeyTab from its descriptor: empty, or [pointer, L] (W: [H][qblock][L] contiguous float32, L = K's buffer floats).
 static KeyTab make_key_tab(const std::vector<int64_t>& a, int64_t H, int64_t qblock, int64_t L, int64_t LKD) {
   KeyTab kt;
   if (a.empty()) return kt;
@@ -254,9 +253,9 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
         const int64_t n = task / nsplit, sp = task % nsplit;
         const int64_t t0 = sp * per, t1 = std::min<int64_t>(pg.lens ? pg.lens[n / H] : T, t0 + per);
         if (t0 < t1)
-          run_range(K, V, kdec, vdec, kp, qp + n * NB * G * LK, qblock, n / H, n % H, t0, t1, G, LKD, LK, LV, pm.data() + task * G,
-                    pl.data() + task * G, pacc + task * G * LV, ktile, ztile, vtile, sc, abf, idot,
-                    iqs ? iqs + n * G : nullptr, nch, pg, bs.ptr ? bs.ptr + n * bs.stride_n : nullptr,
+          run_range(K, V, kdec, vdec, kp, qp + n * NB * G * LK, qblock, n / H, n % H, t0, t1, G, LKD, LK, LV,
+                    pm.data() + task * G, pl.data() + task * G, pacc + task * G * LV, ktile, ztile, vtile, sc, abf,
+                    idot, iqs ? iqs + n * G : nullptr, nch, pg, bs.ptr ? bs.ptr + n * bs.stride_n : nullptr,
                     bs.stride_g, kt.W ? kt.W + (n % H) * qblock * LKD : nullptr);
       }
       std::free(ktile);
