@@ -54,6 +54,9 @@ class Keys:
         MODEL_CONFIG = "walshkv.model_config"
         #: Every key walshkv writes lives under this prefix (extra metadata included).
         PREFIX = "walshkv."
+        #: How the K transforms were fitted when not ``eq+``'s way: ``eqr:L:Q`` (after RoPE, moments averaged over
+        #: ``L`` and ``Q`` positions, ``0`` for the limit). Absent: ``eq+`` / ``eqd+``.
+        K_EQ_FIT = "walshkv.k_eq.fit"
 
     class Preset:
         NAME = "walshkv.preset.name"

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from walshkv.codecs.base import find_wrapper
+from walshkv.codecs.blockrope import RopeAveragedEqualized, RopeBlock, eqr_transform
 from walshkv.codecs.center import Centered
 from walshkv.codecs.equalize import DiagonalEqualized, Equalized
 from walshkv.codecs.prerope import PreRope
@@ -44,7 +45,8 @@ __all__ = [
     "write_preset_file",
 ]
 
-#: The transforms a side of a spec reads: ``eq+``'s dense ones, ``eqd+``'s diagonal ones, or none.
+#: The transforms a side of a spec reads: ``eq+``'s dense ones, ``eqd+``'s diagonal ones (or, as a string
+#: ``eqr:L:Q``, ``eqr+``'s fitted after RoPE), or none.
 EqKind = Literal["eq", "eqd"]
 
 
@@ -60,8 +62,9 @@ def k_mean_basis(spec: str | CacheSpec) -> Basis:
 
 
 def k_pre_rope(spec: str | CacheSpec) -> bool:
-    """True if ``spec`` quantizes K before RoPE (``prerope+``); every part of a per-layer spec must agree."""
-    kinds = {isinstance(p.k, PreRope) for p in spec_parts(spec)} or {False}
+    """True if ``spec`` reads K statistics before RoPE and the RoPE tables (``prerope+``, ``ropeblock:G+``); every
+    part of a per-layer spec must agree."""
+    kinds = {isinstance(p.k, (PreRope, RopeBlock)) for p in spec_parts(spec)} or {False}
     if len(kinds) > 1:
         raise ValueError(
             f"{spec_name(spec)!r} quantizes K before RoPE in some layers only; a preset file holds K statistics of one "
@@ -113,14 +116,16 @@ class CalibrationNeeds:
 
     pre_rope: bool
     basis: Basis
-    k_eq: EqKind | None = None
+    k_eq: EqKind | str | None = None
     v_eq: EqKind | None = None
 
     @property
     def name(self) -> str:
         """The file name stem: ``prerope-plain-keq`` (K before RoPE, K mean in the plain basis, ``eq+`` on K)."""
         parts = ["prerope" if self.pre_rope else "postrope", self.basis]
-        parts += [f"{side}{eq}" for side, eq in (("k", self.k_eq), ("v", self.v_eq)) if eq is not None]
+        parts += [
+            f"{side}{eq.replace(':', '_')}" for side, eq in (("k", self.k_eq), ("v", self.v_eq)) if eq is not None
+        ]
         return "-".join(parts)
 
 
@@ -135,8 +140,18 @@ def calibration_needs(spec: str | CacheSpec) -> CalibrationNeeds | None:
         return None
     kinds = equalized_kinds(spec)
 
-    def eq(kind: Kind) -> EqKind | None:
-        return None if kind not in kinds else "eqd" if diagonal_equalizers(spec, kind) else "eq"
+    def eq(kind: Kind) -> EqKind | str | None:
+        if kind not in kinds:
+            return None
+        fits = {w.fit for p in parts if isinstance(w := find_wrapper(p.k, Equalized), RopeAveragedEqualized)}
+        if kind == "k" and fits:
+            if len(fits) > 1 or any(not isinstance(find_wrapper(p.k, Equalized), RopeAveragedEqualized) for p in parts):
+                raise ValueError(
+                    f"{spec_name(spec)!r} fits K's transforms in more than one way across layers; a preset file holds "
+                    "transforms of one kind: write the same eqr:L+ (or eq+) in every part"
+                )
+            return fits.pop()
+        return "eqd" if diagonal_equalizers(spec, kind) else "eq"
 
     return CalibrationNeeds(k_pre_rope(spec), k_mean_basis(spec), eq("k"), eq("v"))
 
@@ -155,7 +170,17 @@ def write_calibration_file(
     """
     k_stats = stats.pre_rope() if needs.pre_rope else stats
     mean = torch.stack([k_stats.mean("k", i, "plain") for i in range(stats.num_layers)])
-    k_eq = k_stats.equalizers("k", needs.k_eq == "eqd") if needs.k_eq else None
+    if needs.k_eq is not None and needs.k_eq.startswith("eqr:"):  # eqr+: fitted after RoPE, from moments before it
+        if not needs.pre_rope:
+            raise ValueError(
+                "a file for eqr+ K transforms holds them inside ropeblock:G+ only (it needs the RoPE tables); "
+                "pass --calib-text TEXT for eqr+ elsewhere"
+            )
+        length, q_length = (int(x) or None for x in needs.k_eq.split(":")[1:])
+        k_eq = torch.stack([eqr_transform(k_stats, i, length, q_length) for i in range(stats.num_layers)])
+        extra = {**(extra or {}), Keys.General.K_EQ_FIT: needs.k_eq}
+    else:
+        k_eq = k_stats.equalizers("k", needs.k_eq == "eqd") if needs.k_eq else None
     v_eq = stats.equalizers("v", needs.v_eq == "eqd") if needs.v_eq else None
     rope = None
     if needs.pre_rope:

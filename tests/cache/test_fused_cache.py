@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from walshkv.attention.chunked import chunked_attention
 from walshkv.cache import CompressedCache, enable_fused_attention
 from walshkv.codecs import parse_cache_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codecs"))
+
+from matrix import CalibrationStub
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +157,29 @@ def test_fused_mask_skips_only_the_plain_causal_mask():
     assert mask is not None and not bool(mask[0, 0, :, 0].any()) and bool(mask[0, 0, -1, -1])
     sliding = _fused_mask(mask_function=sliding_window_causal_mask_function(3), local_size=3, **common)
     assert sliding is not None and not bool(sliding[0, 0, -1, 0])
+
+
+@pytest.mark.parametrize(
+    "spec", ["sink:1:ropeblock:8+eqr:8+tq:3.5/tq:3", "ropeblock:16+eqr:16+tcq:3:norm=8:tables=2/tq:3"]
+)
+def test_block_frame_keys_fused_match_the_decoding_path(gqa_llama, spec):
+    """K in the block frame: fused prefill and decode (a query per block, the mean's table) as the codecs decode."""
+    stub = CalibrationStub(64, 2)
+    ids = torch.randint(3, 90, (2, 41), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for fused in (False, True):
+        gqa_llama.set_attn_implementation("sdpa")
+        if fused:
+            enable_fused_attention(gqa_llama)
+        cache = CompressedCache(spec, config=gqa_llama.config, fused=fused, calibration=stub)
+        got, s = [], 0
+        with torch.inference_mode():
+            for e in (23, 24, 25, 33, 41):
+                got.append(gqa_llama(input_ids=ids[:, s:e], cache=cache).logits)
+                s = e
+        outs.append((got, cache.nbytes()))
+    gqa_llama.set_attn_implementation("sdpa")
+    (ref, ref_bytes), (got, got_bytes) = outs
+    for a, b in zip(ref, got, strict=True):
+        assert torch.allclose(a, b, atol=5e-5), float((a - b).abs().max())
+    assert got_bytes == ref_bytes

@@ -130,6 +130,13 @@ MATRIX: tuple[Entry, ...] = (
     Entry("prerope+center+eqd+rot+iq4_nl", 0.15, calibrated=True, positional=True, bad_head_dim=_ODD),
     Entry("prerope+center+eqd+tcq:3.5", 0.17, calibrated=True, positional=True, bad_head_dim=_ODD),
     Entry("prerope+center+eq+tcq:3:norm=8", 0.2, calibrated=True, positional=True, bad_head_dim=_ODD),
+    # K in the block frame (no per-key map at decode)
+    Entry("ropeblock:4+fp32", 1e-6, calibrated=True, positional=True, bad_head_dim=_ODD),
+    Entry("ropeblock:4+eqr:4+tq:4", 0.15, calibrated=True, positional=True, bad_head_dim=_ODD),
+    Entry("ropeblock:3+eqr:3:inf+rot+int4", 0.15, calibrated=True, positional=True, bad_head_dim=_ODD),
+    Entry("ropeblock:2+tcq:3.5", 0.15, calibrated=True, positional=True, bad_head_dim=_ODD),
+    Entry("eqr:16+tq:4", 0.15, calibrated=True, bad_head_dim=_ODD),
+    Entry("eqr+tq:3", 0.25, calibrated=True, bad_head_dim=_ODD),
 )
 
 
@@ -172,6 +179,12 @@ class CalibrationStub:
 
     def v_equalizer_diagonal(self, layer: int) -> torch.Tensor:
         return torch.diag_embed(torch.diagonal(self._veq, dim1=-2, dim2=-1))
+
+    def k_covariance(self, layer: int) -> torch.Tensor:
+        return torch.diag_embed(self._var).to(torch.float64) + 0.01 * (self._keq @ self._keq.mT).to(torch.float64)
+
+    def query_moment(self, layer: int) -> torch.Tensor:
+        return (self._veq @ self._veq.mT).to(torch.float64)
 
     def rope_table(self, layer: int) -> RopeTable:
         return self._rope

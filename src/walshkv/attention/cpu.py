@@ -694,6 +694,7 @@ def fused_decode_cpu(
     bias: torch.Tensor | None = None,
     query_block: int = 0,
     key_table: torch.Tensor | None = None,
+    block_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Unnormalised attention of one query step over packed K/V, with the C++ kernel.
 
@@ -718,11 +719,14 @@ def fused_decode_cpu(
         query_block: ``G > 0``: keys ``i G .. (i + 1) G - 1`` are scored against query block ``i`` of ``q``
             (``n_blocks = ceil(seq_len / G)``): a block frame's query turned back to each block's first position
             and mapped once per block, all blocks in one kernel call. Not with ``prerope+`` keys. ``0``: one query.
+            With ``block_offset`` ``o``, packed key ``t`` sits at offset ``o + t`` of the blocks (the first block holds
+            ``G - o`` keys; ``n_blocks = ceil((o + seq_len) / G)``): blocks counted from a position before the cache.
         key_table: with ``query_block``, float32 ``[kv_heads, query_block, head_dim]``: row ``j`` is added to every
             decoded key at offset ``j`` of its block before it is scored (a block frame's mean turned to each offset,
             in the space the K codec encodes: before its rotations). One add per element and kv head, shared by
             its query heads; no tensor the length of the cache. Needs a K codec whose kernel buffer is an
             orthogonal map of that space (rotations, reordering). ``None``: none.
+        block_offset: with ``query_block``, ``0 .. query_block - 1``: where packed key 0 sits in its block.
 
     Returns:
         ``(m, l, acc)``: running max ``[batch, kv_heads, group]`` of the scaled scores, softmax denominator
@@ -734,6 +738,10 @@ def fused_decode_cpu(
         return None
     if query_block < 0 or (query_block > 0 and plan.prerope is not None):
         raise ValueError(f"query_block must be 0 or a block of keys >= 1 (not with prerope+ keys), got {query_block}")
+    if not isinstance(block_offset, int) or block_offset < 0 or (block_offset and block_offset >= query_block):
+        raise ValueError(
+            f"block_offset must be in 0 .. query_block - 1 (where packed key 0 sits in its block), got {block_offset!r}"
+        )
     if q.dim() != (5 if query_block else 4):
         raise ValueError(
             f"q must be [batch, kv_heads, {'n_blocks, ' if query_block else ''}group, head_dim], got {tuple(q.shape)}"
@@ -754,9 +762,11 @@ def fused_decode_cpu(
         t = int(lens.max()) if b else 0  # the longest request: the RoPE table's reach (prerope+)
         paging = [table.data_ptr(), table.stride(0), packed_k.seq_len, lens.data_ptr(), packed_k.batch_size]
         keep_g = [table, lens]
-    if query_block and q.shape[2] != max(1, -(-t // query_block)):
+    n_blocks = max(1, -(-(block_offset + t) // query_block)) if query_block else 0
+    if query_block and q.shape[2] != n_blocks:
         raise ValueError(
-            f"q has {q.shape[2]} query blocks; {t} keys in blocks of {query_block} need {max(1, -(-t // query_block))}"
+            f"q has {q.shape[2]} query blocks; {t} keys in blocks of {query_block} from offset {block_offset} need "
+            f"{n_blocks}"
         )
     kpost: list[int] = []
     keep_p: list[torch.Tensor] = []
@@ -828,6 +838,7 @@ def fused_decode_cpu(
         bias=bdesc,
         qblock=query_block,
         key_table=kt_desc,
+        qoff=block_offset,
     )
     del keep_k, keep_v, keep_p, keep_g, keep_t, bias
     if plan.out_map is not None:

@@ -90,10 +90,11 @@ struct KeyTab {
 
 // One (batch, head, token range): online softmax over tiles. q: [G][LK] (zero columns pad), acc: [G][LV];
 // m, l: [G]. LK, LV are multiples of VW; buffers 64-byte aligned. bias: this (batch, head)'s rows, or nullptr.
-// qblock > 0: q is [ceil(T / qblock)][G][LK], one query per block of qblock tokens (tiles stop at block ends);
+// qblock > 0: q is [ceil((qoff + T) / qblock)][G][LK], one query per block of qblock tokens, token t at offset
+// qoff + t of the blocks (the first block is short when qoff > 0; tiles stop at block ends);
 // ktab: this head's rows of a KeyTab ([qblock][LKD]) or nullptr.
 static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, const KPost& kp,
-                      const float* __restrict qall, int64_t qblock, int64_t b, int64_t h, int64_t t0, int64_t t1,
+                      const float* __restrict qall, int64_t qblock, int64_t qoff, int64_t b, int64_t h, int64_t t0, int64_t t1,
                       int64_t G, int64_t LKD, int64_t LK, int64_t LV, float* __restrict m, float* __restrict l,
                       float* __restrict acc,
                       float* __restrict ktile, float* __restrict ztile, float* __restrict vtile,
@@ -111,8 +112,8 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
     nt = std::min<int64_t>(TILE, t1 - tb);
     const float* q = qall;
     if (qblock > 0) {  // this block's query
-      nt = std::min<int64_t>(nt, qblock - tb % qblock);
-      q = qall + (tb / qblock) * G * LK;
+      nt = std::min<int64_t>(nt, qblock - (tb + qoff) % qblock);
+      q = qall + ((tb + qoff) / qblock) * G * LK;
     }
     int64_t rb = b, rt = tb;  // where the rows are: (batch, token), or (block, row in block) when paged
     if (pg.table) {
@@ -127,7 +128,7 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
       if (ktab) {  // each key plus the table row of its offset in its block (row factor applied first)
         for (int i = 0; i < nt; ++i) {
           vf* row = (vf*)(ktile + i * LKD);
-          const vf* w = (const vf*)(ktab + ((tb + i) % qblock) * LKD);
+          const vf* w = (const vf*)(ktab + ((tb + qoff + i) % qblock) * LKD);
           const vf r = splat(rsk[i]);
           for (int64_t v = 0; v < LKD / VW; ++v) row[v] = row[v] * r + w[v];
           rsk[i] = 1.0f;
@@ -195,13 +196,14 @@ static KeyTab make_key_tab(const std::vector<int64_t>& a, int64_t H, int64_t qbl
 // kpost: empty, or the prerope+ descriptor (make_kpost); then q is [B*H][G][d] in the model's basis.
 // paging: empty, or a block table (make_paging): then B is the number of requests, T is taken from their lengths,
 // and the codes' batch strides step over blocks. bias: empty, or an additive score bias per key (make_bias).
-// qblock > 0: one query per block of qblock tokens, q: [B*H][ceil(T / qblock)][G][K.L] (a block frame's query turned
-// back to each block's first position and mapped once per block); not with kpost, and scored in floats.
+// qblock > 0: one query per block of qblock tokens, q: [B*H][ceil((qoff + T) / qblock)][G][K.L] (a block frame's
+// query turned back to each block's first position and mapped once per block); token t sits at offset qoff + t of
+// the blocks (0 <= qoff < qblock: a first block cut short). Not with kpost, and scored in floats.
 // ktab: empty, or a vector added to each decoded key by its offset in its block (make_key_tab; needs qblock).
 static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& vdesc, const std::vector<int64_t>& kpost,
                 int64_t q_ptr, int64_t m_ptr, int64_t l_ptr, int64_t acc_ptr, int64_t B, int64_t H, int64_t G, int64_t T,
                 int64_t nsplit, int64_t nthreads, bool int_dot, const std::vector<int64_t>& paging,
-                const std::vector<int64_t>& bias, int64_t qblock, const std::vector<int64_t>& ktab) {
+                const std::vector<int64_t>& bias, int64_t qblock, const std::vector<int64_t>& ktab, int64_t qoff) {
   const Paging pg = make_paging(paging, B, T);
   const Bias bs = make_bias(bias);
   const Src K = make_src(kdesc), V = make_src(vdesc);
@@ -210,7 +212,10 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
   if (kp.amx && !amx_ready()) throw std::invalid_argument("walshkv decode attention: AMX is not available here");
   if (qblock < 0 || (qblock > 0 && kp.on))
     throw std::invalid_argument("walshkv decode attention: a query per block needs qblock >= 1 and no prerope matrix");
-  const int64_t NB = qblock > 0 ? std::max<int64_t>(1, (T + qblock - 1) / qblock) : 1;  // queries per (batch, head)
+  if (qoff < 0 || (qoff > 0 && qoff >= qblock))
+    throw std::invalid_argument("walshkv decode attention: the block offset must be in 0 .. qblock - 1");
+  // queries per (batch, head)
+  const int64_t NB = qblock > 0 ? std::max<int64_t>(1, (qoff + T + qblock - 1) / qblock) : 1;
   const TileFn kdec = tile_fn(K.fmt), vdec = tile_fn(V.fmt);
   const float* q = reinterpret_cast<const float*>(q_ptr);
   float* m_out = reinterpret_cast<float*>(m_ptr);
@@ -253,7 +258,7 @@ static void run(const std::vector<int64_t>& kdesc, const std::vector<int64_t>& v
         const int64_t n = task / nsplit, sp = task % nsplit;
         const int64_t t0 = sp * per, t1 = std::min<int64_t>(pg.lens ? pg.lens[n / H] : T, t0 + per);
         if (t0 < t1)
-          run_range(K, V, kdec, vdec, kp, qp + n * NB * G * LK, qblock, n / H, n % H, t0, t1, G, LKD, LK, LV,
+          run_range(K, V, kdec, vdec, kp, qp + n * NB * G * LK, qblock, qoff, n / H, n % H, t0, t1, G, LKD, LK, LV,
                     pm.data() + task * G, pl.data() + task * G, pacc + task * G * LV, ktile, ztile, vtile, sc, abf,
                     idot, iqs ? iqs + n * G : nullptr, nch, pg, bs.ptr ? bs.ptr + n * bs.stride_n : nullptr,
                     bs.stride_g, kt.W ? kt.W + (n % H) * qblock * LKD : nullptr);
@@ -343,7 +348,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("vdesc"), py::arg("kpost"), py::arg("q"), py::arg("m"), py::arg("l"), py::arg("acc"), py::arg("B"),
           py::arg("H"), py::arg("G"), py::arg("T"), py::arg("nsplit"), py::arg("nthreads"), py::arg("int_dot") = true,
           py::arg("paging") = std::vector<int64_t>{}, py::arg("bias") = std::vector<int64_t>{},
-          py::arg("qblock") = 0, py::arg("key_table") = std::vector<int64_t>{});
+          py::arg("qblock") = 0, py::arg("key_table") = std::vector<int64_t>{}, py::arg("qoff") = 0);
   mod.def("decode_rows", &decode_rows, "packed rows to floats, as the kernel reads them (prefill tiles)");
   mod.def("tq_pack", &tq_pack, "tq's encoder after its rotation: rows to packed codes (TurboQuant._encode)");
   mod.def("tcq_encode", &tcq_encode, "tcq's encoder after its rotation: rows to trellis codes (TrellisQuant._encode)");

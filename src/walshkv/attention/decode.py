@@ -56,6 +56,7 @@ from typing import get_args
 
 import torch
 
+from walshkv.attention.blockframe import BlockFramePlan, block_frame_decode_cpu, block_frame_plan
 from walshkv.attention.cpu import fused_decode_cpu
 from walshkv.attention.cpu_formats import CPU_SUPPORTED, CpuPlan, cpu_plan, cpu_supports
 from walshkv.attention.peeling import peel, peel_equalizer
@@ -101,16 +102,18 @@ def _attend(
     k_eq: torch.Tensor | None = None,
     v_eq: torch.Tensor | None = None,
     start: int = 0,
+    block: BlockFramePlan | None = None,
 ) -> torch.Tensor:
-    """Shared body of the backends; ``plan`` selects the fused CPU kernel, ``use_triton`` the Triton one
-    (neither: the reference). ``k_eq``/``v_eq``: the ``eq+`` inverses ``[kv_heads, d, d]`` that
-    :func:`peel_equalizer` took off the codecs (the query is mapped once before the packed tokens, their
-    V sum once after). ``start``: position of packed token 0 (``prerope+`` keys)."""
+    """Shared body of the backends; ``plan`` (or ``block``, a ``ropeblock:G+`` K) selects the fused CPU kernel,
+    ``use_triton`` the Triton one (neither: the reference). ``k_eq``/``v_eq``: the ``eq+`` inverses
+    ``[kv_heads, d, d]`` that :func:`peel_equalizer` took off the codecs (the query is mapped once before the packed
+    tokens, their V sum once after). ``start``: position of packed token 0 (``prerope+`` and ``ropeblock:G+`` keys)."""
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk!r}")
     if not isinstance(start, int) or start < 0:
         raise ValueError(f"start must be a position >= 0 (of the first packed token), got {start!r}")
-    sm_scale = validate(q, packed_k, packed_v, k_codec, v_codec, window_k, window_v, scale, plan is None)
+    fields = plan is None and block is None  # the kernel checks the fields it reads
+    sm_scale = validate(q, packed_k, packed_v, k_codec, v_codec, window_k, window_v, scale, fields)
     batch, hq, _, d = q.shape
     kv = packed_k.num_heads if packed_k is not None else window_k.shape[1]  # type: ignore[union-attr]
     g = hq // kv
@@ -119,7 +122,9 @@ def _attend(
     if packed_k is not None and packed_v is not None and packed_k.seq_len > 0:
         # eq+ K: q . A⁻¹y = (A⁻ᵀq) . y, so the packed tokens are read as the inner codec's with A⁻ᵀq
         qp = q0 if k_eq is None else torch.einsum("bhge,hed->bhgd", q0, _per_head(k_eq, kv, "K", q.device))
-        if plan is not None:
+        if block is not None:  # K in the block frame: the query turned and mapped once per block
+            state = block_frame_decode_cpu(qp, block, packed_k, packed_v, start)  # None: no compiler
+        elif plan is not None:
             state = fused_decode_cpu(qp, plan, packed_k, packed_v, start)  # None: no compiler (warned once)
         if state is None:
             k_rots, k_core = peel(k_codec)
@@ -243,12 +248,14 @@ def decode_attention(
     k_codec, v_codec = as_codec(k_codec, "k_codec"), as_codec(v_codec, "v_codec")
     k_eq, k_codec = peel_equalizer(k_codec)
     v_eq, v_codec = peel_equalizer(v_codec)
-    plan = None
+    plan = block = None
     on_cpu = isinstance(q, torch.Tensor) and q.dim() == 4 and q.device.type == "cpu"
     if backend in ("auto", "cpu") and on_cpu:  # backend="triton" on CPU tensors runs Triton's interpreter
         d = q.shape[-1]
-        plan = cpu_plan(k_codec, v_codec, d, 1.0 / math.sqrt(d) if scale is None else float(scale))
-    if backend == "cpu" and plan is None:
+        sm = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        block = block_frame_plan(k_codec, v_codec, d, sm)
+        plan = cpu_plan(k_codec, v_codec, d, sm) if block is None else None
+    if backend == "cpu" and plan is None and block is None:
         validate(q, packed_k, packed_v, k_codec, v_codec, window_k, window_v, scale)  # input errors first
         if not on_cpu:
             raise ValueError(f"backend='cpu' needs CPU tensors, q is on {q.device}; use backend='reference'")
@@ -289,5 +296,19 @@ def decode_attention(
             )
         use_triton = True
     return _attend(
-        q, packed_k, packed_v, k_codec, v_codec, scale, window_k, window_v, chunk, plan, use_triton, k_eq, v_eq, start
+        q,
+        packed_k,
+        packed_v,
+        k_codec,
+        v_codec,
+        scale,
+        window_k,
+        window_v,
+        chunk,
+        plan,
+        use_triton,
+        k_eq,
+        v_eq,
+        start,
+        block,
     )

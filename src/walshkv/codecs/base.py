@@ -508,6 +508,10 @@ def check_wrapper_order(chain: Sequence[Wrapper], base: str) -> None:
     fixed = "+".join([*(w.prefix for w in ordered), base])
     for outer, inner in reversed(list(pairwise(chain))):
         if outer.name == inner.name and outer.name not in REPEATABLE_WRAPPERS:
+            kinds = {w.prefix.split(":")[0] for w in (outer, inner)}
+            if len(kinds) > 1:  # two wrappers of one slot (prerope+ and ropeblock:G+ both set K's frame)
+                both = " and ".join(f"{k}+" for k in sorted(kinds))
+                raise ValueError(f"{both} fill one slot; keep one, write {fixed}")
             raise ValueError(f"{outer.name}+ appears twice in one codec spec: write {fixed}")
         if WRAPPER_ORDER.index(outer.name) > WRAPPER_ORDER.index(inner.name):
             raise ValueError(inner.misplaced.format(fixed=fixed, given=given))

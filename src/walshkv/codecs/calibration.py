@@ -20,6 +20,8 @@ Parts, and who reads them:
 * :class:`Means` ``mean(kind, layer, basis)``: ``center+rrot+`` (random signs: the bias is rotated here);
 * :class:`Variances` ``variance(kind, layer, basis)``: ``vht2:...:order=variance`` and ``vht2:auto@B``;
 * :class:`KEqualizer` ``k_equalizer(layer)`` and :class:`VEqualizer` ``v_equalizer(layer)``: ``eq+``;
+* :class:`KMoments` ``k_covariance(layer)``, ``query_moment(layer)`` (statistics before RoPE): ``eqr+``, or a file's
+  :class:`KEqualizer` with :class:`KEqualizerFit` ``k_equalizer_fit`` naming the same fit;
 * :class:`PreRopeSource` ``pre_rope()`` and, on the view it returns, :class:`RopeTables`
   ``rope_table(layer)``: ``prerope+``;
 * :class:`Provenance` ``k_basis``, ``check_matches(...)``, ``describe()``: :meth:`CacheSpec.bind` and the cache.
@@ -39,7 +41,9 @@ __all__ = [
     "Calibration",
     "CalibrationLike",
     "KEqualizer",
+    "KEqualizerFit",
     "KMean",
+    "KMoments",
     "Means",
     "PreRopeSource",
     "Provenance",
@@ -84,6 +88,29 @@ class KEqualizer(Protocol):
 
     def k_equalizer(self, layer: int) -> torch.Tensor:
         """The K transform ``[kv_heads, head_dim, head_dim]`` (float32) of ``layer``."""
+        ...
+
+
+@runtime_checkable
+class KEqualizerFit(Protocol):
+    """How a file's K transforms were fitted (``eqr+``'s are not ``eq+``'s)."""
+
+    @property
+    def k_equalizer_fit(self) -> str | None:
+        """``eqr:L:Q`` for ``eqr+``'s transforms (``0``: the limit), ``None`` for ``eq+``/``eqd+``'s."""
+        ...
+
+
+@runtime_checkable
+class KMoments(Protocol):
+    """K covariance and query second moments (statistics only), which ``eqr+`` turns by RoPE and averages."""
+
+    def k_covariance(self, layer: int) -> torch.Tensor:
+        """K covariance ``[kv_heads, head_dim, head_dim]`` (float64) of ``layer``."""
+        ...
+
+    def query_moment(self, layer: int) -> torch.Tensor:
+        """``E[q qᵀ]`` ``[kv_heads, head_dim, head_dim]`` of the queries of each kv head's group in ``layer``."""
         ...
 
 

@@ -156,6 +156,12 @@ class Equalized(Wrapper):
     def _calibrated(self, layer_idx: int, kind: Kind, calibration: CalibrationLike | None) -> torch.Tensor:
         """The layer's transform from ``calibration`` (statistics or a file)."""
         if kind == "k" and isinstance(calibration, KEqualizer):
+            fit = getattr(calibration, "k_equalizer_fit", None)
+            if fit is not None:
+                raise ValueError(
+                    f"{self.spec}: the file holds K transforms fitted as {fit}+ (after RoPE), not {self.prefix}+'s: "
+                    "use the spec it was written for, or pass --calib-text TEXT"
+                )
             return calibration.k_equalizer(layer_idx)
         if kind == "v" and isinstance(calibration, VEqualizer):
             return calibration.v_equalizer(layer_idx)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from functools import partial
 
 from walshkv.codecs.base import Codec, Wrapper, check_wrapper_order
+from walshkv.codecs.blockrope import RopeAveragedEqualized, RopeBlock
 from walshkv.codecs.center import Centered
 from walshkv.codecs.equalize import DiagonalEqualized, Equalized
 from walshkv.codecs.floats import FLOAT_CODECS, FloatCodec
@@ -185,6 +186,31 @@ def _seed(args: str | None) -> int:
     return seed
 
 
+def _count(name: str, args: str | None, what: str, example: str) -> int:
+    """A wrapper's positive integer argument, or an error that shows how to write it."""
+    try:
+        value = int(args) if args is not None else 0
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} takes {what} >= 1 ({example}), got {args!r}")
+    return value
+
+
+def _eqr(args: str | None, inner: Codec) -> Codec:
+    """``eqr``, ``eqr:L`` or ``eqr:L:Q`` (``Q`` a number of positions or ``inf``)."""
+    if args is None:
+        return RopeAveragedEqualized(inner)
+    head, _, q_arg = args.partition(":")
+    what, example = "a number of positions (then optionally the query's: a number or inf)", "eqr:64+tq:3"
+    length = _count("eqr", head, what, example)
+    if not q_arg:
+        return RopeAveragedEqualized(inner, length=length)
+    return RopeAveragedEqualized(
+        inner, length=length, q_length=0 if q_arg == "inf" else _count("eqr", q_arg, what, example)
+    )
+
+
 def _wrapper(name: str, cls: Callable[[Codec], Codec]) -> WrapperFactory:
     """A factory for a wrapper that takes no arguments."""
 
@@ -237,6 +263,20 @@ register_wrapper(
     "prerope",
     _wrapper("prerope", PreRope),
     "quantize K before RoPE, re-applying it when read (K only, outermost: prerope+center+eq+SPEC)",
+)
+register_wrapper(
+    "ropeblock",
+    lambda args, inner: RopeBlock(
+        inner, block=_count("ropeblock", args, "a block of positions", "ropeblock:64+eqr:64+tq:3")
+    ),
+    "K in the block frame: turned back by its block's first position, centred by the mean turned to its offset "
+    "(K only, outermost: ropeblock:G+eqr:G+SPEC; no per-key map at decode)",
+)
+register_wrapper(
+    "eqr",
+    lambda args, inner: _eqr(args, inner),
+    "eq+ fitted after RoPE to K/query moments averaged over L positions (K only: eqr:L[:Q]+SPEC, Q a number or "
+    "inf; inside ropeblock:G+ write eqr:G+)",
 )
 register_wrapper(
     "rrot",

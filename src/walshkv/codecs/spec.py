@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from walshkv.codecs.base import Codec
+from walshkv.codecs.blockrope import RopeBlock
 from walshkv.codecs.builtin_presets import builtin_preset_spec, check_preset_name
 from walshkv.codecs.calibration import k_basis_of
 from walshkv.codecs.hf import HF_BACKENDS, HFCacheSpec, parse_hf_spec
@@ -129,7 +130,7 @@ class CacheSpec:
                 "(CLI: --kv-mean-center FILE for center+, or --calib-text TEXT; API: "
                 "calibration=collect_kv_stats(...) or read_kv_mean_center(...))"
             )
-        if k_basis_of(calibration) == "pre-rope" and not isinstance(self.k, PreRope):
+        if k_basis_of(calibration) == "pre-rope" and not isinstance(self.k, (PreRope, RopeBlock)):
             raise ValueError(
                 f"this calibration holds K statistics before RoPE (made for a prerope+ spec); {self.spec!r} "
                 "quantizes K after RoPE: calibrate for this spec (walshkv calibrate --preset / --calib-text)"

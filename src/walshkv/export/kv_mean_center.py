@@ -157,6 +157,12 @@ class KMeanBias:
         """The ``eq+`` K transform ``[kv_heads, head_dim, head_dim]`` of ``layer``."""
         return self._equalizer("k", layer)
 
+    @property
+    def k_equalizer_fit(self) -> str | None:
+        """How the K transforms were fitted when not ``eq+``'s way (``eqr:L:Q``), else ``None``."""
+        fit = self.meta.get(Keys.General.K_EQ_FIT)
+        return None if fit is None else str(fit)
+
     def v_equalizer(self, layer: int) -> torch.Tensor:
         """The ``eq+`` V transform ``[kv_heads, head_dim, head_dim]`` of ``layer``."""
         return self._equalizer("v", layer)

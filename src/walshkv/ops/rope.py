@@ -20,7 +20,7 @@ import torch
 
 from walshkv.identity import head_dim_of
 
-__all__ = ["RopeRows", "RopeTable", "apply_rope", "rope_tables", "undo_rope"]
+__all__ = ["RopeRows", "RopeTable", "apply_rope", "rope_averaged", "rope_tables", "turn", "undo_rope"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,68 @@ def undo_rope(x: torch.Tensor, table: RopeTable, start: int = 0, rows: RopeRows 
     out = xf * cos - xf.roll(x.shape[-1] // 2, -1) * folded
     scale = table.scaling**2
     return out if scale == 1.0 else out / scale  # dividing by 1 is exact
+
+
+def turn(x: torch.Tensor, table: RopeTable, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """``x`` ``[..., n, head_dim]`` turned by RoPE's rotation (unscaled) to ``positions`` ``[n]``, or back (float32).
+
+    The angles are the model's (float32 ``position * inv_freq``); unlike :func:`apply_rope` each row has its own
+    position and the table's ``scaling`` is left to the caller.
+    """
+    if x.shape[-1] != table.head_dim or positions.dim() != 1 or positions.numel() != x.shape[-2]:
+        raise ValueError(
+            f"RoPE table for head_dim {table.head_dim} cannot turn a tensor of shape {tuple(x.shape)} to "
+            f"{tuple(positions.shape)} positions; expected [..., n, head_dim] and n positions"
+        )
+    inv = table.inv_freq.to(device=x.device, dtype=torch.float32)
+    freqs = positions.to(device=x.device, dtype=torch.float32)[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+    return xf * cos - _rotate_half(xf) * sin if inverse else xf * cos + _rotate_half(xf) * sin
+
+
+def rope_averaged(m: torch.Tensor, inv_freq: torch.Tensor, length: int | None) -> torch.Tensor:
+    """``mean over p < length of R(p) m R(p)ᵀ`` for a second moment ``m`` ``[..., d, d]`` before RoPE (float64).
+
+    In complex form (pair ``j`` is channel ``j`` and ``j + d/2``, ``z = x + i y``; RoPE multiplies ``z_j`` by
+    ``e^{i p θ_j}``), ``E[z_j z̄_k]`` turns with ``θ_j - θ_k`` and ``E[z_j z_k]`` with ``θ_j + θ_k``; the mean of
+    ``e^{i p ω}`` over the positions is a geometric series. ``length=None``: the limit of a long context (only
+    ``ω = 0`` survives: channel pairs of different frequencies decorrelate).
+
+    Args:
+        m: second moments ``[..., head_dim, head_dim]`` of vectors before RoPE.
+        inv_freq: the table's inverse frequencies ``[head_dim / 2]``.
+        length: positions averaged over (``>= 1``), or ``None`` for the limit.
+
+    Returns:
+        ``[..., head_dim, head_dim]`` float64.
+    """
+    if length is not None and length < 1:
+        raise ValueError(f"rope_averaged needs length >= 1 positions (or None for the limit), got {length}")
+    m = m.to(torch.float64)
+    h = m.shape[-1] // 2
+    if inv_freq.numel() != h:
+        raise ValueError(f"inv_freq has {inv_freq.numel()} frequencies; a {m.shape[-1]}-wide moment needs {h}")
+    th = inv_freq.to(torch.float64)
+    xx, xy, yx, yy = m[..., :h, :h], m[..., :h, h:], m[..., h:, :h], m[..., h:, h:]
+    gam = torch.complex(xx + yy, yx - xy)
+    pi = torch.complex(xx - yy, yx + xy)
+
+    def mean_phase(w: torch.Tensor) -> torch.Tensor:
+        if length is None:
+            return (w.abs() < 1e-15).to(torch.complex128)
+        e1 = torch.exp(1j * w.to(torch.complex128))
+        el = torch.exp(1j * length * w.to(torch.complex128))
+        small = (1 - e1).abs() < 1e-12
+        out = (1 - el) / (length * torch.where(small, torch.ones_like(e1), 1 - e1))
+        return torch.where(small, torch.ones_like(out), out)
+
+    gam = gam * mean_phase(th[:, None] - th[None, :])
+    pi = pi * mean_phase(th[:, None] + th[None, :])
+    top = torch.cat([((gam + pi) / 2).real, ((pi - gam) / 2).imag], dim=-1)
+    bottom = torch.cat([((gam + pi) / 2).imag, ((gam - pi) / 2).real], dim=-1)
+    return torch.cat([top, bottom], dim=-2)
 
 
 def _rotary_module(model: Any) -> Any | None:
