@@ -17,7 +17,7 @@ OUT=docs/results/long-context
 DATA="${DATA:-../shared/data}"
 EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
-STAGES="${STAGES:-kld select needle holdout select-check frame frame-blockrope frame-blockrope-speed select-fast fast report}"
+STAGES="${STAGES:-kld select needle holdout select-check frame frame-blockrope frame-blockrope-speed select-fast select-frame fast report}"
 MODELS="${MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}"
 # the needle grids (about an hour per part on 2 cores): the models that have one
 NEEDLE_MODELS="${NEEDLE_MODELS:-smollm2-135m qwen2.5-1.5b}"
@@ -33,6 +33,9 @@ SELECT_BITS="${SELECT_BITS:-3 3.5 4.5}"
 # the fast presets (walshkv:B-fast, stages select-fast and fast): chosen and measured on these models and budgets
 FAST_MODELS="${FAST_MODELS:-smollm2-135m}"
 FAST_BITS="${FAST_BITS:-3 3.5 4.5}"
+# the fast presets chosen again with K in the block frame among the candidates (stage select-frame, issue 35)
+FRAME_MODELS="${FRAME_MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}"
+FRAME_BITS="${FRAME_BITS:-2.5 3 3.5 4.5}"
 windows_for() {
   [ "$2" = qwen2.5-1.5b ] && { echo "${WINDOWS_qwen:-1}"; return; }
   case "$1" in 512) echo 16 ;; 2048) echo 4 ;; 4096) echo 2 ;; *) echo 1 ;; esac
@@ -268,6 +271,33 @@ for stage in $STAGES; do
         [ -f "$OUT/select/$model/recommend-$bits-fast-ctx4096.json" ] || walshkv recommend --model "$model" \
           --bits "$bits" --fast --ctx 4096 --windows 2 --candidate "$twin" --quiet \
           --json "$OUT/select/$model/recommend-$bits-fast-ctx4096.json" -o "$OUT/select/$model/walshkv-$bits-fast-ctx4096.gguf"
+      done
+    done
+    ;;
+  select-frame)
+    # issue 35: walshkv:B-fast chosen again with the block frame among the candidates, under the rule written before
+    # these runs (docs/presets.md, "K in the block frame"): today's walshkv:B-fast (the shipped spec, or the plain
+    # preset's built-in spec where the model has none), the plain preset's eqd+ twin (fast_candidate) and its
+    # block-frame twin (block_candidate: ropeblock:64+eqr:64+ in place of prerope+center+eq+), ranked on python-docs
+    # at 4k tokens, 2 windows; the lowest selection KLD ships (scripts/ship_presets.py: the later run at a context)
+    for model in $FRAME_MODELS; do
+      mkdir -p "$OUT/select/$model"
+      for bits in $FRAME_BITS; do
+        json="$OUT/select/$model/recommend-$bits-fast-frame-ctx4096.json"
+        [ -f "$json" ] && continue
+        args=()
+        while IFS= read -r spec; do args+=(--candidate "$spec"); done < <(python - "$model" "$bits" <<'PY'
+import sys
+from walshkv.presets import resolve_preset
+from walshkv.recommend import block_candidate, fast_candidate
+model, bits = sys.argv[1], sys.argv[2]
+plain = resolve_preset(f"walshkv:{bits}", model=model).spec
+today = resolve_preset(f"walshkv:{bits}-fast", model=model).spec
+print("\n".join(dict.fromkeys([today, fast_candidate(plain), block_candidate(plain)])))
+PY
+        )
+        walshkv recommend --model "$model" --bits "$bits" --fast --only-candidates "${args[@]}" --ctx 4096 --windows 2 \
+          --quiet --json "$json" -o "$OUT/select/$model/walshkv-$bits-fast-frame-ctx4096.gguf"
       done
     done
     ;;

@@ -31,6 +31,7 @@ from walshkv.presets import (
 from walshkv.recommend import (
     CANDIDATES,
     allocate_layers,
+    block_candidate,
     candidates_for,
     fast_candidate,
     recommend,
@@ -324,3 +325,14 @@ def test_recommend_fast_names_the_fast_preset(hd64_lm):
     rec = recommend(hd64_lm, TEXT, 4.5, windows=1, ctx=64, calib_tokens=128, progress=False, fast=True)
     assert rec.preset.name == "walshkv:4.5-fast" and not any(dense_key_map(r["codec"]) for r in rec.rows)
     assert any("eqd+" in r["codec"] for r in rec.rows)
+
+
+def test_block_candidates_store_k_in_the_block_frame():
+    assert block_candidate("sink:1:prerope+center+eq+tq:3/tq:2.5") == "sink:1:ropeblock:64+eqr:64+tq:3/tq:2.5"
+    assert block_candidate("prerope+center+eqd+tcq:3.5/tcq:3", 16) == "ropeblock:16+eqr:16+tcq:3.5/tcq:3"
+    assert block_candidate("prerope+center+tq:4/tq:3") == "ropeblock:64+tq:4/tq:3"
+    layered = "sink:1:layers:prerope+center+eq+tq:3.5/tq:3@0;prerope+center+eq+tq:3/tq:2.5"
+    twin = block_candidate(layered)
+    assert twin.count("ropeblock:64+eqr:64+") == 2 and "prerope" not in twin and not dense_key_map(twin)
+    assert block_candidate("center+eq+tq:4/tq:2.5") == "center+eq+tq:4/tq:2.5"
+    assert candidates_for(3.5, 64, [twin], num_layers=2, fast=True)  # a fast candidate: no dense key map

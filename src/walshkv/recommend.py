@@ -38,6 +38,7 @@ __all__ = [
     "LayerPlan",
     "Recommendation",
     "allocate_layers",
+    "block_candidate",
     "candidates_for",
     "fast_candidate",
     "recommend",
@@ -145,6 +146,30 @@ def fast_candidate(spec: str) -> str:
     if dense_key_map(out):
         raise ValueError(f"{spec!r}: found no eqd+ form of its dense prerope+ eq+ key map; write it without eq+")
     return parse_cache_spec(out).spec
+
+
+#: The block the block-frame twins use (``ropeblock:64+eqr:64+``): chosen on Emma, the development text, among
+#: 16, 64, 256 and 1024 (docs/long-context.md, "K in the block frame").
+FRAME_BLOCK = 64
+
+
+def block_candidate(spec: str, block: int = FRAME_BLOCK) -> str:
+    """``spec`` with each ``prerope+`` K (and its ``center+`` and ``eq+``/``eqd+``) stored in the block frame instead:
+    ``ropeblock:G+eqr:G+`` (:mod:`walshkv.codecs.blockrope`), the core codecs, ``sink:N:`` and per-layer widths kept.
+    Decoded without a per-key map (the query is turned and mapped once per block of ``G`` keys). Specs without
+    ``prerope+`` come back unchanged."""
+    frame = f"ropeblock:{block}+"
+    out = spec
+    for old, new in (
+        ("prerope+center+eqd+", f"{frame}eqr:{block}+"),
+        ("prerope+center+eq+", f"{frame}eqr:{block}+"),
+        ("prerope+eqd+", f"{frame}eqr:{block}+"),
+        ("prerope+eq+", f"{frame}eqr:{block}+"),
+        ("prerope+center+", frame),
+        ("prerope+", frame),
+    ):
+        out = out.replace(old, new)
+    return out if out == spec else parse_cache_spec(out).spec
 
 
 def candidates_for(
