@@ -51,10 +51,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from walshkv.codecs.base import Codec, Packed
+from walshkv.codecs.blockrope import RopeAveragedEqualized
 from walshkv.codecs.calibration import PreRopeSource, RopeTables
-from walshkv.codecs.equalize import Equalized
 from walshkv.codecs.prerope import PreRope
-from walshkv.ops.equalize import k_equalizer
 from walshkv.ops.rope import RopeTable, apply_rope
 from walshkv_research.probes import count_argument, run_probe_eval
 
@@ -179,68 +178,6 @@ class BlockRoped(PreRope):
         y = y + self._mean(start, y.shape[-2], y.device)[None]
         table = self._table()
         return _turn(y, table, self._starts(start, y.shape[-2], y.device)) * table.scaling
-
-
-def rope_averaged(m: torch.Tensor, inv_freq: torch.Tensor, length: int | None) -> torch.Tensor:
-    """``mean over p < length of R(p) m R(p)ᵀ`` for a second moment ``m`` ``[..., d, d]`` before RoPE (float64).
-
-    In complex form (pair ``j`` is channel ``j`` and ``j + d/2``, ``z = x + i y``, RoPE multiplies ``z_j`` by
-    ``e^{i p θ_j}``), ``E[z_j z̄_k]`` turns with ``θ_j - θ_k`` and ``E[z_j z_k]`` with ``θ_j + θ_k``; the mean of
-    ``e^{i p ω}`` over the positions is a geometric series. ``length=None``: the limit (only ``ω = 0`` survives).
-    """
-    m = m.to(torch.float64)
-    h = m.shape[-1] // 2
-    th = inv_freq.to(torch.float64)
-    xx, xy, yx, yy = m[..., :h, :h], m[..., :h, h:], m[..., h:, :h], m[..., h:, h:]
-    gam = torch.complex(xx + yy, yx - xy)
-    pi = torch.complex(xx - yy, yx + xy)
-
-    def mean_phase(w: torch.Tensor) -> torch.Tensor:
-        if length is None:
-            return (w.abs() < 1e-15).to(torch.complex128)
-        e1 = torch.exp(1j * w.to(torch.complex128))
-        el = torch.exp(1j * length * w.to(torch.complex128))
-        small = (1 - e1).abs() < 1e-12
-        out = (1 - el) / (length * torch.where(small, torch.ones_like(e1), 1 - e1))
-        return torch.where(small, torch.ones_like(out), out)
-
-    gam = gam * mean_phase(th[:, None] - th[None, :])
-    pi = pi * mean_phase(th[:, None] + th[None, :])
-    top = torch.cat([((gam + pi) / 2).real, ((pi - gam) / 2).imag], dim=-1)
-    bottom = torch.cat([((gam + pi) / 2).imag, ((gam - pi) / 2).real], dim=-1)
-    return torch.cat([top, bottom], dim=-2)
-
-
-@dataclass(frozen=True, repr=False)
-class RopeAveragedEqualized(Equalized):
-    """``eqr[:L]+X``: ``eq+``'s K transform fitted after RoPE to moments averaged over positions ``0 .. L-1``."""
-
-    kinds = ("k",)
-    other_kind = "refuse"
-
-    length: int | None = None
-    #: positions the query moment is averaged over, when not ``length`` (``eqr:G:Q``; ``0``: the limit, ``inf``)
-    q_length: int | None = None
-
-    @property
-    def prefix(self) -> str:
-        if self.q_length is not None:
-            return f"eqr:{self.length}:{self.q_length or 'inf'}"
-        return "eqr" if self.length is None else f"eqr:{self.length}"
-
-    def bind(self, layer_idx, kind, calibration=None):  # type: ignore[no-untyped-def]
-        if kind != "k":
-            raise ValueError(f"{self.spec}: eqr+ is for K only")
-        inner = self.inner.bind(layer_idx, kind, calibration)
-        if not isinstance(calibration, PreRopeSource):
-            raise ValueError(f"{self.spec} needs --calib-text (K and query statistics before RoPE)")
-        pre = calibration.pre_rope()
-        inv_freq = pre.rope_table(layer_idx).inv_freq
-        cov = rope_averaged(pre.k_covariance(layer_idx), inv_freq, self.length)
-        q_len = self.length if self.q_length is None else (self.q_length or None)
-        qmom = rope_averaged(pre.query_moment(layer_idx), inv_freq, q_len)
-        matrix = k_equalizer(cov, qmom).to(torch.float32)
-        return replace(self, inner=inner, matrix=matrix)
 
 
 def _eqr_factory(args: str | None, inner: Codec) -> Codec:

@@ -219,6 +219,7 @@ def test_lmcache_config_parses_the_serde_block():
     ("kwargs", "match"),
     [
         ({"spec": "prerope+center+tq:4/tq:3", "head_dim": 64}, r"positions.*'center\+tq:4'"),
+        ({"spec": "ropeblock:64+eqr:64+tq:4/tq:3", "head_dim": 64}, r"ropeblock:64\+ turns K.*'eqr:64\+tq:4'"),
         ({"spec": "sink:4:q4_0", "head_dim": 64}, r"fp16.*'q4_0'"),
         ({"spec": "kivi4", "head_dim": 64}, "KIVI.*fixed-size"),
         ({"spec": "hf-quanto:4", "head_dim": 64}, "Hugging Face"),

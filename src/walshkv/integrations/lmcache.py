@@ -254,11 +254,13 @@ def _check_fixed_size(spec_text: str, spec: object, preset: Preset | None = None
                     f"{FIXED_SIZE_EXAMPLES}; {_LIST_THEM}"
                 )
             if _is_positional(side):
-                plain = side.spec.replace("prerope+", "")
+                frame = next((w.prefix for w in wrappers(side) if w.name == "prerope"), "prerope")
+                plain = side.spec.replace(f"{frame}+", "")
                 raise ValueError(
-                    f"walshkv serde: {side.spec!r} depends on the tokens' positions (prerope+ stores K before RoPE "
-                    f"and rotates it back by position), and an LMCache chunk is stored without its position; use "
-                    f"the same spec without prerope+ ({plain!r}) or another fixed-size spec: {FIXED_SIZE_EXAMPLES}"
+                    f"walshkv serde: {side.spec!r} depends on the tokens' positions ({frame}+ turns K back by its "
+                    f"position: prerope+ before RoPE, ropeblock:G+ to its block's start), and an LMCache chunk is "
+                    f"stored without its position; use the same spec without {frame}+ ({plain!r}) or another "
+                    f"fixed-size spec: {FIXED_SIZE_EXAMPLES}"
                 )
     return spec
 

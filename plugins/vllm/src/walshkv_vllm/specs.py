@@ -74,7 +74,7 @@ PREFILL_MODES = ("exact", "quantized")
 _STORING = (FloatCodec, IntCodec, GGMLCodec, TurboQuant, TurboQuantProd, VHT2Codec, VZCCodec, SqfreeCodec)
 _WRAPPING = (Rotated, Centered)
 _WHY_NOT = {
-    "prerope": "it re-rotates K by position, which vLLM's cache update does not pass",
+    "prerope": "it turns K by its position (prerope+, ropeblock:G+), which vLLM's cache update does not pass",
     "eq": "its per-head matrices are not wired into the plugin yet",
 }
 
