@@ -31,7 +31,7 @@ CTXS_gemma="${CTXS_gemma:-2048 8192}"
 SELECT_MODELS="${SELECT_MODELS:-smollm2-135m}"
 SELECT_BITS="${SELECT_BITS:-3 3.5 4.5}"
 # the fast presets (walshkv:B-fast, stages select-fast and fast): chosen and measured on these models and budgets
-FAST_MODELS="${FAST_MODELS:-smollm2-135m}"
+FAST_MODELS="${FAST_MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}"
 FAST_BITS="${FAST_BITS:-3 3.5 4.5}"
 # the fast presets chosen again with K in the block frame among the candidates (stage select-frame, issue 35)
 FRAME_MODELS="${FRAME_MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}"
@@ -65,6 +65,13 @@ grid_for() {
   if [ "$1" -le 2048 ] && [ "$2" = smollm2-135m ]; then echo long-context
   elif [ "$1" -ge 16384 ]; then echo "${GRID_16K:-docs/grids/long-context-16k.json}"
   else echo "${GRID_LONG:-docs/grids/long-context-core.json}"; fi
+}
+fast_ctxs() {
+  case "$1" in
+  qwen2.5-1.5b) echo 4096 ;;
+  gemma3-270m) echo 8192 ;;
+  *) echo "4096 8192" ;;
+  esac
 }
 ctxs_for() {
   case "$1" in
@@ -303,10 +310,11 @@ PY
     ;;
   fast)
     # the fast presets as rows of the plain presets' sweeps, on the same windows (docs/grids/long-context-fast.json):
-    # Persuasion (holdout) and Emma at 512 tokens, Emma at 4k and 8k
+    # Persuasion (holdout) and Emma at 512 tokens, Emma at the model's long contexts (fast_ctxs: those of its KLD table
+    # among 4k and 8k)
     for model in $FAST_MODELS; do
       holdout_sweep "$model" docs/grids/long-context-fast.json
-      for ctx in 4096 8192; do
+      for ctx in $(fast_ctxs "$model"); do
         walshkv sweep --model "$model" --text "$EMMA" --grid docs/grids/long-context-fast.json --ctx "$ctx" \
           --windows "$(windows_for "$ctx" "$model")" --calib-text python-docs --decode-chunk 64 --chunk 16 --reuse-rows \
           --quiet --out "$OUT/kld/$model/ctx$ctx"

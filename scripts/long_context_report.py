@@ -340,8 +340,10 @@ def fast_section(results: Path, summary: dict[str, Any]) -> list[str]:
             "",
             "`walshkv:B-fast` is chosen like `walshkv:B` (`recommend --ctx 4096` on python-docs only) among the "
             "specs the fused kernels decode without a dense `head_dim x head_dim` map per cached key: K stored "
-            "before RoPE takes `eqd+` (the best diagonal transform, folded into the fast Walsh-Hadamard map) in "
-            'place of `eq+`. Speed: [performance.md](performance.md), section "The fast presets". Persuasion '
+            "before RoPE with `eqd+` (the best diagonal transform, folded into the fast Walsh-Hadamard map) in "
+            "place of `eq+`, or K in the block frame (`ropeblock:64+eqr:64+`: the query turned and mapped once per "
+            "block of 64 keys; stage `select-frame`, the rule in presets.md). Speed: "
+            '[performance.md](performance.md), section "The fast presets". Persuasion '
             "and Emma at 512 tokens: "
             f"{meta.get('windows', '?')} windows; Emma at 4k and 8k: the KLD table's windows. "
             "`fast - plain`: per-window paired bootstrap on Persuasion.",
