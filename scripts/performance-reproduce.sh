@@ -95,8 +95,8 @@ paste_block "docs/results/bench-fast$isa" "fast$isa"
 # one thread (SDPA and the kernel alike: what a machine shared with other work disturbs least; THREADS_MODELS=2
 # for both cores). One block per model and instruction set (a few minutes each)
 for model in smollm2-135m qwen2.5-1.5b gemma3-270m; do
-  fast=()
-  [ "$model" = smollm2-135m ] && fast=(--codec walshkv:3-fast --codec walshkv:3.5-fast --codec walshkv:4.5-fast)
+  # each model's fast presets (smollm2-135m's since stage select-fast, every model's since select-frame: issue 35)
+  fast=(--codec walshkv:3-fast --codec walshkv:3.5-fast --codec walshkv:4.5-fast)
   walshkv bench attention --model "$model" --threads "${THREADS_MODELS:-1}" --kv-len "${KV_LEN_FAST:-16384,65536}" \
     --codec walshkv:3 --codec walshkv:3.5 --codec walshkv:4.5 ${fast[@]+"${fast[@]}"} --codec "tq:3.5/tq:3" \
     --codec rot+int4 --codec q4_0 --quiet --no-plot --out "docs/results/bench-model-$model$isa"
