@@ -264,17 +264,17 @@ def targets(result: dict[str, Any]) -> list[str]:
     for codec in codecs:
         out.extend(_memory_target([r for r in gen if r["cache"] == "fused" and r.get("codec") == codec], codecs))
     out.extend(_preset_targets(gen))
-    out.extend(_attention_targets_19(att, result.get("meta", {}).get("copy_bandwidth_gb_per_s")))
+    out.extend(_attention_targets(att, result.get("meta", {}).get("copy_bandwidth_gb_per_s")))
     return out
 
 
 #: Wrappers that mark a calibrated (preset-style) codec in an attention row's name.
-_CALIBRATED = ("prerope+", "center+", "eq+")
+_CALIBRATED = ("prerope+", "ropeblock:", "center+", "eq+", "eqr")
 
 
-def _attention_targets_19(att: Sequence[dict[str, Any]], copy_gbs: float | None) -> list[str]:
-    """Issue 19's decode-attention targets at kv_len >= 16k: every preset (and calibrated) codec at least 2x the
-    fastest SDPA of the same round and 50% of the copy bandwidth in bytes read; rot+int4 and q4_0 at least 2.5x."""
+def _attention_targets(att: Sequence[dict[str, Any]], copy_gbs: float | None) -> list[str]:
+    """Issue 35's decode-attention targets at kv_len >= 16k: every preset (and calibrated) codec, and rot+int4 and
+    q4_0, at least 2.5x the fastest SDPA of the same round and 25% of the copy bandwidth in bytes read."""
     out = []
     long = [r for r in att if r["kv_len"] >= 16384 and r.get("speedup_vs_best_sdpa") is not None]
     if not long:
@@ -283,7 +283,7 @@ def _attention_targets_19(att: Sequence[dict[str, Any]], copy_gbs: float | None)
         (
             "the presets' codecs",
             [r for r in long if r.get("spec") or any(w in r["method"] for w in _CALIBRATED)],
-            2.0,
+            2.5,
         ),
         ("rot+int4 and q4_0", [r for r in long if r["method"] in ("rot+int4", "q4_0")], 2.5),
     )
@@ -297,10 +297,10 @@ def _attention_targets_19(att: Sequence[dict[str, Any]], copy_gbs: float | None)
             f"{worst['method']} at {worst['kv_len']:,}: x{worst['speedup_vs_best_sdpa']:.2f}: "
             + ("met" if ok else "missed")
         )
-        if copy_gbs and label.startswith("the presets"):
+        if copy_gbs:
             share = min(r["gb_per_s"] for r in rows) / copy_gbs
-            verdict = "met" if share >= 0.5 else "missed"
-            line += f"; bytes read at {100 * share:.0f}% of the copy bandwidth or more (target 50%): {verdict}"
+            verdict = "met" if share >= 0.25 else "missed"
+            line += f"; bytes read at {100 * share:.0f}% of the copy bandwidth or more (target 25%): {verdict}"
         if "k_transform_bound_vs_best_sdpa" in worst:
             line += (
                 f" (its prerope+ K transform alone, as a torch matmul, allows at most "
