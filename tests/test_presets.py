@@ -336,3 +336,14 @@ def test_block_candidates_store_k_in_the_block_frame():
     assert twin.count("ropeblock:64+eqr:64+") == 2 and "prerope" not in twin and not dense_key_map(twin)
     assert block_candidate("center+eq+tq:4/tq:2.5") == "center+eq+tq:4/tq:2.5"
     assert candidates_for(3.5, 64, [twin], num_layers=2, fast=True)  # a fast candidate: no dense key map
+
+
+def test_no_shipped_fast_preset_maps_keys_by_a_dense_matrix():
+    """Every model's walshkv:B-fast decodes without a dense per-key map (eqd+'s fast Walsh-Hadamard map, or K in the
+    block frame, whose equalizer folds into one query per block)."""
+    from walshkv.presets import model_presets
+
+    fast = [(m, n, p["spec"]) for m, e in model_presets().items() for n, p in e["presets"].items() if n.endswith("-fast")]
+    assert fast
+    for model, name, spec in fast:
+        assert not dense_key_map(spec), (model, name, spec)
