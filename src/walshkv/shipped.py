@@ -363,7 +363,14 @@ class CalibrationSet:
 
     def _eq(self, kind: Kind, diagonal: bool) -> KMeanBias:
         what = f"{'diagonal eqd+' if diagonal else 'dense eq+'} {kind.upper()} transforms"
-        return self._find(what, lambda f: self._diagonal.get((id(f), kind)) is diagonal)
+        return self._find(
+            what,
+            lambda f: self._diagonal.get((id(f), kind)) is diagonal and (kind == "v" or f.k_equalizer_fit is None),
+        )
+
+    def k_equalizer_fitted(self, fit: str, layer: int) -> torch.Tensor:
+        """The K transform of ``layer`` fitted as ``fit`` (``eqr:L:Q``: ``eqr+``'s), from the file that holds it."""
+        return self._find(f"K transforms fitted as {fit}", lambda f: f.k_equalizer_fit == fit).k_equalizer(layer)
 
     def k_bias(self, layer: int, basis: Basis) -> torch.Tensor:
         """The K mean ``[kv_heads, head_dim]`` of ``layer`` in ``basis``, from the file written in that basis."""

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from walshkv.codecs.base import Codec, Packed, Wrapper, wrappers
-from walshkv.codecs.calibration import KEqualizer, KMean, KMoments, PreRopeSource, RopeTables
+from walshkv.codecs.calibration import KEqualizerFitted, KMean, KMoments, PreRopeSource, RopeTables
 from walshkv.codecs.equalize import Equalized
 from walshkv.ops.equalize import k_equalizer
 from walshkv.ops.rope import RopeTable, rope_averaged, turn
@@ -114,15 +114,15 @@ class RopeAveragedEqualized(Equalized):
         if isinstance(pre, KMoments):  # statistics: fit here
             q_len = self.length if self.q_length is None else (self.q_length or None)
             matrix = eqr_transform(pre, layer_idx, self.length, q_len)
-        elif isinstance(pre, KEqualizer) and getattr(pre, "k_equalizer_fit", None) == self.fit:  # a file for it
-            matrix = pre.k_equalizer(layer_idx)
+        elif isinstance(pre, KEqualizerFitted):  # files: the transform fitted this way (refused if not held)
+            try:
+                matrix = pre.k_equalizer_fitted(self.fit, layer_idx)
+            except ValueError as err:
+                raise ValueError(f"{self.spec}: {err}") from None
         else:
-            found = getattr(pre, "k_equalizer_fit", None)
-            what = f"transforms fitted as {found}" if found else "no eqr+ transforms"
             raise ValueError(
-                f"{self.spec} needs K and query statistics before RoPE, or a file written for it ({self.fit}); this "
-                f"calibration holds {what}: pass --calib-text TEXT, or write the file with `walshkv calibrate "
-                "--preset` for this spec"
+                f"{self.spec} needs K and query statistics before RoPE, or a file written for it ({self.fit}): pass "
+                "--calib-text TEXT, or write the file with `walshkv calibrate --preset` for this spec"
             )
         inner = self.inner.bind(layer_idx, kind, calibration)
         return replace(self, inner=inner, matrix=matrix)

@@ -20,8 +20,8 @@ Parts, and who reads them:
 * :class:`Means` ``mean(kind, layer, basis)``: ``center+rrot+`` (random signs: the bias is rotated here);
 * :class:`Variances` ``variance(kind, layer, basis)``: ``vht2:...:order=variance`` and ``vht2:auto@B``;
 * :class:`KEqualizer` ``k_equalizer(layer)`` and :class:`VEqualizer` ``v_equalizer(layer)``: ``eq+``;
-* :class:`KMoments` ``k_covariance(layer)``, ``query_moment(layer)`` (statistics before RoPE): ``eqr+``, or a file's
-  :class:`KEqualizer` with :class:`KEqualizerFit` ``k_equalizer_fit`` naming the same fit;
+* :class:`KMoments` ``k_covariance(layer)``, ``query_moment(layer)`` (statistics before RoPE): ``eqr+``, or, from
+  files, :class:`KEqualizerFitted` ``k_equalizer_fitted(fit, layer)``;
 * :class:`PreRopeSource` ``pre_rope()`` and, on the view it returns, :class:`RopeTables`
   ``rope_table(layer)``: ``prerope+``;
 * :class:`Provenance` ``k_basis``, ``check_matches(...)``, ``describe()``: :meth:`CacheSpec.bind` and the cache.
@@ -41,7 +41,7 @@ __all__ = [
     "Calibration",
     "CalibrationLike",
     "KEqualizer",
-    "KEqualizerFit",
+    "KEqualizerFitted",
     "KMean",
     "KMoments",
     "Means",
@@ -92,12 +92,16 @@ class KEqualizer(Protocol):
 
 
 @runtime_checkable
-class KEqualizerFit(Protocol):
-    """How a file's K transforms were fitted (``eqr+``'s are not ``eq+``'s)."""
+class KEqualizerFitted(Protocol):
+    """K transforms fitted another way than ``eq+``'s, as files hold them (``eqr+``'s: ``eqr:L:Q``)."""
 
-    @property
-    def k_equalizer_fit(self) -> str | None:
-        """``eqr:L:Q`` for ``eqr+``'s transforms (``0``: the limit), ``None`` for ``eq+``/``eqd+``'s."""
+    def k_equalizer_fitted(self, fit: str, layer: int) -> torch.Tensor:
+        """The K transform ``[kv_heads, head_dim, head_dim]`` of ``layer`` fitted as ``fit`` (``eqr:L:Q``, ``0``: the
+        limit).
+
+        Raises:
+            ValueError: no transform fitted that way is held (the message names what is).
+        """
         ...
 
 

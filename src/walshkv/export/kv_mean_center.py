@@ -163,6 +163,16 @@ class KMeanBias:
         fit = self.meta.get(Keys.General.K_EQ_FIT)
         return None if fit is None else str(fit)
 
+    def k_equalizer_fitted(self, fit: str, layer: int) -> torch.Tensor:
+        """The K transform of ``layer`` if this file's were fitted as ``fit`` (``eqr:L:Q``), else an error."""
+        if self.k_equalizer_fit != fit:
+            held = f"K transforms fitted as {self.k_equalizer_fit}" if self.k_equalizer_fit else "no eqr+ transforms"
+            raise ValueError(
+                f"{self.source} holds {held}, not {fit}: write the file for this spec (`walshkv calibrate --preset` / "
+                "`walshkv recommend`), or pass --calib-text TEXT"
+            )
+        return self._equalizer("k", layer)
+
     def v_equalizer(self, layer: int) -> torch.Tensor:
         """The ``eq+`` V transform ``[kv_heads, head_dim, head_dim]`` of ``layer``."""
         return self._equalizer("v", layer)
