@@ -320,6 +320,63 @@ def select_section(results: Path, summary: dict[str, Any]) -> list[str]:
 _HOLDOUT_TEXTS = ("austen_persuasion", "austen_emma")
 
 
+def _plain_selection(model: str, budget: str) -> tuple[str, float] | None:
+    """The shipped plain preset's spec and selection KLD (model_presets.json: its recommend run's winner row)."""
+    entry = model_presets().get(model, {}).get("presets", {}).get(f"walshkv:{budget}")
+    if not entry or entry.get("selection_kld_mean") is None or entry.get("ctx") != 4096:
+        return None
+    return entry["spec"], entry["selection_kld_mean"]
+
+
+def frame_select_section(results: Path, summary: dict[str, Any]) -> list[str]:
+    """Stage select-frame: each model's walshkv:B-fast ranked again with the block-frame twin (issue 35's rule)."""
+    runs = sorted((results / "select").glob("*/recommend-*-fast-frame-ctx4096.json"))
+    if not runs:
+        return []
+    lines = [
+        "## The fast presets with K in the block frame (stage `select-frame`)",
+        "",
+        'The rule, written before these runs (presets.md, "K in the block frame"): today\'s `walshkv:B-fast`, the '
+        "plain preset's `eqd+` twin and its block-frame twin (`ropeblock:64+eqr:64+`), ranked by `recommend --fast "
+        "--only-candidates` on python-docs at 4096 tokens (2 windows); the lowest selection KLD ships. `plain` is the "
+        "shipped `walshkv:B`'s own selection KLD on the same protocol (its 4k recommend run), for scale: "
+        "`twin / plain` is what the block frame costs against the per-key map on the selection text.",
+        "",
+        "| model | preset | block-frame twin | eqd+ twin | today's fast spec | plain `walshkv:B` | twin / plain "
+        "| ships |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for path in runs:
+        run = json.loads(path.read_text())
+        model = run["meta"]["model"]["name"]
+        preset = run["preset"]
+        budget = preset.removeprefix("walshkv:").removesuffix("-fast")
+        rows = {r["codec"]: r["kld_mean"] for r in run["results"]}
+        twin = next((k for k in rows if "ropeblock:" in k), None)
+        eqd = next((k for k in rows if "eqd+" in k), None)
+        other = [k for k in rows if k not in (twin, eqd)]
+        plain = _plain_selection(model, budget)
+        ratio = rows[twin] / plain[1] if twin and plain else None
+        winner = "block frame" if run["winner"] == twin else "eqd+ twin" if run["winner"] == eqd else "today's"
+        lines.append(
+            f"| {model} | {preset} | {_fmt(rows.get(twin))} | {_fmt(rows.get(eqd))} | "
+            f"{_fmt(rows[other[0]]) if other else '(the eqd+ twin)'} | {_fmt(plain[1]) if plain else '—'} | "
+            f"{f'{ratio:.2f}' if ratio else '—'} | {winner} |"
+        )
+        summary.setdefault("select_frame", {})[f"{model}/{preset}"] = {
+            "twin": rows.get(twin),
+            "eqd_twin": rows.get(eqd),
+            "plain": plain[1] if plain else None,
+            "winner": run["winner"],
+            "source": str(path.relative_to(results)),
+        }
+    metas = [json.loads(p.read_text())["meta"] for p in runs]
+    commits = sorted({m.get("versions", {}).get("commit", "?") for m in metas})
+    cpus = sorted({m.get("cpu", {}).get("model", "?") for m in metas})
+    lines += ["", f"Code commit of these runs: {', '.join(commits)}; CPU: {', '.join(cpus)}.", ""]
+    return lines
+
+
 def fast_section(results: Path, summary: dict[str, Any]) -> list[str]:
     """The fast presets (stages select-fast and fast): each next to its plain preset on the same windows."""
     lines = ["## The fast presets: what decoding without a per-key matrix costs (`recommend --fast`)", ""]
@@ -770,6 +827,7 @@ def main() -> int:
     lines += select_section(results, summary)
     lines += frame_section(results, summary)
     lines += frame_blockrope_section(results, summary)
+    lines += frame_select_section(results, summary)
     lines += fast_section(results, summary)
     lines += needle_section(results, summary)
     lines += holdout_section(results, summary)
