@@ -81,6 +81,7 @@ def test_no_per_key_map_on_the_decode_path(monkeypatch):
     map (a matrix or RoPE per key): the K plan is the storing codec's, as for a cache stored after RoPE."""
     q, pk, pv, kc, vc = _case("ropeblock:64+eqr:64+tcq:3.5", "tq:3", 1, 3, 200, 1, torch.float32)
     assert cpu.prerope_key_map(kc, vc, 64, KV) is None
+    assert cpu.cpu_supports(kc, 64) and not cpu.cpu_supports(parse_codec(kc.spec), 64)  # bound: read by the kernel
     calls = []
     real = cpu.fused_decode_cpu
 

@@ -18,6 +18,7 @@ import torch
 from walshkv.attention.keys import PreRopeParts, split_prerope
 from walshkv.attention.peeling import core_codec, peel
 from walshkv.codecs.base import Codec
+from walshkv.codecs.blockrope import RopeBlock
 from walshkv.codecs.ggml import QK, GGMLCodec
 from walshkv.codecs.intq import IntCodec
 from walshkv.codecs.rotation import Rotated
@@ -201,6 +202,8 @@ def cpu_format(core: Codec, head_dim: int) -> KernelFormat | None:
 def cpu_supports(codec: Codec, head_dim: int) -> bool:
     """True if the fused kernel reads ``codec``'s packed rows (after peeling rotations and centering; keys stored
     before RoPE, ``prerope+``, through their core codec)."""
+    if isinstance(codec, RopeBlock):  # K in the block frame: its storing codec, with a query per block
+        return codec.rope is not None and cpu_format(core_codec(codec.inner), head_dim) is not None
     parts = split_prerope(codec) if _bound_prerope(codec) else None
     return cpu_format(parts.core if parts is not None else core_codec(codec), head_dim) is not None
 
