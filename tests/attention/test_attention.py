@@ -563,7 +563,7 @@ def test_fused_cpu_query_block_scores_each_block_with_its_query(spec: str, block
 
 def test_fused_cpu_query_block_refuses_bad_shapes() -> None:
     _, pk, pv, plan = _fused_case("int4", 1, 1, 16, 64, seed=24)
-    with pytest.raises(ValueError, match="2 query blocks; 16 keys in blocks of 4 need 4"):
+    with pytest.raises(ValueError, match="2 query blocks; 16 keys in blocks of 4 from offset 0 need 4"):
         attention_cpu.fused_decode_cpu(torch.zeros(1, 1, 2, 2, 64), plan, pk, pv, query_block=4)
     with pytest.raises(ValueError, match=r"q must be \[batch, kv_heads, n_blocks, group, head_dim\]"):
         attention_cpu.fused_decode_cpu(torch.zeros(1, 1, 2, 64), plan, pk, pv, query_block=4)

@@ -39,10 +39,10 @@ KV_HEADS = 2  # CalibrationStub's kv heads: the eq+ transforms are per kv head
 
 #: The core codecs the kernels document (CPU_SUPPORTED, TRITON_SUPPORTED) and the wrappers they read through.
 KERNEL_CODECS = {"int2", "int3", "int4", "int5", "int6", "int7", "int8", "q4_0", "q8_0", "vht2", "tq", "tcq"}
-PEELED = {"rot", "rrot", "center", "eq", "eqd"}
+PEELED = {"rot", "rrot", "center", "eq", "eqd", "eqr"}
 #: What one kernel reads beyond those.
 EXTRA_CODECS = {"cpu": {"iq4_nl"}, "triton": set()}
-EXTRA_WRAPPERS = {"cpu": {"prerope"}, "triton": {"prerope"}}
+EXTRA_WRAPPERS = {"cpu": {"prerope", "ropeblock"}, "triton": {"prerope"}}
 #: Shapes of spec the matrix must keep at least one kernel-read entry of.
 SHAPES = {
     "intB": r"int[2-8]",
@@ -84,7 +84,8 @@ def _v_codec(entry: Entry, k_codec: Codec) -> Codec:
     """The V codec paired with an entry: the entry's own, or for a K-only (prerope+) entry its core on V."""
     if not entry.positional:
         return k_codec
-    spec = entry.spec.split("prerope+", 1)[1].replace("center+", "")
+    rest = entry.spec.split("+", 1)[1].split("+")  # the K frame off, then center+ and eqr+ (K only)
+    spec = "+".join(w for w in rest if w != "center" and not w.startswith("eqr"))
     return parse_codec(spec).bind(1, "v", CalibrationStub(entry.head_dim, KV_HEADS))
 
 

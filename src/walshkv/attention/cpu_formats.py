@@ -42,7 +42,10 @@ __all__ = [
 ]
 
 #: Human-readable list of the (inner) codecs the fused CPU kernel reads.
-CPU_SUPPORTED = "int2..int8, q4_0, q8_0, iq4_nl, vht2, tq, tcq (each also under rot+, rrot+, center+, eq+ and prerope+)"
+CPU_SUPPORTED = (
+    "int2..int8, q4_0, q8_0, iq4_nl, vht2, tq, tcq (each also under rot+, rrot+, center+, eq+, eqr+ and prerope+, "
+    "K also in the block frame, ropeblock:G+)"
+)
 
 #: The kernel's decode paths, by the names of its ``FORMATS`` (``int_generic``: int3, int5, int6, int7;
 #: ``banded``: vht2; ``tq``: Lloyd-Max codes in one or two segments, own tensors, one fp16 norm; ``tcq``: tq's
