@@ -24,6 +24,7 @@ from walshkv.presets import (
     PRESET_BUDGETS,
     dense_key_map,
     is_fast_preset,
+    model_presets,
     name_specs,
     preset_name_for_bits,
     resolve_preset,
@@ -341,8 +342,6 @@ def test_block_candidates_store_k_in_the_block_frame():
 def test_no_shipped_fast_preset_maps_keys_by_a_dense_matrix():
     """Every model's walshkv:B-fast decodes without a dense per-key map (eqd+'s fast Walsh-Hadamard map, or K in the
     block frame, whose equalizer folds into one query per block)."""
-    from walshkv.presets import model_presets
-
     shipped = [(m, n, p["spec"]) for m, e in model_presets().items() for n, p in e["presets"].items()]
     fast = [(m, n, spec) for m, n, spec in shipped if n.endswith("-fast")]
     assert fast

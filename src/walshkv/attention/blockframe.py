@@ -22,8 +22,9 @@ import torch
 from walshkv.attention.cpu import fused_decode_cpu
 from walshkv.attention.cpu_formats import CpuPlan, cpu_plan
 from walshkv.attention.peeling import peel_equalizer
-from walshkv.codecs.base import Codec, Packed
+from walshkv.codecs.base import Codec, Packed, find_wrapper
 from walshkv.codecs.blockrope import RopeBlock
+from walshkv.codecs.equalize import Equalized
 from walshkv.ops.rope import turn
 
 __all__ = ["BlockFramePlan", "block_frame_decode_cpu", "block_frame_plan"]
@@ -65,9 +66,9 @@ def block_frame_plan(k_codec: Codec, v_codec: Codec, head_dim: int, scale: float
             _TABLES.clear()
         means = k_codec.offset_means("cpu")  # R(j) mu, [kv_heads, G, d]
         table = means
-        if fold is not None:  # A R(j) mu as rows: (R(j) mu) @ Aᵀ
-            matrix = torch.linalg.inv(fold.to(torch.float64)).to(torch.float32)
-            table = torch.matmul(means, matrix.transpose(-1, -2))
+        eq = find_wrapper(k_codec.inner, Equalized)
+        if fold is not None and eq is not None and eq.matrix is not None:  # A R(j) mu as rows: (R(j) mu) @ Aᵀ
+            table = torch.matmul(means, eq.matrix.transpose(-1, -2))
         hit = _TABLES[id(k_codec)] = (k_codec, None if fold is None else fold.contiguous(), table.contiguous())
     return BlockFramePlan(k_codec, plan, hit[1], hit[2])
 
