@@ -117,3 +117,31 @@ def test_an_unbound_codec_names_the_fix():
         kc.bind(0, "k", None)
     with pytest.raises(ValueError, match="ropeblock\\+ is for K"):
         kc.bind(0, "v", CalibrationStub(64, KV))
+
+
+def test_a_query_already_in_k_buffer_gives_the_same_attention():
+    """``in_buffer=True``: the caller folded the plan's query map (the block frame does, into its own per-block map);
+    the kernel then takes the query and the key table as they are, and refuses a buffer shorter than the head."""
+    _, pk, pv, kc, vc = _case("ropeblock:16+tcq:3:norm=8:tables=2", "tq:4", 1, 3, 40, 0, torch.float32)
+    plan = cpu_plan(kc.inner, vc, 64, 0.125)
+    assert plan is not None and plan.q_map is not None
+    gen = torch.Generator().manual_seed(5)
+    qb, table = torch.randn(1, KV, 3, 3, 64, generator=gen), torch.randn(KV, 16, 64, generator=gen)
+    want = cpu.fused_decode_cpu(qb, plan, pk, pv, query_block=16, key_table=table)
+    got = cpu.fused_decode_cpu(
+        qb @ plan.q_map, plan, pk, pv, query_block=16, key_table=table @ (plan.q_map / plan.scale), in_buffer=True
+    )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_block_angles_grow_with_the_cache_and_match_the_model_rope():
+    """The per-block cos/sin rows a plan keeps are the model's float32 angles at each block start, at any reach."""
+    _, _, _, kc, vc = _case("ropeblock:16+tq:4", "tq:4", 1, 1, 20, 0, torch.float32)
+    bp = blockframe.block_frame_plan(kc, vc, 64, 0.125)
+    assert bp is not None
+    rope, _ = kc.bound()
+    for first, n in ((0, 3), (5000, 7), (2, 1)):
+        cs = bp.block_angles(first, n)
+        freqs = (16 * torch.arange(first, first + n, dtype=torch.float32))[:, None] * rope.inv_freq[None, :].float()
+        torch.testing.assert_close(cs, torch.cat((freqs.cos(), freqs.sin()), dim=-1), atol=0, rtol=0)

@@ -6,10 +6,10 @@ multishifts and each value comes from the table's four byte planes (``TcqVbmi`` 
 and a mask per tap, then a gather (``TcqAvx2``); elsewhere the codes are unpacked, each state ORed from its taps and
 the table read by a gather (``tcq_row``). All must give the codec's values bit for bit:
 ``table[codes_to_states(codes)] * norm * (1 / sqrt(d))``, the row factor the kernel applies, for every shipped width
-and head sizes from 16 (one partial chunk of 64 lanes) to 256 (past the VBMI path's 128, so the AVX2 one), and 512
-at two widths (past the AVX2 plan's 256: the generic decoder), in the native build and the AVX2 one. ``tcq_path``
-says which decoder reads a layout: the presets' (head_dim 64 and 128) must take the VBMI path wherever the build has
-it, and the AVX2 one elsewhere.
+and head sizes from 16 (one partial chunk of 64 lanes) to 256 (segments over 64 bytes: the VBMI path's wide form,
+each segment in two registers), and 512 at two widths (past both plans' 256: the generic decoder), in the native build
+and the AVX2 one. ``tcq_path`` says which decoder reads a layout: the presets' (head_dim 64, 128 and 256) must take
+the VBMI path wherever the build has it, and the AVX2 one elsewhere.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not cpu.kernel_available(), reason="the CPU kern
 
 HEAD_DIMS = (16, 64, 128, 256)
 AVX2 = ("-O3", "-march=haswell", "-fopenmp", "-std=c++20")  # test_isa_builds' AVX2 build: the same cached module
-VBMI_HEAD_DIMS = (16, 64, 128)  # rows of up to 128 values, every segment at most 64 bytes
+VBMI_HEAD_DIMS = (16, 64, 128, 256)  # rows of up to 256 values, every segment at most 128 bytes
 
 
 def _module(build: str):
@@ -88,7 +88,7 @@ def test_the_vbmi_path_reads_the_layouts_it_was_built_for(spec, d):
     vbmi = _cpu_has(("avx512vbmi", "avx512bw")) and "-march=native" in cpu._CFLAGS_NATIVE
     bits = float(spec[4:])
     segments = [d * bits / 8] if bits.is_integer() else [d // 2 * (bits + 0.5) / 8, d // 2 * (bits - 0.5) / 8]
-    fits = d in VBMI_HEAD_DIMS and max(segments) <= 64  # tcq:5 at 128 is one segment of 80 bytes
+    fits = d in VBMI_HEAD_DIMS and max(segments) <= 128  # tcq:5 at 256 is one segment of 160 bytes
     avx2 = "avx2" if d <= AVX2_MAX_D else "generic"  # every shipped layout fits the AVX2 plan
     want = "vbmi" if vbmi and fits else avx2
     assert module.tcq_path(desc) == want

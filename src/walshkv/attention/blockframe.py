@@ -25,7 +25,6 @@ from walshkv.attention.peeling import peel_equalizer
 from walshkv.codecs.base import Codec, Packed, find_wrapper
 from walshkv.codecs.blockrope import RopeBlock
 from walshkv.codecs.equalize import Equalized
-from walshkv.ops.rope import turn
 
 __all__ = ["BlockFramePlan", "block_frame_decode_cpu", "block_frame_plan"]
 
@@ -39,38 +38,77 @@ class BlockFramePlan:
         plan: the kernel's plan for the storing codec (``eqr+`` peeled off) and V's codec.
         fold: ``A⁻¹`` ``[kv_heads, head_dim, head_dim]`` (``q @ fold`` is ``A⁻ᵀ q``), or ``None`` without ``eqr+``.
         table: ``A R(j) mu`` ``[kv_heads, G, head_dim]``, the mean at each offset in the codes' space.
+        q_to_buffer: ``[kv_heads, head_dim, L]``: a query turned back to its block's start, to K's kernel buffer
+            (RoPE's scaling, ``A⁻ᵀ``, the softmax scale and the storing codec's rotations in one matrix).
+        table_buffer: ``table`` in K's kernel buffer ``[kv_heads, G, L]``.
+        angles: ``[cos, sin]`` rows of block starts ``0, G, 2G, ...`` (a list holding one ``[n, head_dim]``
+            tensor, grown as the cache grows; :meth:`block_angles`).
     """
 
     codec: RopeBlock
     plan: CpuPlan
     fold: torch.Tensor | None
     table: torch.Tensor
+    q_to_buffer: torch.Tensor
+    table_buffer: torch.Tensor
+    angles: list[torch.Tensor]
+
+    def block_angles(self, first: int, n: int) -> torch.Tensor:
+        """``[cos, sin]`` ``[n, head_dim]`` (each half ``head_dim / 2`` wide, one column per rotary pair) of the
+        starts of blocks ``first .. first + n - 1``: the model's float32 angles, as :func:`walshkv.ops.rope.turn`
+        computes them."""
+        cs = self.angles[0]
+        if first + n > cs.shape[0]:
+            rope, _ = self.codec.bound()
+            have = max(64, 2 * (first + n))
+            positions = self.codec.block * torch.arange(have, dtype=torch.float32)
+            freqs = positions[:, None] * rope.inv_freq.to(torch.float32)[None, :]
+            cs = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+            self.angles[0] = cs
+        return cs[first : first + n]
 
 
-_TABLES: dict[int, tuple[RopeBlock, torch.Tensor | None, torch.Tensor]] = {}
+_TABLES: dict[int, tuple[RopeBlock, CpuPlan, BlockFramePlan]] = {}
 _MAX_TABLES = 256
 
 
 def block_frame_plan(k_codec: Codec, v_codec: Codec, head_dim: int, scale: float) -> BlockFramePlan | None:
     """The setup for :func:`block_frame_decode_cpu`, or ``None`` if ``k_codec`` is not a bound ``ropeblock:G+``
-    codec whose storing codec (and ``v_codec``) the CPU kernel reads with an orthogonal K buffer."""
+    codec whose storing codec (and ``v_codec``) the CPU kernel reads with an orthogonal K buffer as long as the
+    head."""
     if not isinstance(k_codec, RopeBlock) or k_codec.rope is None or k_codec.mu is None:
         return None
     fold, inner = peel_equalizer(k_codec.inner)
     plan = cpu_plan(inner, v_codec, head_dim, scale)
-    if plan is None or plan.prerope is not None or not plan.k_buffer_orthogonal:
+    if plan is None or plan.prerope is not None or not plan.k_buffer_orthogonal or plan.k.length != head_dim:
         return None
     hit = _TABLES.get(id(k_codec))
-    if hit is None or hit[0] is not k_codec:
-        if len(_TABLES) >= _MAX_TABLES:
-            _TABLES.clear()
-        means = k_codec.offset_means("cpu")  # R(j) mu, [kv_heads, G, d]
-        table = means
-        eq = find_wrapper(k_codec.inner, Equalized)
-        if fold is not None and eq is not None and eq.matrix is not None:  # A R(j) mu as rows: (R(j) mu) @ Aᵀ
-            table = torch.matmul(means, eq.matrix.transpose(-1, -2))
-        hit = _TABLES[id(k_codec)] = (k_codec, None if fold is None else fold.contiguous(), table.contiguous())
-    return BlockFramePlan(k_codec, plan, hit[1], hit[2])
+    if hit is not None and hit[0] is k_codec and hit[1] is plan:
+        return hit[2]
+    if len(_TABLES) >= _MAX_TABLES:
+        _TABLES.clear()
+    rope, _ = k_codec.bound()
+    means = k_codec.offset_means("cpu")  # R(j) mu, [kv_heads, G, d]
+    table = means
+    eq = find_wrapper(k_codec.inner, Equalized)
+    if fold is not None and eq is not None and eq.matrix is not None:  # A R(j) mu as rows: (R(j) mu) @ Aᵀ
+        table = torch.matmul(means, eq.matrix.transpose(-1, -2))
+    kv = table.shape[0]
+    to_buffer = plan.q_map if plan.q_map is not None else torch.eye(head_dim) * plan.scale
+    fold_h = fold if fold is not None else torch.eye(head_dim).expand(kv, head_dim, head_dim)
+    q_to_buffer = (rope.scaling * torch.matmul(fold_h, to_buffer)).contiguous()
+    table_buffer = table if plan.q_map is None else torch.matmul(table, plan.q_map / plan.scale)
+    bp = BlockFramePlan(
+        k_codec,
+        plan,
+        None if fold is None else fold.contiguous(),
+        table.contiguous(),
+        q_to_buffer,
+        table_buffer.contiguous(),
+        [torch.empty(0, head_dim)],
+    )
+    _TABLES[id(k_codec)] = (k_codec, plan, bp)
+    return bp
 
 
 def block_frame_decode_cpu(
@@ -89,26 +127,28 @@ def block_frame_decode_cpu(
         ``(m, l, acc)`` as :func:`walshkv.attention.cpu.fused_decode_cpu` returns them (``acc`` in the model's
         basis of V), or ``None`` if the kernel cannot be built.
     """
-    codec = bp.codec
-    rope, _ = codec.bound()
-    g_len = codec.block
+    g_len = bp.codec.block
     b, h, g, d = q.shape
     off = start % g_len
     n_blocks = max(1, -(-(off + packed_k.seq_len) // g_len))
-    starts = (start - off) + g_len * torch.arange(n_blocks)
-    # the query turned back to each block's first position: [b, h, g, n_blocks, d] -> [b, h, n_blocks, g, d]
-    qr = turn(q.to(torch.float32)[:, :, :, None, :].expand(b, h, g, n_blocks, d), rope, starts, inverse=True)
-    qr = qr.transpose(2, 3)
-    if rope.scaling != 1.0:
-        qr = qr * rope.scaling
-    if bp.fold is not None:  # A⁻ᵀ q, once per block and query head
-        qr = torch.matmul(qr.reshape(b, h, n_blocks * g, d), bp.fold[None]).reshape(b, h, n_blocks, g, d)
+    # The query turned back to each block's start and mapped to K's buffer, F (R(p0)ᵀ q), as one product: with
+    # q = (q1, q2), F = (F1; F2) (halves) and the block's angles (c, s), R(p0)ᵀ q = (q1 c + q2 s, q2 c - q1 s), so
+    # F (R(p0)ᵀ q) = sum_k c_k (q1_k F1_k + q2_k F2_k) + s_k (q2_k F1_k - q1_k F2_k): [c, s] @ W, W made once a step
+    cs = bp.block_angles((start - off) // g_len, n_blocks)  # [n_blocks, d]: c then s
+    qf = q.to(torch.float32)
+    half = d // 2
+    q1, q2 = qf[..., :half, None], qf[..., half:, None]  # [b, h, g, d/2, 1]
+    f1, f2 = bp.q_to_buffer[:, None, :half], bp.q_to_buffer[:, None, half:]  # [h, 1, d/2, L]
+    w = torch.cat((q1 * f1 + q2 * f2, q2 * f1 - q1 * f2), dim=-2)  # [b, h, g, d, L]
+    w = w.permute(0, 1, 3, 2, 4).reshape(b, h, d, g * d)
+    qb = torch.matmul(cs, w).reshape(b, h, n_blocks, g, d)
     return fused_decode_cpu(
-        qr.contiguous(),
+        qb,
         bp.plan,
         packed_k,
         packed_v,
         query_block=g_len,
-        key_table=bp.table,
+        key_table=bp.table_buffer,
         block_offset=off,
+        in_buffer=True,
     )

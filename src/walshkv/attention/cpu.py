@@ -695,6 +695,7 @@ def fused_decode_cpu(
     query_block: int = 0,
     key_table: torch.Tensor | None = None,
     block_offset: int = 0,
+    in_buffer: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Unnormalised attention of one query step over packed K/V, with the C++ kernel.
 
@@ -727,6 +728,9 @@ def fused_decode_cpu(
             its query heads; no tensor the length of the cache. Needs a K codec whose kernel buffer is an
             orthogonal map of that space (rotations, reordering). ``None``: none.
         block_offset: with ``query_block``, ``0 .. query_block - 1``: where packed key 0 sits in its block.
+        in_buffer: ``q`` (scaled) and ``key_table`` are already in K's kernel buffer (the caller folded
+            ``plan.q_map``, or ``plan.scale`` where it is ``None``, into its own map: one matmul per step instead of
+            two). Needs a K buffer as long as the head; not with ``prerope+`` keys.
 
     Returns:
         ``(m, l, acc)``: running max ``[batch, kv_heads, group]`` of the scaled scores, softmax denominator
@@ -746,7 +750,11 @@ def fused_decode_cpu(
         raise ValueError(
             f"q must be [batch, kv_heads, {'n_blocks, ' if query_block else ''}group, head_dim], got {tuple(q.shape)}"
         )
+    if in_buffer and plan.prerope is not None:
+        raise ValueError("in_buffer needs a K codec read without prerope+ (its query stays in the model's basis)")
     b, h, g, d = q.shape[0], q.shape[1], q.shape[-2], q.shape[-1]
+    if in_buffer and d != plan.k.length:
+        raise ValueError(f"in_buffer needs K's kernel buffer as long as the head ({d}); this one is {plan.k.length}")
     kdesc, keep_k = _desc(packed_k, plan.k, d, "K", kernel.FORMATS[plan.k.fmt])
     vdesc, keep_v = _desc(packed_v, plan.v, d, "V", kernel.FORMATS[plan.v.fmt])
     t = packed_k.seq_len
@@ -793,7 +801,7 @@ def fused_decode_cpu(
                 "key_table needs a K codec whose kernel buffer is an orthogonal map of the head (rotations, "
                 "reordering); this one is not: add the term as a score bias instead (bias=)"
             )
-        if plan.q_map is not None:  # to the kernel's K buffer
+        if plan.q_map is not None and not in_buffer:  # to the kernel's K buffer
             table = key_table @ (plan.q_map / plan.scale)
         if table.shape[-1] != plan.k.length:
             raise ValueError(f"key_table rows are {table.shape[-1]} floats, K's kernel buffer {plan.k.length}")
@@ -811,7 +819,8 @@ def fused_decode_cpu(
         if bias.stride(3) != 1 or bias.stride(0) != h * bias.stride(1):
             bias = bias.contiguous()
         bdesc = [bias.data_ptr(), bias.stride(1), bias.stride(2)]
-    qb = (q @ plan.q_map if plan.q_map is not None else q * plan.scale).contiguous()
+    qb = q if in_buffer else q @ plan.q_map if plan.q_map is not None else q * plan.scale
+    qb = qb.contiguous()
     m = torch.empty(b, h, g)
     l_sum = torch.empty(b, h, g)
     acc = torch.empty(b, h, g, plan.v.length)

@@ -125,15 +125,8 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
       idot(K, rb, h, rt, (int)nt, iq, G, nch, sc);
     } else {
       const bool pairs = decode_k_tile(K, kdec, kp, rb, h, rt, (int)nt, ktile, LKD, rsk, abf);
-      if (ktab) {  // each key plus the table row of its offset in its block (row factor applied first)
-        for (int i = 0; i < nt; ++i) {
-          vf* row = (vf*)(ktile + i * LKD);
-          const vf* w = (const vf*)(ktab + ((tb + qoff + i) % qblock) * LKD);
-          const vf r = splat(rsk[i]);
-          for (int64_t v = 0; v < LKD / VW; ++v) row[v] = row[v] * r + w[v];
-          rsk[i] = 1.0f;
-        }
-      }
+      // a block frame's table: row j added to each key at offset j of its block (row factor first), in the scores
+      const float* w = ktab ? ktab + ((tb + qoff) % qblock) * LKD : nullptr;  // tiles stop at block ends
       if (kp.on && had_fused(kp) && !pairs) {  // Hadamard form: each key scored in registers where it is made
         had_score_tile(kp, h, tb, (int)nt, ktile, LKD, rsk, q, G, LK, sc);
       } else {
@@ -143,7 +136,7 @@ static void run_range(const Src& K, const Src& V, TileFn kdec, TileFn vdec, cons
           for (int i = 0; i < nt; ++i) rsk[i] = 1.0f;
           kscore = ztile;
         }
-        score_tile(kscore, q, G, LK, nk, (int)nt, rsk, sc);
+        score_tile(kscore, q, G, LK, nk, (int)nt, rsk, sc, w);
       }
     }
     if (bias)

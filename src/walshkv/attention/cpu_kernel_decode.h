@@ -191,26 +191,46 @@ static inline void tcq_vbmi_lookup(__m512i x, const __m512i* pl, __m512i* f) {
   f[3] = _mm512_unpackhi_epi16(b, d);
 }
 
-// tcq with VBMI (TcqVbmi): per row the two segments in two registers (masked loads: nothing read past a segment),
-// per chunk of 64 values each state as the OR over taps of (byte permute, multishift, mask), then the table lookup.
-static void decode_tile_tcq_vbmi(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
-                                 float* rs) {
+// Byte mask of the first n (0 .. 64) bytes.
+static inline __mmask64 first_bytes(int n) { return n >= 64 ? ~0ULL : n <= 0 ? 0ULL : (1ULL << n) - 1; }
+
+// tcq with VBMI (TcqVbmi): per row the two segments in two registers (WIDE: four, two per segment; masked loads:
+// nothing read past a segment), per chunk of 64 values each state as the OR over taps of (byte permute, multishift,
+// mask), then the table lookup.
+template <bool WIDE>
+static void decode_tile_tcq_vbmi_t(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
+                                   float* rs) {
   const TcqVbmi& v = s.tcq_vbmi;
   const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
   const int g1 = s.nseg > 1 ? 1 : 0;
   const uint8_t* r0 = s.seg_codes[0] + b * s.seg_s0[0] + h * s.seg_s1[0] + t * s.seg_s2[0];
   const uint8_t* r1 = s.seg_codes[g1] + b * s.seg_s0[g1] + h * s.seg_s1[g1] + t * s.seg_s2[g1];
   const int64_t st0 = s.seg_s2[0], st1 = s.seg_s2[g1];
-  const __mmask64 m0 = v.bytes0 >= 64 ? ~0ULL : (1ULL << v.bytes0) - 1, m1 = v.bytes1 >= 64 ? ~0ULL : (1ULL << v.bytes1) - 1;
+  const __mmask64 m0 = first_bytes(v.bytes0), m1 = first_bytes(v.bytes1);
+  const __mmask64 m0h = first_bytes(v.bytes0 - 64), m1h = first_bytes(v.bytes1 - 64);  // WIDE: the second halves
   __m512i pl[16];
   for (int q = 0; q < 16; ++q) pl[q] = _mm512_load_si512(v.planes[q / 4] + 64 * (q % 4));
   for (int i = 0; i < nt; ++i) {
-    const __m512i A = _mm512_maskz_loadu_epi8(m0, r0 + i * st0), B = _mm512_maskz_loadu_epi8(m1, r1 + i * st1);
+    const uint8_t* a0 = r0 + i * st0;
+    const uint8_t* a1 = r1 + i * st1;
+    const __m512i A = _mm512_maskz_loadu_epi8(m0, a0), B = _mm512_maskz_loadu_epi8(m1, a1);
+    __m512i A2 = _mm512_setzero_si512(), B2 = _mm512_setzero_si512();
+    if (WIDE) {
+      if (m0h) A2 = _mm512_maskz_loadu_epi8(m0h, a0 + 64);
+      if (m1h) B2 = _mm512_maskz_loadu_epi8(m1h, a1 + 64);
+    }
     float* row = tile + i * ld;
     for (int c = 0; c < v.nchunks; ++c) {
       __m512i x = _mm512_setzero_si512();
       for (int k = 0; k < v.taps; ++k) {
-        const __m512i w = _mm512_permutex2var_epi8(A, _mm512_load_si512(v.idx[c][k]), B);
+        const __m512i ix = _mm512_load_si512(v.idx[c][k]);
+        __m512i w;
+        if (WIDE) {  // index bit 7: segment 1's registers; bits 0-6: a byte of that segment's two
+          w = _mm512_mask_blend_epi8(_mm512_movepi8_mask(ix), _mm512_permutex2var_epi8(A, ix, A2),
+                                     _mm512_permutex2var_epi8(B, ix, B2));
+        } else {
+          w = _mm512_permutex2var_epi8(A, ix, B);
+        }
         x = _mm512_ternarylogic_epi64(x, _mm512_multishift_epi64_epi8(_mm512_load_si512(v.ctrl[c][k]), w),
                                       _mm512_load_si512(v.mask[c][k]), 0xF8);  // x | (w & mask)
       }
@@ -226,6 +246,15 @@ static void decode_tile_tcq_vbmi(const Src& s, int64_t b, int64_t h, int64_t t, 
       }
     }
     rs[i] = row_norm(s, sc + i * s.ss2) * s.row_mul;
+  }
+}
+
+static void decode_tile_tcq_vbmi(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
+                                 float* rs) {
+  if (s.tcq_vbmi.wide) {
+    decode_tile_tcq_vbmi_t<true>(s, b, h, t, nt, tile, ld, rs);
+  } else {
+    decode_tile_tcq_vbmi_t<false>(s, b, h, t, nt, tile, ld, rs);
   }
 }
 #endif

@@ -20,14 +20,14 @@ static constexpr int MAX_TCQ_TAPS = 16;  // FMT_TCQ: most codes one state is mad
 
 // FMT_TCQ with AVX-512 VBMI (TcqVbmi): each state built from the packed bytes by byte permutes and multishifts, each
 // value from the table's four byte planes by byte permutes; no gather. Rows of up to TCQ_VBMI_CHUNKS * 64 values,
-// state bits 8, at most TCQ_VBMI_TAPS taps, every segment whole bytes and at most 64 of them; others take the generic
-// path (tcq_row).
+// state bits 8, at most TCQ_VBMI_TAPS taps, every segment whole bytes and at most 128 of them (over 64: the "wide"
+// form, each segment in two registers and two permutes a tap; head_dim 256); others take the AVX2 or generic path.
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define WK_TCQ_VBMI 1
 #else
 #define WK_TCQ_VBMI 0
 #endif
-static constexpr int TCQ_VBMI_CHUNKS = 2;
+static constexpr int TCQ_VBMI_CHUNKS = 4;
 static constexpr int TCQ_VBMI_TAPS = 8;
 
 // The byte-level plan of one tcq layout (make_tcq_vbmi). Lane b of chunk c holds value 64c + 16((b/4)%4) + 4(b/16) +
@@ -37,7 +37,7 @@ static constexpr int TCQ_VBMI_TAPS = 8;
 // stream), ctrl the bit where each lane's 8-bit window starts in its qword (the code lands at its shift), mask the
 // code's bits there.
 struct TcqVbmi {
-  bool ok;
+  bool ok, wide;  // wide: a segment over 64 bytes; idx then picks from (segment 0's 128 bytes, segment 1's 128)
   int nchunks, taps, bytes0, bytes1;
   alignas(64) uint8_t idx[TCQ_VBMI_CHUNKS][TCQ_VBMI_TAPS][64];
   alignas(64) uint8_t ctrl[TCQ_VBMI_CHUNKS][TCQ_VBMI_TAPS][64];
@@ -144,16 +144,18 @@ static bool tcq_geom(const Src& s, TcqGeom& g) {
 static void make_tcq_vbmi(Src& s, const TcqGeom& g) {
   TcqVbmi& v = s.tcq_vbmi;
   v.ok = false;
-  if (!WK_TCQ_VBMI || s.L > 64 * TCQ_VBMI_CHUNKS || s.tcq_taps > TCQ_VBMI_TAPS || g.bytes0 > 64 || g.bytes1 > 64)
+  if (!WK_TCQ_VBMI || s.L > 64 * TCQ_VBMI_CHUNKS || s.tcq_taps > TCQ_VBMI_TAPS || g.bytes0 > 128 || g.bytes1 > 128)
     return;
   const int L = s.L;
   v.bytes0 = g.bytes0;
   v.bytes1 = g.bytes1;
+  v.wide = g.bytes0 > 64 || g.bytes1 > 64;
   v.nchunks = (L + 63) / 64;
   v.taps = s.tcq_taps;
-  auto src_byte = [&](int p) {  // padded stream byte -> index into (segment 0 register, segment 1 register)
+  const int seg1 = v.wide ? 128 : 64;  // where segment 1's bytes start in the permute's table
+  auto src_byte = [&](int p) {  // padded stream byte -> index into (segment 0's registers, segment 1's)
     const int b = g.stream_byte(p);
-    return (uint8_t)(b < v.bytes0 ? b : 64 + (b - v.bytes0));
+    return (uint8_t)(b < v.bytes0 ? b : seg1 + (b - v.bytes0));
   };
   std::memset(v.idx, 0, sizeof v.idx);
   std::memset(v.ctrl, 0, sizeof v.ctrl);

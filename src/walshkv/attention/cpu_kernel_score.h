@@ -26,36 +26,54 @@ static inline vf vexp_nonpos(vf x) {
   return x < lo ? vf{} : y;
 }
 
-// Scores of NB query heads (rows of q, stride LK) against nt decoded K rows: sc[c * TILE + i].
-template <int NB>
+// Scores of NB query heads (rows of q, stride LK) against nt decoded K rows: sc[c * TILE + i]. w: nullptr, or nt
+// rows (stride LK) added to the keys first, each key's row factor applied before the add (a block frame's mean at
+// each key's offset: key i is rsk[i] * row i + w row i), in registers (no second pass over the tile).
+template <int NB, bool ADD>
 static inline void score_block(const float* __restrict q, int64_t LK, int64_t nk, const float* __restrict ktile,
-                               int nt, const float* __restrict rsk, float* __restrict sc) {
+                               int nt, const float* __restrict rsk, const float* __restrict w, float* __restrict sc) {
   const vf* qv[NB];
   for (int c = 0; c < NB; ++c) qv[c] = (const vf*)(q + c * LK);
   for (int i = 0; i < nt; ++i) {
     const vf* kb = (const vf*)(ktile + i * LK);
+    const vf* wb = ADD ? (const vf*)(w + i * LK) : nullptr;
+    const vf r = splat(ADD ? rsk[i] : 1.0f);
     vf a[4] = {vf{}, vf{}, vf{}, vf{}};
     for (int64_t k = 0; k < nk; ++k) {
-      const vf x = kb[k];
+      const vf x = ADD ? kb[k] * r + wb[k] : kb[k];
       for (int c = 0; c < NB; ++c) a[c] += x * qv[c][k];
     }
     float s4[4];
     hsum4(a[0], a[1], a[2], a[3], s4);
-    for (int c = 0; c < NB; ++c) sc[c * TILE + i] = s4[c] * rsk[i];
+    for (int c = 0; c < NB; ++c) sc[c * TILE + i] = ADD ? s4[c] : s4[c] * rsk[i];
   }
 }
 
-static inline void score_tile(const float* __restrict krows, const float* __restrict q, int64_t G, int64_t LK,
-                              int64_t nk, int nt, const float* __restrict rsk, float* __restrict sc) {
+template <bool ADD>
+static inline void score_tile_t(const float* __restrict krows, const float* __restrict q, int64_t G, int64_t LK,
+                                int64_t nk, int nt, const float* __restrict rsk, const float* __restrict w,
+                                float* __restrict sc) {
   for (int64_t j0 = 0; j0 < G; j0 += JB) {
     const float* qj = q + j0 * LK;
     float* sj = sc + j0 * TILE;
     switch (std::min<int64_t>(JB, G - j0)) {
-      case 1: score_block<1>(qj, LK, nk, krows, nt, rsk, sj); break;
-      case 2: score_block<2>(qj, LK, nk, krows, nt, rsk, sj); break;
-      case 3: score_block<3>(qj, LK, nk, krows, nt, rsk, sj); break;
-      default: score_block<4>(qj, LK, nk, krows, nt, rsk, sj); break;
+      case 1: score_block<1, ADD>(qj, LK, nk, krows, nt, rsk, w, sj); break;
+      case 2: score_block<2, ADD>(qj, LK, nk, krows, nt, rsk, w, sj); break;
+      case 3: score_block<3, ADD>(qj, LK, nk, krows, nt, rsk, w, sj); break;
+      default: score_block<4, ADD>(qj, LK, nk, krows, nt, rsk, w, sj); break;
     }
+  }
+}
+
+// Scores of G query heads against nt decoded K rows (row factors rsk); w: nullptr, or rows added to the keys after
+// their row factor (score_block).
+static inline void score_tile(const float* __restrict krows, const float* __restrict q, int64_t G, int64_t LK,
+                              int64_t nk, int nt, const float* __restrict rsk, float* __restrict sc,
+                              const float* __restrict w = nullptr) {
+  if (w) {
+    score_tile_t<true>(krows, q, G, LK, nk, nt, rsk, w, sc);
+  } else {
+    score_tile_t<false>(krows, q, G, LK, nk, nt, rsk, w, sc);
   }
 }
 
