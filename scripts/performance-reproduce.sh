@@ -94,12 +94,15 @@ paste_block "docs/results/bench-fast$isa" "fast$isa"
 # model, against rot+int4, q4_0, the same tq codes stored after RoPE (no per-key map) and SDPA, at 16k and 64k, on
 # one thread (SDPA and the kernel alike: what a machine shared with other work disturbs least; THREADS_MODELS=2
 # for both cores). One block per model and instruction set (a few minutes each)
+# beside them, the 3.5-bit presets' trellis codes stored after RoPE (no frame, no per-key map: what bounds a block-frame
+# preset from below) and the same budget's scalar codes (tq:3.5/tq:3)
+tcq_after="tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2"
 for model in smollm2-135m qwen2.5-1.5b gemma3-270m; do
   # each model's fast presets (smollm2-135m's since stage select-fast, every model's since select-frame: issue 35)
   fast=(--codec walshkv:3-fast --codec walshkv:3.5-fast --codec walshkv:4.5-fast)
   walshkv bench attention --model "$model" --threads "${THREADS_MODELS:-1}" --kv-len "${KV_LEN_FAST:-16384,65536}" \
     --codec walshkv:3 --codec walshkv:3.5 --codec walshkv:4.5 ${fast[@]+"${fast[@]}"} --codec "tq:3.5/tq:3" \
-    --codec rot+int4 --codec q4_0 --quiet --no-plot --out "docs/results/bench-model-$model$isa"
+    --codec "$tcq_after" --codec rot+int4 --codec q4_0 --quiet --no-plot --out "docs/results/bench-model-$model$isa"
   paste_block "docs/results/bench-model-$model$isa" "model-$model$isa"
 done
 # on a CPU with AMX-BF16 the kernel maps eq+'s keys on tiles (walshkv.attention.cpu.amx_key_map): the same

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import re
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import walshkv.presets as presets_module
 from walshkv import CompressedCache
 from walshkv.codecs import parse_cache_spec
 from walshkv.codecs.builtin_presets import BUILTIN, is_fast_preset, preset_budget
@@ -172,7 +174,7 @@ def test_fast_presets_ship_with_files_whose_keys_the_kernel_maps_fast():
         assert block_frame_plan(bound.k, bound.v, 64, 0.125) is not None or prerope_key_map(bound.k, bound.v, 64, 3)
 
 
-def test_an_engine_gets_the_models_own_preset_or_a_refusal_never_the_builtin_spec():
+def test_an_engine_gets_the_models_own_preset_or_a_refusal_never_the_builtin_spec(monkeypatch):
     """resolve_engine_preset: the shipped spec for a known model; no model or an unknown one is refused by name."""
     p = resolve_engine_preset("walshkv:3.5", engine="test", model="smollm2-135m")
     assert p.spec == model_presets()["smollm2-135m"]["presets"]["walshkv:3.5"]["spec"]
@@ -181,6 +183,10 @@ def test_an_engine_gets_the_models_own_preset_or_a_refusal_never_the_builtin_spe
         resolve_engine_preset("walshkv:3.5", engine="test", how="NAME IT")
     with pytest.raises(ValueError, match=r"'mystery-7b' is not a model walshkv has measured"):
         resolve_engine_preset("walshkv:3.5", engine="test", model="mystery-7b")
+    # a known model without a measured entry for a preset (every shipped model has all eight today: one taken out)
+    table = copy.deepcopy(model_presets())
+    del table["qwen2.5-1.5b"]["presets"]["walshkv:4.5-fast"]
+    monkeypatch.setattr(presets_module, "model_presets", lambda: table)
     with pytest.raises(ValueError, match=r"walshkv has no measured walshkv:4\.5-fast for qwen2\.5-1\.5b"):
         resolve_engine_preset("walshkv:4.5-fast", engine="test", model="qwen2.5-1.5b")
     with pytest.raises(ValueError, match=r"walshkv:3, walshkv:3\.5"):  # an unknown preset name lists the valid ones

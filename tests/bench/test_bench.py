@@ -268,3 +268,31 @@ def test_attention_shapes_refuses_what_it_cannot_read_without_loading():
 
     with pytest.raises(ValueError, match="registry name"):
         attention_shapes("some/hub-id")
+
+
+def test_attention_targets_judge_the_presets_with_and_without_a_dense_key_map_apart():
+    """Issue 35's target line per group: the presets whose keys take eq+'s dense map before RoPE, the ones with no
+    per-key matrix (the block frame, eqd+), and rot+int4/q4_0; each group's worst row is named with its ratio."""
+    from walshkv.bench.report import targets
+
+    def row(method, spec, x):
+        return {
+            "kv_len": 16384,
+            "method": method,
+            "spec": spec,
+            "speedup_vs_best_sdpa": x,
+            "speedup_vs_sdpa_fp16": 4 * x,
+            "gb_per_s": 3.0,
+        }
+
+    rows = [
+        row("walshkv:3.5", "sink:1:prerope+center+eq+tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2", 0.5),
+        row("walshkv:3.5-fast", "sink:1:ropeblock:64+eqr:64+tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2", 3.1),
+        row("walshkv:3-fast", "sink:1:ropeblock:64+eqr:64+tcq:3:norm=8:tables=2/tcq:2.5:norm=8:tables=2", 2.7),
+        row("rot+int4", None, 4.0),
+    ]
+    lines = [t for t in targets({"meta": {"copy_bandwidth_gb_per_s": 10.0}, "attention": rows}) if "SDPA of" in t]
+    dense, fast, ints = lines
+    assert "with a dense per-key map" in dense and "worst walshkv:3.5 at 16,384: x0.50: missed" in dense
+    assert "with no dense per-key map" in fast and "worst walshkv:3-fast at 16,384: x2.70: met" in fast
+    assert "rot+int4 and q4_0" in ints and "x4.00: met" in ints and "30% of the copy bandwidth" in ints

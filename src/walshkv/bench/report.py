@@ -11,6 +11,7 @@ from tabulate import tabulate
 from walshkv.attention.chunked import KV_CHUNK
 from walshkv.eval.report import agg_figure
 from walshkv.fileio import save_figure_atomic
+from walshkv.presets import dense_key_map
 
 __all__ = [
     "bench_markdown",
@@ -272,17 +273,31 @@ def targets(result: dict[str, Any]) -> list[str]:
 _CALIBRATED = ("prerope+", "ropeblock:", "center+", "eq+", "eqr")
 
 
+def _dense_row(row: dict[str, Any]) -> bool:
+    """Whether an attention row's codec maps each cached key by a dense matrix at every step (``eq+`` before RoPE:
+    :func:`walshkv.presets.dense_key_map`); a name that is no spec counts as not."""
+    try:
+        return dense_key_map(row.get("spec") or row["method"])
+    except ValueError:
+        return False
+
+
 def _attention_targets(att: Sequence[dict[str, Any]], copy_gbs: float | None) -> list[str]:
-    """Issue 35's decode-attention targets at kv_len >= 16k: every preset (and calibrated) codec, and rot+int4 and
-    q4_0, at least 2.5x the fastest SDPA of the same round and 25% of the copy bandwidth in bytes read."""
+    """Issue 35's decode-attention targets at kv_len >= 16k: the presets (and calibrated codecs) whose keys take a
+    dense per-key map, those with none (the fast presets: the block frame, ``eqd+``'s Walsh-Hadamard map), and
+    rot+int4 and q4_0, each group at least 2.5x the fastest SDPA of the same round and 25% of the copy bandwidth in
+    bytes read."""
     out = []
     long = [r for r in att if r["kv_len"] >= 16384 and r.get("speedup_vs_best_sdpa") is not None]
     if not long:
         return out
+    calibrated = [r for r in long if r.get("spec") or any(w in r["method"] for w in _CALIBRATED)]
+    dense = [r for r in calibrated if _dense_row(r)]
     groups = (
+        ("the presets' codecs with a dense per-key map" if dense else "the presets' codecs", dense, 2.5),
         (
-            "the presets' codecs",
-            [r for r in long if r.get("spec") or any(w in r["method"] for w in _CALIBRATED)],
+            "the presets' codecs with no dense per-key map" if dense else "the presets' codecs",
+            [r for r in calibrated if r not in dense],
             2.5,
         ),
         ("rot+int4 and q4_0", [r for r in long if r["method"] in ("rot+int4", "q4_0")], 2.5),
