@@ -302,8 +302,9 @@ def test_shipped_files_reproduce_each_presets_kld_on_a_fixed_window(smollm2):
 @pytest.mark.slow
 def test_recalibrating_in_the_run_gives_the_same_calibration_and_klds(smollm2):
     """The statistics `walshkv eval` collected in the run before the files shipped (8,192 tokens of python-docs' first
-    half in windows of 512), collected again: the same K means, transforms and RoPE tables to float32 rounding on any
-    CPU; on the CPU kind the files were made on, with the same torch thread count, the same bits, hence the same KLDs.
+    half in windows of 512), collected again: the same K means and RoPE tables to float32 rounding on any CPU, the
+    transforms to 1e-3 of their norm; on the CPU kind the files were made on, with the same torch thread count, the
+    same bits, hence the same KLDs.
     (torch's results depend on both: at 1 thread instead of 2 the K means come out the same but the dense eq+ fits
     (float64 linear algebra) differ by 7e-9, which moves the dense presets' KLDs on 126 scored tokens by up to 5%.)"""
 
@@ -335,7 +336,12 @@ def _compare_with_the_run(smollm2) -> None:
                 ours = eqr_transform(pre, layer, length, q_length)
             else:
                 ours = pre.k_equalizer_diagonal(layer) if k_eq == "eqd" else pre.k_equalizer(layer)
-            torch.testing.assert_close(bias.k_equalizer(layer), ours, rtol=1e-3, atol=1e-4)
+            # across CPU kinds the fits (float64 linear algebra, then float32) agree as whole matrices, not entry by
+            # entry: an ill-conditioned direction moves a few small entries by ~1e-4 (smollm2's dense eq+ file, made
+            # on an Intel Xeon and refitted on an AMD EPYC: 1.05e-4 of the norm in layer 0)
+            theirs_eq = bias.k_equalizer(layer).float()
+            err = float((theirs_eq - ours.float()).norm() / ours.float().norm())
+            assert err < 1e-3, (file.name, layer, err)
             table, ours_rope = bias.rope_table(layer), pre.rope_table(layer)
             assert torch.equal(table.inv_freq, ours_rope.inv_freq) and table.scaling == ours_rope.scaling
             if same_machine:
