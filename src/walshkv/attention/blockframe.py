@@ -25,47 +25,42 @@ from walshkv.attention.peeling import peel_equalizer
 from walshkv.codecs.base import Codec, Packed, find_wrapper
 from walshkv.codecs.blockrope import RopeBlock
 from walshkv.codecs.equalize import Equalized
+from walshkv.ops.rope import rope_angles
 
 __all__ = ["BlockFramePlan", "block_frame_decode_cpu", "block_frame_plan"]
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class BlockFramePlan:
     """What a decode step over a ``ropeblock:G+`` K cache needs besides the query.
 
     Attributes:
         codec: the bound K codec.
         plan: the kernel's plan for the storing codec (``eqr+`` peeled off) and V's codec.
-        fold: ``A⁻¹`` ``[kv_heads, head_dim, head_dim]`` (``q @ fold`` is ``A⁻ᵀ q``), or ``None`` without ``eqr+``.
-        table: ``A R(j) mu`` ``[kv_heads, G, head_dim]``, the mean at each offset in the codes' space.
         q_to_buffer: ``[kv_heads, head_dim, L]``: a query turned back to its block's start, to K's kernel buffer
             (RoPE's scaling, ``A⁻ᵀ``, the softmax scale and the storing codec's rotations in one matrix).
-        table_buffer: ``table`` in K's kernel buffer ``[kv_heads, G, L]``.
-        angles: ``[cos, sin]`` rows of block starts ``0, G, 2G, ...`` (a list holding one ``[n, head_dim]``
-            tensor, grown as the cache grows; :meth:`block_angles`).
+        table_buffer: ``A R(j) mu`` (the mean at each offset in the codes' space) in K's kernel buffer
+            ``[kv_heads, G, L]``.
+        angles: ``[cos, sin]`` rows ``[n, head_dim]`` of block starts ``0, G, 2G, ...``, grown as the cache grows
+            (:meth:`block_angles`).
     """
 
     codec: RopeBlock
     plan: CpuPlan
-    fold: torch.Tensor | None
-    table: torch.Tensor
     q_to_buffer: torch.Tensor
     table_buffer: torch.Tensor
-    angles: list[torch.Tensor]
+    angles: torch.Tensor
 
     def block_angles(self, first: int, n: int) -> torch.Tensor:
         """``[cos, sin]`` ``[n, head_dim]`` (each half ``head_dim / 2`` wide, one column per rotary pair) of the
-        starts of blocks ``first .. first + n - 1``: the model's float32 angles, as :func:`walshkv.ops.rope.turn`
-        computes them."""
-        cs = self.angles[0]
-        if first + n > cs.shape[0]:
+        starts of blocks ``first .. first + n - 1``: the model's float32 angles (:func:`walshkv.ops.rope.rope_angles`,
+        what :func:`walshkv.ops.rope.turn` rotates by)."""
+        if first + n > self.angles.shape[0]:
             rope, _ = self.codec.bound()
             have = max(64, 2 * (first + n))
-            positions = self.codec.block * torch.arange(have, dtype=torch.float32)
-            freqs = positions[:, None] * rope.inv_freq.to(torch.float32)[None, :]
-            cs = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-            self.angles[0] = cs
-        return cs[first : first + n]
+            freqs = rope_angles(rope, self.codec.block * torch.arange(have))
+            self.angles = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        return self.angles[first : first + n]
 
 
 _TABLES: dict[int, tuple[RopeBlock, CpuPlan, BlockFramePlan]] = {}
@@ -95,18 +90,10 @@ def block_frame_plan(k_codec: Codec, v_codec: Codec, head_dim: int, scale: float
         table = torch.matmul(means, eq.matrix.transpose(-1, -2))
     kv = table.shape[0]
     to_buffer = plan.q_map if plan.q_map is not None else torch.eye(head_dim) * plan.scale
-    fold_h = fold if fold is not None else torch.eye(head_dim).expand(kv, head_dim, head_dim)
-    q_to_buffer = (rope.scaling * torch.matmul(fold_h, to_buffer)).contiguous()
+    mapped = to_buffer.expand(kv, -1, -1) if fold is None else torch.matmul(fold, to_buffer)  # A⁻ᵀ first
+    q_to_buffer = (rope.scaling * mapped).contiguous()
     table_buffer = table if plan.q_map is None else torch.matmul(table, plan.q_map / plan.scale)
-    bp = BlockFramePlan(
-        k_codec,
-        plan,
-        None if fold is None else fold.contiguous(),
-        table.contiguous(),
-        q_to_buffer,
-        table_buffer.contiguous(),
-        [torch.empty(0, head_dim)],
-    )
+    bp = BlockFramePlan(k_codec, plan, q_to_buffer, table_buffer.contiguous(), torch.empty(0, head_dim))
     _TABLES[id(k_codec)] = (k_codec, plan, bp)
     return bp
 

@@ -36,8 +36,7 @@ class RopeTable:
 
     def cos_sin(self, start: int, length: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[length, head_dim]`` (float32) for positions ``start .. start + length - 1``."""
-        pos = torch.arange(start, start + length, device=device, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq.to(device=device, dtype=torch.float32)[None, :]
+        freqs = rope_angles(self, torch.arange(start, start + length, device=device, dtype=torch.float32))
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
@@ -116,6 +115,13 @@ def undo_rope(x: torch.Tensor, table: RopeTable, start: int = 0, rows: RopeRows 
     return out if scale == 1.0 else out / scale  # dividing by 1 is exact
 
 
+def rope_angles(table: RopeTable, positions: torch.Tensor) -> torch.Tensor:
+    """The model's rotary angles ``[n, head_dim / 2]`` (float32 ``position * inv_freq``, one column per rotary pair)
+    at ``positions`` ``[n]``, on their device: what :func:`turn` rotates by."""
+    inv = table.inv_freq.to(device=positions.device, dtype=torch.float32)
+    return positions.to(torch.float32)[:, None] * inv[None, :]
+
+
 def turn(x: torch.Tensor, table: RopeTable, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
     """``x`` ``[..., n, head_dim]`` turned by RoPE's rotation (unscaled) to ``positions`` ``[n]``, or back (float32).
 
@@ -127,8 +133,7 @@ def turn(x: torch.Tensor, table: RopeTable, positions: torch.Tensor, *, inverse:
             f"RoPE table for head_dim {table.head_dim} cannot turn a tensor of shape {tuple(x.shape)} to "
             f"{tuple(positions.shape)} positions; expected [..., n, head_dim] and n positions"
         )
-    inv = table.inv_freq.to(device=x.device, dtype=torch.float32)
-    freqs = positions.to(device=x.device, dtype=torch.float32)[:, None] * inv[None, :]
+    freqs = rope_angles(table, positions.to(x.device))
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     xf = x if x.dtype == torch.float32 else x.to(torch.float32)
