@@ -40,6 +40,7 @@ from walshkv.integrations.lmcache import (
     load_calibration,
     register,
 )
+from walshkv.presets import model_presets as _model_presets
 
 HERE = Path(__file__).resolve().parent
 STRICT = bool(os.environ.get("CI"))
@@ -131,13 +132,12 @@ def test_a_preset_without_its_model_is_refused_not_replaced_by_the_builtin_spec(
         ChunkCodec(SerdeOptions(spec="walshkv:3.5", head_dim=64, model="llama-7b"))
 
 
-@pytest.mark.parametrize("preset", ["walshkv:3", "walshkv:3.5", "walshkv:4.5"])
+@pytest.mark.parametrize("preset", sorted(_model_presets()["smollm2-135m"]["presets"]))
 def test_the_models_own_preset_is_resolved_and_a_part_it_cannot_hold_is_named(preset):
-    """smollm2-135m's shipped presets keep a sink token and/or store K before RoPE: refused, naming the preset, its
-    source and the part (today's presets; a position-free preset would round-trip as the model's own spec)."""
-    from walshkv.presets import model_presets
-
-    spec = model_presets()["smollm2-135m"]["presets"][preset]["spec"]
+    """Every shipped preset of smollm2-135m keeps a sink token and turns K by position (prerope+, ropeblock:64+),
+    which LMCache 0.5.6's serde cannot hold (it is given no chunk position): refused, naming the preset, its source
+    and the part (docs/serving.md, LMCache "Limits"; a position-free preset would round-trip as the model's own)."""
+    spec = _model_presets()["smollm2-135m"]["presets"][preset]["spec"]
     with pytest.raises(ValueError) as err:
         ChunkCodec(SerdeOptions(spec=preset, head_dim=64, model="smollm2-135m"))
     msg = str(err.value)

@@ -6,7 +6,14 @@ import pytest
 from transformers import LlamaConfig
 from walshkv.presets import model_presets
 
-from walshkv_vllm.specs import CALIBRATION_ENV, MODEL_ENV, SPEC_ENV, check_served_model, resolve_spec
+from walshkv_vllm.specs import (
+    CALIBRATION_ENV,
+    MODEL_ENV,
+    SPEC_ENV,
+    calibration_path,
+    check_served_model,
+    resolve_spec,
+)
 
 
 def test_a_preset_without_a_model_is_refused() -> None:
@@ -16,14 +23,27 @@ def test_a_preset_without_a_model_is_refused() -> None:
         resolve_spec("walshkv:3.5", {MODEL_ENV: "llama-7b"})
 
 
-@pytest.mark.parametrize("preset", ["walshkv:3", "walshkv:3.5", "walshkv:4.5", "walshkv:3.5-fast"])
-def test_the_models_own_preset_is_resolved_and_the_part_pages_cannot_hold_is_named(preset: str) -> None:
-    spec = model_presets()["smollm2-135m"]["presets"][preset]["spec"]
+@pytest.mark.parametrize("preset", sorted(model_presets()["smollm2-135m"]["presets"]))
+def test_every_smollm2_preset_is_its_own_spec_with_its_shipped_file(preset: str) -> None:
+    """The pages hold every preset of smollm2-135m as shipped (sink, K frame, equalizer and trellis codes), and the
+    calibration read is the file the package ships for it."""
+    from walshkv.shipped import shipped_file
+
+    env = {SPEC_ENV: preset, MODEL_ENV: "smollm2-135m"}
+    spec = resolve_spec("walshkv_spec", env)
+    assert spec.spec == model_presets()["smollm2-135m"]["presets"][preset]["spec"]
+    assert calibration_path("walshkv_spec", env) == str(shipped_file("smollm2-135m", preset).path)
+    assert calibration_path("walshkv_spec", env | {CALIBRATION_ENV: "/x/own.gguf"}) == "/x/own.gguf"
+
+
+def test_a_preset_the_pages_cannot_hold_is_refused_by_its_part() -> None:
+    """qwen2.5-1.5b's walshkv:3.5 gives some layers other widths (layers:): pages of one size cannot hold it."""
+    spec = model_presets()["qwen2.5-1.5b"]["presets"]["walshkv:3.5"]["spec"]
     with pytest.raises(ValueError) as err:
-        resolve_spec("walshkv_spec", {SPEC_ENV: preset, MODEL_ENV: "smollm2-135m"})
+        resolve_spec("walshkv_spec", {SPEC_ENV: "walshkv:3.5", MODEL_ENV: "qwen2.5-1.5b"})
     msg = str(err.value)
-    assert f"{preset} (shipped:smollm2-135m) is {spec!r}, which vLLM pages cannot hold" in msg
-    assert "sink:N:" in msg or "layers:" in msg or "prerope+" in msg
+    assert f"walshkv:3.5 (shipped:qwen2.5-1.5b) is {spec!r}, which vLLM pages cannot hold" in msg
+    assert "layers:" in msg
 
 
 def test_a_preset_file_chooses_its_spec(tmp_path) -> None:

@@ -13,7 +13,9 @@ for each cache (``exact`` and ``quantized``: walshkv's ``CompressedCache`` with 
 a greedy continuation of ``new_tokens`` tokens, one forward per token, with each chosen token's logprob and its
 margin over the runner-up (nats). float32 throughout, as vLLM runs the model in the test. ``slots_out``: where
 to save (``torch.save``) what the ``exact`` cache stores for the prompt, as the plugin's page slots
-(``uint8 [layers, tokens, kv_heads, slot_bytes]``, :class:`walshkv_vllm.layout.SlotLayout`).
+(``uint8 [layers, tokens, kv_heads, slot_bytes]``, :class:`walshkv_vllm.layout.SlotLayout`; with ``sink:N:`` the
+packed positions ``N ..`` only). A preset name as ``spec`` (``walshkv:3.5-fast``) is the model's own preset with the
+calibration the package ships (``CompressedCache.from_preset``). ``runs`` (optional): which of the three to run.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def _run(model: Any, ids: Any, cache: Any, new_tokens: int, after_prompt: Any = 
 
 
 def _slots(cache: Any, tokens: int, head_dim: int) -> Any:
-    """What each layer of ``cache`` holds for the first ``tokens`` positions, as page slots ``[L, T, H, S]``."""
+    """What each layer of ``cache`` holds for the first ``tokens`` positions, as page slots ``[L, T, H, S]`` (the
+    packed positions: ``T - N`` of them after ``sink:N:``'s fp16 rows)."""
     import torch
 
     from walshkv_vllm.layout import SlotLayout
@@ -72,7 +75,7 @@ def _slots(cache: Any, tokens: int, head_dim: int) -> Any:
     for layer in cache.layers:
         pk, pv = layer.packed_k, layer.packed_v
         layout = SlotLayout.of(layer.spec.k, layer.spec.v, head_dim, pk.num_heads)
-        rows.append(layout.to_bytes(pk, pv)[0, :, :tokens].transpose(0, 1).contiguous())
+        rows.append(layout.to_bytes(pk, pv)[0, :, : tokens - layer.sink].transpose(0, 1).contiguous())
     return torch.stack(rows)
 
 
@@ -81,6 +84,7 @@ def main(request: dict[str, Any]) -> dict[str, Any]:
     from transformers import DynamicCache
     from walshkv.cache import CompressedCache
     from walshkv.models import float_copy, load_model
+    from walshkv.presets import is_preset
 
     torch.set_num_threads(1)
     with warnings.catch_warnings():
@@ -94,11 +98,19 @@ def main(request: dict[str, Any]) -> dict[str, Any]:
         if request.get("slots_out"):
             torch.save(_slots(cache, ids.shape[1], lm.shape.head_dim), request["slots_out"])
 
-    runs = {
-        "exact": _run(lm.model, ids, CompressedCache(spec, config=config, prefill="exact"), n, save_slots),
-        "quantized": _run(lm.model, ids, CompressedCache(spec, config=config, prefill="quantized"), n),
-        "uncompressed": _run(lm.model, ids, DynamicCache(config=config), n),
-    }
+    def cache(prefill: str) -> Any:
+        if is_preset(spec):
+            return CompressedCache.from_preset(lm.model, spec, prefill=prefill)
+        return CompressedCache(spec, config=config, prefill=prefill)
+
+    wanted = request.get("runs", ["exact", "quantized", "uncompressed"])
+    runs = {}
+    if "exact" in wanted:
+        runs["exact"] = _run(lm.model, ids, cache("exact"), n, save_slots)
+    if "quantized" in wanted:
+        runs["quantized"] = _run(lm.model, ids, cache("quantized"), n)
+    if "uncompressed" in wanted:
+        runs["uncompressed"] = _run(lm.model, ids, DynamicCache(config=config), n)
     return {"model_dir": str(folder), "token_ids": ids[0].tolist(), "runs": runs}
 
 

@@ -2,10 +2,12 @@
 
 A page slot has a fixed size, so only codecs that store every (token, kv head) vector on its own, in the same
 number of bytes, fit: the plain storing codecs (``fp16``, ``intB``, ggml ``q4_0``/``q8_0``/..., ``tq:B``,
-``tqprod:B``, ``vht2``, ``vzc``, ``sqfree``) under ``rot+``/``rrot+`` and ``center+`` (K only, with a calibration
-file). Refused: ``kivi`` (K quantized per channel over groups of tokens), ``prerope+`` (re-rotated by position,
-which vLLM's cache update does not pass), ``eq+`` (not wired yet), ``sink:N:`` and ``layers:`` specs (the pages of
-one vLLM KV cache group must all have one size), and the ``hf-*`` peers.
+``tqprod:B``, ``tcq:B``, ``vht2``, ``vzc``, ``sqfree``) under ``rot+``/``rrot+``, ``center+`` and ``eq+``/``eqd+``/
+``eqr+`` (calibrated, K only for the last), and K's frames ``ropeblock:G+`` and ``prerope+``, which turn each key by
+its position: the backend passes the positions vLLM's metadata gives (CPU pages only). ``sink:N:`` keeps the first
+``N`` tokens of each sequence in fp16 beside the pages (:class:`walshkv_vllm.paged.SinkRows`; CPU pages only,
+``N`` at most a page's block size). Refused: ``kivi`` (K quantized per channel over groups of tokens), ``layers:``
+specs (the pages of one vLLM KV cache group must all have one size), and the ``hf-*`` peers.
 
 A preset name (``WALSHKV_VLLM_SPEC=walshkv:3.5``) stands for the served model's own preset: ``$WALSHKV_VLLM_MODEL``
 names the model (``walshkv models list``; checked against the engine's config when the backend starts), or
@@ -22,8 +24,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from walshkv.codecs import CacheSpec, Codec, FloatCodec, GGMLCodec, IntCodec, Rotated, parse_cache_spec, wrappers
+from walshkv.codecs.blockrope import RopeBlock
 from walshkv.codecs.center import Centered
+from walshkv.codecs.equalize import Equalized
+from walshkv.codecs.prerope import PreRope
 from walshkv.codecs.spec import LayeredCacheSpec
+from walshkv.codecs.trellis import TrellisQuant
 from walshkv.codecs.turbo import TurboQuant, TurboQuantProd
 from walshkv.codecs.vht2 import SqfreeCodec, VHT2Codec, VZCCodec
 from walshkv.presets import Preset, is_preset, known_model, model_presets, resolve_engine_preset
@@ -40,6 +46,7 @@ __all__ = [
     "PREFILL_MODES",
     "SPEC_ENV",
     "PluginSettings",
+    "calibration_path",
     "check_fixed_size",
     "check_served_model",
     "resolve_spec",
@@ -71,12 +78,18 @@ MODEL_ENV = "WALSHKV_VLLM_MODEL"
 #: what walshkv's CompressedCache and its KL-divergence numbers do).
 PREFILL_MODES = ("exact", "quantized")
 
-_STORING = (FloatCodec, IntCodec, GGMLCodec, TurboQuant, TurboQuantProd, VHT2Codec, VZCCodec, SqfreeCodec)
-_WRAPPING = (Rotated, Centered)
-_WHY_NOT = {
-    "prerope": "it turns K by its position (prerope+, ropeblock:G+), which vLLM's cache update does not pass",
-    "eq": "its per-head matrices are not wired into the plugin yet",
-}
+_STORING = (
+    FloatCodec,
+    IntCodec,
+    GGMLCodec,
+    TurboQuant,
+    TurboQuantProd,
+    TrellisQuant,
+    VHT2Codec,
+    VZCCodec,
+    SqfreeCodec,
+)
+_WRAPPING = (Rotated, Centered, Equalized, RopeBlock, PreRope)
 
 
 def check_fixed_size(codec: Codec, what: str = "codec") -> None:
@@ -85,12 +98,15 @@ def check_fixed_size(codec: Codec, what: str = "codec") -> None:
     Raises:
         ValueError: naming the codec, what the slots need and the codecs that fit.
     """
-    fits = "fp16, intB, q4_0, q8_0 (and the other ggml types), tq:B, tqprod:B, vht2, vzc, sqfree, under rot+/center+"
+    fits = (
+        "fp16, intB, q4_0, q8_0 (and the other ggml types), tq:B, tqprod:B, tcq:B, vht2, vzc, sqfree, under "
+        "rot+/center+/eq+ (ropeblock:G+ or prerope+ outermost on K)"
+    )
     for w in wrappers(codec):
         if not isinstance(w, _WRAPPING):
-            why = _WHY_NOT.get(w.name, "it is not wired into the plugin")
             raise ValueError(
-                f"{what} {codec.spec!r}: the vLLM plugin cannot store {w.prefix}+ ({why}); use one of: {fits}"
+                f"{what} {codec.spec!r}: the vLLM plugin cannot store {w.prefix}+ (it is not wired into the plugin); "
+                f"use one of: {fits}"
             )
     core = wrappers(codec)[-1].inner if wrappers(codec) else codec
     if not isinstance(core, _STORING):
@@ -194,8 +210,6 @@ def _checked(text: str) -> CacheSpec:
             f"{text!r}: the vLLM plugin takes one K codec and one V codec for every layer (KSPEC/VSPEC); "
             "layers: specs and hf-* peers give pages of other sizes per layer or are not walshkv codecs"
         )
-    if spec.sink:
-        raise ValueError(f"{text!r}: sink:N: tokens are not supported in vLLM pages; drop the sink: prefix")
     check_fixed_size(spec.k, "K codec")
     check_fixed_size(spec.v, "V codec")
     return spec
@@ -224,10 +238,35 @@ class PluginSettings:
             raise ValueError(f"${PREFILL_ENV}={prefill!r}; choose one of {', '.join(PREFILL_MODES)}")
         return cls(prefill, env.get(DECODE_BACKEND_ENV, "auto"), env.get(CALIBRATION_ENV, ""))
 
-    def load_calibration(self, model_arch: str | None = None) -> CalibrationLike | None:
-        """The K-mean file named by ``$WALSHKV_VLLM_CALIBRATION`` (``None`` when unset)."""
-        if not self.calibration:
+    def load_calibration(self, model_arch: str | None = None, path: str | None = None) -> CalibrationLike | None:
+        """The calibration file ``path`` (default: ``$WALSHKV_VLLM_CALIBRATION``; ``None`` when neither is set)."""
+        path = self.calibration if path is None else path
+        if not path:
             return None
-        from walshkv.export import read_kv_mean_center  # needs gguf; only center+ specs read a file
+        from walshkv.export import read_kv_mean_center  # needs gguf; only calibrated specs read a file
 
-        return read_kv_mean_center(self.calibration, model_arch)
+        return read_kv_mean_center(path, model_arch)
+
+
+def calibration_path(name: str, env: Mapping[str, str] | None = None) -> str:
+    """The calibration file the backend reads for ``--kv-cache-dtype name``: ``$WALSHKV_VLLM_CALIBRATION`` if set,
+    else, for a preset of a known model (``$WALSHKV_VLLM_MODEL``), the file walshkv ships for that preset (checked
+    against its checksum), else ``""``.
+
+    Raises:
+        walshkv.shipped.ShippedCalibrationError: the shipped file is missing or damaged.
+    """
+    env = os.environ if env is None else env
+    if env.get(CALIBRATION_ENV):
+        return env[CALIBRATION_ENV]
+    text = (KV_CACHE_DTYPES[name] or env.get(SPEC_ENV, "")) if name in KV_CACHE_DTYPES else name
+    model = env.get(MODEL_ENV)
+    if not model or not is_preset(text):
+        return ""
+    from walshkv.shipped import check_file, shipped_file  # the package's files, checked before they are read
+
+    file = shipped_file(model, text)
+    if file is None:
+        return ""
+    check_file(file)
+    return str(file.path)

@@ -7,7 +7,9 @@ Thin glue: vLLM's metadata and cache tensors in, :mod:`walshkv_vllm.paged` does 
   layout is ``LBNHC`` (a layer's view ``[num_blocks, num_kv_heads, block_size, slot_bytes]`` whose
   ``transpose(1, 2)`` is the contiguous ``[num_blocks, block_size, num_kv_heads, slot_bytes]`` page tensor).
 - :meth:`WalshKVAttentionImpl.do_kv_cache_update` encodes the step's K/V into their slots (vLLM calls it before
-  ``forward``, ``forward_includes_kv_cache_update = False``).
+  ``forward``, ``forward_includes_kv_cache_update = False``); a K codec that turns keys by position (``ropeblock:G+``,
+  ``prerope+``) and ``sink:N:`` rows read each row's position from the builder's :class:`walshkv_vllm.paged.Places`
+  (``seq_lens[r] - q_len + i``, from the same metadata the attention reads).
 - :meth:`WalshKVAttentionImpl.forward`: decode requests (one query token; vLLM orders them first) read their pages
   through the block table; prefill requests attend exactly to their own K/V (``WALSHKV_VLLM_PREFILL=exact``, the
   default, vLLM's convention) or to them as stored (``quantized``).
@@ -19,6 +21,7 @@ attention eagerly between captured pieces).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass, replace
@@ -27,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -40,9 +44,16 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from walshkv.codecs import CacheSpec, Codec
 
 from walshkv_vllm.layout import SlotLayout
-from walshkv_vllm.paged import decode_paged, prefill_paged, write_slots
+from walshkv_vllm.paged import Places, SinkRows, decode_paged, is_positional, prefill_paged, write_slots
 from walshkv_vllm.registration import BACKEND_PATH
-from walshkv_vllm.specs import KV_CACHE_DTYPES, MODEL_ENV, PluginSettings, check_served_model, resolve_spec
+from walshkv_vllm.specs import (
+    KV_CACHE_DTYPES,
+    MODEL_ENV,
+    PluginSettings,
+    calibration_path,
+    check_served_model,
+    resolve_spec,
+)
 
 __all__ = ["BACKEND_PATH", "WalshKVAttentionBackend", "WalshKVAttentionImpl", "WalshKVMetadata"]
 
@@ -120,6 +131,7 @@ class WalshKVMetadata(AttentionMetadata):
     num_actual_tokens: int
     num_decodes: int
     num_decode_tokens: int
+    places: Places | None = None
 
 
 class WalshKVMetadataBuilder(AttentionMetadataBuilder[WalshKVMetadata]):
@@ -140,6 +152,11 @@ class WalshKVMetadataBuilder(AttentionMetadataBuilder[WalshKVMetadata]):
         seq_lens_cpu = cam.seq_lens_cpu_upper_bound
         if seq_lens_cpu is None:
             seq_lens_cpu = cam.seq_lens.cpu()
+        places = None
+        if _needs_places():  # precise on the CPU: seq_lens_cpu_upper_bound is exact outside async speculative decoding
+            places = Places.of(
+                cam.query_start_loc_cpu, seq_lens_cpu, cam.block_table_tensor, num_rows=cam.slot_mapping.shape[0]
+            )
         return WalshKVMetadata(
             seq_lens=cam.seq_lens,
             slot_mapping=cam.slot_mapping,
@@ -150,7 +167,21 @@ class WalshKVMetadataBuilder(AttentionMetadataBuilder[WalshKVMetadata]):
             num_actual_tokens=cam.num_actual_tokens,
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
+            places=places,
         )
+
+
+def _needs_places() -> bool:
+    """True if this process's walshkv spec turns K by position or keeps sink rows (the write needs positions)."""
+    return _spec_needs_places(_cache_dtype())
+
+
+@functools.cache
+def _spec_needs_places(name: str) -> bool:
+    if name not in KV_CACHE_DTYPES:
+        return False
+    cache = resolve_spec(name)
+    return bool(cache.sink) or is_positional(cache.k)
 
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -201,12 +232,16 @@ class WalshKVAttentionImpl(AttentionImpl[WalshKVMetadata]):
         if named and getattr(model_config, "hf_config", None) is not None:
             check_served_model(named, model_config.hf_config)  # a preset chosen for another model is refused
         arch = getattr(getattr(model_config, "hf_config", None), "model_type", None)
-        self._calibration = self.settings.load_calibration(arch) if needs or self.settings.calibration else None
+        path = calibration_path(kv_cache_dtype)
+        self._calibration = self.settings.load_calibration(arch, path) if needs or path else None
         if needs and self._calibration is None:
             raise ValueError(
-                f"{self.cache.spec} needs a K mean: set WALSHKV_VLLM_CALIBRATION to a `walshkv calibrate` file"
+                f"{self.cache.spec} is calibrated: set WALSHKV_VLLM_CALIBRATION to a `walshkv calibrate` file (or, "
+                f"for a preset, {MODEL_ENV} to a model walshkv ships its calibration for)"
             )
         self._bound: dict[str, tuple[Codec, Codec]] = {}
+        self._sinks: dict[str, SinkRows] = {}
+        self._places = bool(self.cache.sink) or is_positional(self.cache.k)
         logger.info_once(
             "walshkv attention backend: %s = %s, %d bytes a (token, kv head) slot (%.2f bits/element), prefill %s, "
             "decode backend %s",
@@ -231,6 +266,16 @@ class WalshKVAttentionImpl(AttentionImpl[WalshKVMetadata]):
             self._bound[name] = codecs
         return codecs
 
+    def _sink_rows(self, layer: Any) -> SinkRows | None:
+        """The layer's ``sink:N:`` rows (``None`` for a spec without them)."""
+        if not self.cache.sink:
+            return None
+        name = str(getattr(layer, "layer_name", ""))
+        rows = self._sinks.get(name)
+        if rows is None:
+            rows = self._sinks[name] = SinkRows(self.cache.sink)
+        return rows
+
     @staticmethod
     def _pages(kv_cache: torch.Tensor) -> torch.Tensor:
         """vLLM's layer view ``[blocks, heads, block_size, slot_bytes]`` as ``[blocks, block_size, heads, slot]``."""
@@ -250,7 +295,26 @@ class WalshKVAttentionImpl(AttentionImpl[WalshKVMetadata]):
         k_codec, v_codec = self._codecs(layer)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
-        write_slots(self._pages(kv_cache), self.layout, k_codec, v_codec, k, v, slot_mapping)
+        places = None
+        if self._places:
+            metadata = get_attention_context(str(getattr(layer, "layer_name", "")))[0]
+            places = getattr(metadata, "places", None)
+            if places is None:
+                raise ValueError(
+                    f"{self.cache.spec}: the step's metadata carries no token positions (built by another backend's "
+                    "builder?); this spec turns K by position or keeps sink rows, which the write needs"
+                )
+        write_slots(
+            self._pages(kv_cache),
+            self.layout,
+            k_codec,
+            v_codec,
+            k,
+            v,
+            slot_mapping,
+            places=places,
+            sinks=self._sink_rows(layer),
+        )
 
     def forward(
         self,
@@ -294,6 +358,7 @@ class WalshKVAttentionImpl(AttentionImpl[WalshKVMetadata]):
                 attn_metadata.seq_lens[:nd] if q.is_cuda else seq_lens[:nd],
                 self.scale,
                 backend=self.settings.decode_backend,
+                sinks=self._sink_rows(layer),
             )
         if ndt < n:
             k = key[ndt:n].view(n - ndt, self.num_kv_heads, self.head_size)
@@ -311,6 +376,7 @@ class WalshKVAttentionImpl(AttentionImpl[WalshKVMetadata]):
                 seq_lens[nd:],
                 self.scale,
                 mode=self.settings.prefill,
+                sinks=self._sink_rows(layer),
             )
         output[:n].copy_(out.reshape(output[:n].shape))
         return output
