@@ -321,9 +321,19 @@ PY
       done
     done
     ;;
+  holdout-4k-fast)
+    # issue 35's quality target at 4k: each block-frame preset next to its plain preset on the same windows of the
+    # frozen holdout (Persuasion, 4,096 tokens; FAST_4K_MODELS, default smollm2-135m: about 30 minutes on 2 cores;
+    # FAST_4K_WINDOWS, default 8). Reported, paired per window; these rows choose nothing
+    for model in ${FAST_4K_MODELS:-smollm2-135m}; do
+      walshkv sweep --model "$model" --text "$PERSUASION" --grid docs/grids/long-context-fast-pairs.json --ctx 4096 \
+        --windows "${FAST_4K_WINDOWS:-8}" --calib-text python-docs --decode-chunk 64 --chunk 16 --reuse-rows --quiet \
+        --out "$OUT/holdout-4k-fast/$model/austen_persuasion"
+    done
+    ;;
   report)
     python scripts/long_context_report.py --results "$OUT" --out docs/long-context.md
     ;;
-  *) echo "unknown stage $stage (kld select select-gemma needle holdout holdout-4k select-check frame frame-blockrope frame-blockrope-speed select-fast fast report)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (kld select select-gemma needle holdout holdout-4k holdout-4k-fast select-check frame frame-blockrope frame-blockrope-speed select-fast fast report)" >&2; exit 2 ;;
   esac
 done

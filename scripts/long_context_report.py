@@ -437,6 +437,52 @@ def fast_section(results: Path, summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def fast_4k_section(results: Path, summary: dict[str, Any]) -> list[str]:
+    """Stage holdout-4k-fast: each block-frame preset against its plain preset on the same 4k holdout windows."""
+    root = results / "holdout-4k-fast"
+    if not root.is_dir():
+        return []
+    lines = ["### The fast presets on the holdout at 4,096 tokens (stage `holdout-4k-fast`)", ""]
+    for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        model = model_dir.name
+        pers = {_label(r, _name_of(model)): r for r in _rows(model_dir / "austen_persuasion")}
+        if not pers:
+            continue
+        commits, cpus = _provenance(list(pers.values()))
+        meta = next(iter(pers.values()))["_meta"]
+        lines += [
+            f"**{model}**: {meta['windows']} windows of {meta['ctx']} tokens of Persuasion, second half scored; both "
+            f"presets of a budget on the same windows in one run; code {', '.join(sorted(commits))}; CPU "
+            f"{', '.join(sorted(cpus))}. Issue 35's quality target: the fast preset within the interval of the plain "
+            "one, or better (`fast - plain`, paired per window: `tie` when the interval holds zero). These rows "
+            "choose nothing.",
+            "",
+            "| budget | plain `walshkv:B` KLD [95%] | fast `walshkv:B-fast` KLD [95%] | fast - plain [95%] | "
+            "fast / plain | verdict |",
+            "|---|---|---|---|---|---|",
+        ]
+        verdicts = {}
+        for fast in sorted((n for n in pers if n.endswith("-fast")), key=lambda n: float(n.split(":")[1][:-5])):
+            plain = fast.removesuffix("-fast")
+            if plain not in pers:
+                continue
+            judged = _judge(pers[fast], pers[plain])
+            if judged is None:
+                continue
+            mean, lo, hi, verdict = judged
+            word = {"met": "fast better", "missed": "fast trails", "undecided": "tie"}[verdict]
+            ratio = pers[fast]["kld_mean"] / pers[plain]["kld_mean"]
+            lines.append(
+                f"| {plain.split(':')[1]} | {_fmt(pers[plain]['kld_mean'])}{_ci(pers[plain], 'kld_mean_ci95')} | "
+                f"{_fmt(pers[fast]['kld_mean'])}{_ci(pers[fast], 'kld_mean_ci95')} | "
+                f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] | {ratio:.2f} | {word} |"
+            )
+            verdicts[fast] = {"diff": mean, "ci95": [lo, hi], "ratio": ratio, "verdict": word}
+        summary.setdefault("fast_4k", {})[model] = verdicts
+        lines.append("")
+    return lines
+
+
 def _frames(spec: str) -> tuple[str, str]:
     """(where a K spec's codes are, where its mean is taken) for the frame probe's specs."""
     k = spec.split(":", 2)[-1] if spec.startswith("sink:") else spec
@@ -829,6 +875,7 @@ def main() -> int:
     lines += frame_blockrope_section(results, summary)
     lines += frame_select_section(results, summary)
     lines += fast_section(results, summary)
+    lines += fast_4k_section(results, summary)
     lines += needle_section(results, summary)
     lines += holdout_section(results, summary)
     lines += holdout_4k_section(results, summary)
