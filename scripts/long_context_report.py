@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from walshkv.eval.metrics import paired_difference
-from walshkv.presets import model_presets
+from walshkv.presets import model_presets, public_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE_DIR = ROOT / "docs"  # links in the page are relative to its folder (set by main)
@@ -108,9 +108,16 @@ def _rows(folder: Path) -> list[dict[str, Any]]:
 
 
 def _name_of(model: str) -> dict[str, str]:
-    """``{spec: preset name}`` of the model's shipped presets."""
+    """``{spec: preset name}`` of the model's shipped presets, each by the name users give it (``walshkv:B-max`` for
+    a dense-map entry whose plain name the naming rule gave to the block frame: walshkv.presets.public_name)."""
     entry = model_presets().get(model, {"presets": {}})
-    return {p["spec"]: name for name, p in entry["presets"].items()}
+    return {p["spec"]: public_name(model, key) for key, p in entry["presets"].items()}
+
+
+def _pair(model: str, fast_key: str) -> tuple[str, str]:
+    """``(labels)`` of a budget's two entries, the dense-map one first: ``("walshkv:3.5", "walshkv:3.5-fast")``, or
+    ``("walshkv:3.5-max", "walshkv:3.5")`` where the naming rule moved the plain name."""
+    return public_name(model, fast_key.removesuffix("-fast")), public_name(model, fast_key)
 
 
 def _label(row: dict[str, Any], names: dict[str, str]) -> str:
@@ -403,21 +410,28 @@ def fast_section(results: Path, summary: dict[str, Any]) -> list[str]:
             '[performance.md](performance.md), section "The fast presets". Persuasion '
             "and Emma at 512 tokens: "
             f"{meta.get('windows', '?')} windows; Emma at 4k and 8k: the KLD table's windows. "
-            "`fast - plain`: per-window paired bootstrap on Persuasion.",
+            "`fast - plain`: per-window paired bootstrap on Persuasion."
+            + (
+                f' On this model the naming rule (presets.md, "Which kind the plain name means") gives '
+                f"{', '.join(f'`{n}`' for n in sorted(entry.get('names', {})))} to the block frame; the presets "
+                "with the per-key map keep their specs as `walshkv:B-max`."
+                if entry.get("names")
+                else ""
+            ),
             "",
             "| preset | spec | Persuasion KLD | fast - plain [95%] | Emma KLD at 512 | at 4096 | at 8192 |",
             "|---|---|---|---|---|---|---|",
         ]
-        for name in fast:
-            plain = name.removesuffix("-fast")
+        for key in fast:
+            plain, name = _pair(model, key)
             diff, paired = "—", None
             if name in pers and plain in pers:
                 paired = paired_difference(pers[name].get("window_kld_mean"), pers[plain].get("window_kld_mean"))
                 if paired is not None:
                     mean, (lo, hi) = paired
                     diff = f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}]"
-            for label in (plain, name):
-                spec = entry["presets"].get(label, {}).get("spec", "?")
+            for label, entry_key in ((plain, key.removesuffix("-fast")), (name, key)):
+                spec = entry["presets"].get(entry_key, {}).get("spec", "?")
                 p, e = pers.get(label), emma.get(label)
                 cells = [
                     f"{_fmt(p['kld_mean'])}{_ci(p, 'kld_mean_ci95')}" if p else "—",
@@ -437,19 +451,25 @@ def fast_section(results: Path, summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _persuasion_runs(root: Path) -> list[tuple[str, dict[str, Any], set[str], set[str], dict[str, Any]]]:
+    """``(model, rows by label, commits, cpus, meta)`` of each model's Persuasion rows under ``root``."""
+    out = []
+    for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        model = model_dir.name
+        pers = {_label(r, _name_of(model)): r for r in _rows(model_dir / "austen_persuasion")}
+        if pers:
+            commits, cpus = _provenance(list(pers.values()))
+            out.append((model, pers, commits, cpus, next(iter(pers.values()))["_meta"]))
+    return out
+
+
 def fast_4k_section(results: Path, summary: dict[str, Any]) -> list[str]:
     """Stage holdout-4k-fast: each block-frame preset against its plain preset on the same 4k holdout windows."""
     root = results / "holdout-4k-fast"
     if not root.is_dir():
         return []
     lines = ["### The fast presets on the holdout at 4,096 tokens (stage `holdout-4k-fast`)", ""]
-    for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        model = model_dir.name
-        pers = {_label(r, _name_of(model)): r for r in _rows(model_dir / "austen_persuasion")}
-        if not pers:
-            continue
-        commits, cpus = _provenance(list(pers.values()))
-        meta = next(iter(pers.values()))["_meta"]
+    for model, pers, commits, cpus, meta in _persuasion_runs(root):
         lines += [
             f"**{model}**: {meta['windows']} windows of {meta['ctx']} tokens of Persuasion, second half scored; both "
             f"presets of a budget on the same windows in one run; code {', '.join(sorted(commits))}; CPU "
@@ -457,14 +477,15 @@ def fast_4k_section(results: Path, summary: dict[str, Any]) -> list[str]:
             "one, or better (`fast - plain`, paired per window: `tie` when the interval holds zero). These rows "
             "choose nothing.",
             "",
-            "| budget | plain `walshkv:B` KLD [95%] | fast `walshkv:B-fast` KLD [95%] | fast - plain [95%] | "
-            "fast / plain | verdict |",
+            "| budget | with the per-key map (`walshkv:B` or `-max`) KLD [95%] | block frame (`walshkv:B-fast`, or "
+            "`walshkv:B` where the naming rule moved it) KLD [95%] | fast - plain [95%] | fast / plain | verdict |",
             "|---|---|---|---|---|---|",
         ]
         verdicts = {}
-        for fast in sorted((n for n in pers if n.endswith("-fast")), key=lambda n: float(n.split(":")[1][:-5])):
-            plain = fast.removesuffix("-fast")
-            if plain not in pers:
+        keys = [k for k in model_presets().get(model, {}).get("presets", {}) if k.endswith("-fast")]
+        for key in sorted(keys, key=lambda k: float(k.split(":")[1].removesuffix("-fast"))):
+            plain, fast = _pair(model, key)
+            if plain not in pers or fast not in pers:
                 continue
             judged = _judge(pers[fast], pers[plain])
             if judged is None:
@@ -472,12 +493,13 @@ def fast_4k_section(results: Path, summary: dict[str, Any]) -> list[str]:
             mean, lo, hi, verdict = judged
             word = {"met": "fast better", "missed": "fast trails", "undecided": "tie"}[verdict]
             ratio = pers[fast]["kld_mean"] / pers[plain]["kld_mean"]
+            budget = key.split(":")[1].removesuffix("-fast")
             lines.append(
-                f"| {plain.split(':')[1]} | {_fmt(pers[plain]['kld_mean'])}{_ci(pers[plain], 'kld_mean_ci95')} | "
+                f"| {budget} | {_fmt(pers[plain]['kld_mean'])}{_ci(pers[plain], 'kld_mean_ci95')} | "
                 f"{_fmt(pers[fast]['kld_mean'])}{_ci(pers[fast], 'kld_mean_ci95')} | "
                 f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] | {ratio:.2f} | {word} |"
             )
-            verdicts[fast] = {"diff": mean, "ci95": [lo, hi], "ratio": ratio, "verdict": word}
+            verdicts[key] = {"name": fast, "diff": mean, "ci95": [lo, hi], "ratio": ratio, "verdict": word}
         summary.setdefault("fast_4k", {})[model] = verdicts
         lines.append("")
     return lines
@@ -805,13 +827,7 @@ def holdout_4k_section(results: Path, summary: dict[str, Any]) -> list[str]:
     if not root.is_dir():
         return []
     lines = ["### The targets at 4,096 tokens (Persuasion)", ""]
-    for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        model = model_dir.name
-        pers = {_label(r, _name_of(model)): r for r in _rows(model_dir / "austen_persuasion")}
-        if not pers:
-            continue
-        commits, cpus = _provenance(list(pers.values()))
-        meta = next(iter(pers.values()))["_meta"]
+    for model, pers, commits, cpus, meta in _persuasion_runs(root):
         lines += [
             f"**{model}**: {meta['windows']} windows of {meta['ctx']} tokens of Persuasion, second half scored "
             f"(stage `holdout-4k`); code {', '.join(sorted(commits))}; CPU {', '.join(sorted(cpus))}.",

@@ -97,11 +97,14 @@ paste_block "docs/results/bench-fast$isa" "fast$isa"
 # beside them, the 3.5-bit presets' trellis codes stored after RoPE (no frame, no per-key map: what bounds a block-frame
 # preset from below) and the same budget's scalar codes (tq:3.5/tq:3)
 tcq_after="tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2"
+# Both kinds of every budget by their unambiguous names: walshkv:B-max (the per-key map allowed) and walshkv:B-fast
+# (the block frame); which one the plain name walshkv:B means follows from these rows (scripts/ship_presets.py, the
+# naming rule of docs/presets.md), so rerun ship_presets.py after this step
+presets=()
+for b in 2.5 3 3.5 4.5; do presets+=(--codec "walshkv:$b-max" --codec "walshkv:$b-fast"); done
 for model in smollm2-135m qwen2.5-1.5b gemma3-270m; do
-  # each model's fast presets (smollm2-135m's since stage select-fast, every model's since select-frame: issue 35)
-  fast=(--codec walshkv:3-fast --codec walshkv:3.5-fast --codec walshkv:4.5-fast)
   walshkv bench attention --model "$model" --threads "${THREADS_MODELS:-1}" --kv-len "${KV_LEN_FAST:-16384,65536}" \
-    --codec walshkv:3 --codec walshkv:3.5 --codec walshkv:4.5 ${fast[@]+"${fast[@]}"} --codec "tq:3.5/tq:3" \
+    "${presets[@]}" --codec "tq:3.5/tq:3" \
     --codec "$tcq_after" --codec rot+int4 --codec q4_0 --quiet --no-plot --out "docs/results/bench-model-$model$isa"
   paste_block "docs/results/bench-model-$model$isa" "model-$model$isa"
 done

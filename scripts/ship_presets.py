@@ -10,6 +10,15 @@ At the same context, the later run (its meta.date) ships: a re-selection, such a
 (the shipped spec against its tcq twins), replaces the run before it.
 Nothing is typed by hand: rerun this script after a new recommend run and commit both.
 
+Names (docs/presets.md, "Which kind the plain name means"): each entry is keyed by how it was selected
+(``walshkv:B`` with no limit on decode work, ``walshkv:B-fast`` without a dense per-key map), and ``names`` maps
+``walshkv:B`` to ``walshkv:B-fast`` where the naming rule holds: (1) the fast entry's spec decodes attention at
+least 2.5x the fastest SDPA at 16k and 64k in every per-model speed block that measured that spec
+(docs/results/bench-model-MODEL*/bench.json; none measured: not met), (2) its selection KLD at 4096 tokens is at
+most 1.10x the plain entry's, also at 4096 tokens. The rule's third condition (the vLLM plugin holds it wherever it
+holds the plain one) is a test of the plugin (plugins/vllm/tests/test_plugin_presets.py). ``naming`` records the
+evidence for every budget, met or not.
+
     python scripts/ship_presets.py            # write the file
     python scripts/ship_presets.py --check    # exit 1 if the file is out of date (the tests run this)
 """
@@ -27,6 +36,51 @@ RESULTS = ROOT / "docs" / "results" / "presets"
 LONG = ROOT / "docs" / "results" / "long-context" / "select"
 OUT = ROOT / "src" / "walshkv" / "model_presets.json"
 SHAPE_KEYS = ("arch", "layers", "q_heads", "kv_heads", "head_dim", "params")
+BENCH = ROOT / "docs" / "results"
+#: The naming rule's bounds: decode attention against the fastest SDPA (at each of these contexts), and the fast
+#: entry's selection KLD against the plain entry's at the rule's selection context.
+NAMING_SPEED, NAMING_CTXS, NAMING_KLD_RATIO, NAMING_SELECT_CTX = 2.5, (16384, 65536), 1.10, 4096
+
+
+def _speed_rows(model: str, spec: str) -> list[tuple[str, int, float]]:
+    """``(block, kv_len, x vs fastest SDPA)`` of every per-model speed block row that measured ``spec``."""
+    rows = []
+    for path in sorted(BENCH.glob(f"bench-model-{model}*/bench.json")):
+        for r in json.loads(path.read_text()).get("attention", []):
+            if r.get("spec") == spec and r.get("kv_len") in NAMING_CTXS:
+                rows.append((path.parent.name, int(r["kv_len"]), float(r["speedup_vs_best_sdpa"])))
+    return rows
+
+
+def naming(model: str, presets: dict[str, dict]) -> tuple[dict[str, str], dict[str, dict]]:
+    """``(names, evidence)``: the plain names the naming rule moves to the fast entries, and the rule's numbers for
+    every budget with both entries (see the module docstring)."""
+    names, evidence = {}, {}
+    for plain, entry in sorted(presets.items()):
+        fast = presets.get(f"{plain}-fast")
+        if plain.endswith("-fast") or fast is None:
+            continue
+        speed = _speed_rows(model, fast["spec"])
+        measured = {ctx for _, ctx, _ in speed}
+        speed_met = measured == set(NAMING_CTXS) and all(x >= NAMING_SPEED for _, _, x in speed)
+        ratio = None
+        if (
+            entry.get("ctx") == fast.get("ctx") == NAMING_SELECT_CTX
+            and entry.get("selection_kld_mean")
+            and fast.get("selection_kld_mean") is not None
+        ):
+            ratio = fast["selection_kld_mean"] / entry["selection_kld_mean"]
+        quality_met = ratio is not None and ratio <= NAMING_KLD_RATIO
+        evidence[plain] = {
+            "speed": [{"block": b, "kv_len": c, "x_vs_fastest_sdpa": round(x, 4)} for b, c, x in speed],
+            "speed_met": speed_met,
+            "selection_kld_ratio": None if ratio is None else round(ratio, 4),
+            "selection_met": quality_met,
+            "plain_name_is_fast": speed_met and quality_met,
+        }
+        if speed_met and quality_met:
+            names[plain] = f"{plain}-fast"
+    return names, evidence
 
 
 def _commit_of(path: Path) -> str | None:
@@ -67,11 +121,15 @@ def build() -> dict:
             "source_commit": _commit_of(path),
             "date": meta.get("date"),
         }
+    for name, entry in models.items():
+        names, evidence = naming(name, entry["presets"])
+        entry["names"] = names
+        entry["naming"] = evidence
     return {
         "format": 1,
         "about": "measured preset specs per model, written by scripts/ship_presets.py from docs/results/presets and "
-        "docs/results/long-context/select (the longest selection context wins); "
-        "walshkv.presets.resolve_preset reads it",
+        "docs/results/long-context/select (the longest selection context wins), with the names the naming rule "
+        "gives them (docs/presets.md); walshkv.presets.resolve_preset reads it",
         "models": models,
     }
 
@@ -89,7 +147,11 @@ def main() -> int:
             if d is None:
                 return None
             return {
-                m: {p: {k: v for k, v in e.items() if k != "source_commit"} for p, e in md["presets"].items()}
+                m: (
+                    {p: {k: v for k, v in e.items() if k != "source_commit"} for p, e in md["presets"].items()},
+                    md.get("names"),
+                    md.get("naming"),
+                )
                 for m, md in d["models"].items()
             }
 
@@ -98,7 +160,10 @@ def main() -> int:
             return 1
         return 0
     OUT.write_text(text)
-    counts = ", ".join(f"{m} ({len(e['presets'])} presets)" for m, e in data["models"].items())
+    counts = ", ".join(
+        f"{m} ({len(e['presets'])} presets; plain names on the fast entry: {', '.join(e['names']) or 'none'})"
+        for m, e in data["models"].items()
+    )
     print(f"wrote {OUT.relative_to(ROOT)}: {counts}")
     return 0
 

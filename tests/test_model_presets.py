@@ -174,6 +174,27 @@ def test_fast_presets_ship_with_files_whose_keys_the_kernel_maps_fast():
         assert block_frame_plan(bound.k, bound.v, 64, 0.125) is not None or prerope_key_map(bound.k, bound.v, 64, 3)
 
 
+@pytest.mark.parametrize("model", sorted(model_presets()))
+def test_the_naming_rule_names_each_kind_and_no_fast_or_renamed_preset_maps_keys_densely(model):
+    """Issue 35's acceptance: no preset of the byte-speed kind applies a dense per-key map in decode. ``walshkv:B-fast``
+    never does; ``walshkv:B`` does not where the naming rule gave it the block frame (``names``); ``walshkv:B-max`` is
+    the preset with the per-key map allowed. The rule's evidence is recorded for every budget, and a plain name moves
+    exactly where both of its conditions hold (docs/presets.md, "Which kind the plain name means")."""
+    entry = model_presets()[model]
+    names, evidence = entry["names"], entry["naming"]
+    for plain in (k for k in entry["presets"] if not k.endswith("-fast")):
+        fast = resolve_preset(f"{plain}-fast", model=model).spec
+        assert not dense_key_map(fast), (model, plain)
+        assert resolve_preset(f"{plain}-max", model=model).spec == entry["presets"][plain]["spec"]
+        rule = evidence[plain]
+        assert rule["plain_name_is_fast"] == (rule["speed_met"] and rule["selection_met"]) == (plain in names)
+        if plain in names:
+            assert resolve_preset(plain, model=model).spec == fast and not dense_key_map(fast)
+            assert all(s["x_vs_fastest_sdpa"] >= 2.5 for s in rule["speed"]) and rule["selection_kld_ratio"] <= 1.10
+        else:
+            assert resolve_preset(plain, model=model).spec == entry["presets"][plain]["spec"]
+
+
 def test_an_engine_gets_the_models_own_preset_or_a_refusal_never_the_builtin_spec(monkeypatch):
     """resolve_engine_preset: the shipped spec for a known model; no model or an unknown one is refused by name."""
     p = resolve_engine_preset("walshkv:3.5", engine="test", model="smollm2-135m")

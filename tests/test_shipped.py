@@ -35,7 +35,7 @@ from walshkv.export import KMeanBias, read_kv_mean_center
 from walshkv.identity import model_identity
 from walshkv.models import MODELS, ModelShape, is_cached, layout_config, load_model
 from walshkv.preset_file import calibration_needs
-from walshkv.presets import model_presets, name_specs
+from walshkv.presets import model_presets, name_specs, public_name
 from walshkv.shipped import (
     CalibrationSet,
     ShippedCalibrationError,
@@ -92,8 +92,8 @@ def test_every_shipped_preset_has_a_checked_file_with_provenance():
     data = manifest()
     assert set(data["models"]) == set(model_presets())
     for model, entry in model_presets().items():
-        for preset, choice in entry["presets"].items():
-            file = shipped_file(model, preset)
+        for preset, choice in entry["presets"].items():  # each entry by the name users give it (public_name)
+            file = shipped_file(model, public_name(model, preset))
             assert file is not None, (model, preset)
             check_file(file)  # sha256 and size, as the manifest records them
             assert file.name == f"{calibration_needs(choice['spec']).name}.gguf"
@@ -199,7 +199,7 @@ def test_each_part_is_read_from_the_file_that_holds_it():
         both = _set(model)
         by_name = {f.name: read_kv_mean_center(f.path) for f in shipped_files(model)}
         for preset, choice in model_presets()[model]["presets"].items():
-            own = by_name[shipped_file(model, preset).name]
+            own = by_name[shipped_file(model, public_name(model, preset)).name]
             bound, alone = (parse_cache_spec(choice["spec"]).bind(3, c) for c in (both, own))
             for side in ("k", "v"):
                 a, b = getattr(bound, side), getattr(alone, side)

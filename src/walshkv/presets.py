@@ -36,10 +36,14 @@ from walshkv.codecs.builtin_presets import (
     BUILTIN,
     FAST_BUDGETS,
     FAST_SUFFIX,
+    MAX_BUDGETS,
+    MAX_SUFFIX,
     PRESET_BUDGETS,
+    base_preset_name,
     builtin_preset_spec,
     check_preset_name,
     is_fast_preset,
+    is_max_preset,
     preset_budget,
 )
 from walshkv.codecs.equalize import DiagonalEqualized, Equalized
@@ -54,16 +58,22 @@ if TYPE_CHECKING:
 __all__ = [
     "BUILTIN",
     "FAST_BUDGETS",
+    "FAST_SUFFIX",
+    "MAX_BUDGETS",
+    "MAX_SUFFIX",
     "MODEL_PRESETS_FILE",
     "PRESET_BUDGETS",
     "Preset",
     "dense_key_map",
     "is_fast_preset",
+    "is_max_preset",
     "is_preset",
     "known_model",
     "model_presets",
     "name_specs",
+    "preset_key",
     "preset_name_for_bits",
+    "public_name",
     "resolve_engine_preset",
     "resolve_preset",
     "spec_name",
@@ -111,6 +121,39 @@ def model_presets() -> dict[str, dict[str, Any]]:
             "reinstall walshkv"
         )
     return data["models"]
+
+
+def preset_key(model: str, name: str) -> str:
+    """The entry of ``model``'s shipped table that preset ``name`` stands for.
+
+    Entries are keyed by how they were selected: ``walshkv:B`` with no limit on decode work (the dense per-key map
+    allowed), ``walshkv:B-fast`` among the specs decoded without one. ``walshkv:B-max`` always names the first;
+    ``walshkv:B`` names the second where the model's naming rule gave it the plain name (``names`` in
+    model_presets.json, written by ``scripts/ship_presets.py``; docs/presets.md, "Which kind the plain name
+    means"), else the first.
+
+    Args:
+        model: a name of the shipped table (:func:`known_model`).
+        name: a preset name.
+
+    Raises:
+        ValueError: an unknown preset name.
+    """
+    key = check_preset_name(name)
+    if is_max_preset(key):
+        return base_preset_name(key)
+    return model_presets()[model].get("names", {}).get(key, key)
+
+
+def public_name(model: str, key: str) -> str:
+    """How users name the entry ``key`` of ``model``'s shipped table (the inverse of :func:`preset_key`):
+    ``walshkv:B`` for the entry the plain name stands for, ``walshkv:B-max`` for a no-limit entry the plain name
+    no longer names, else ``key``."""
+    names = model_presets()[model].get("names", {})
+    for public, entry in names.items():
+        if entry == key:
+            return public
+    return f"{key}{MAX_SUFFIX}" if key in names else key
 
 
 def _shape_of(model: Any) -> dict[str, Any] | None:
@@ -222,7 +265,7 @@ def resolve_preset(name: str, calibration: CalibrationLike | None = None, *, mod
     if model is None:
         return Preset(key, budget, builtin)
     known = known_model(model)
-    entry = model_presets()[known]["presets"].get(key) if known else None
+    entry = model_presets()[known]["presets"].get(preset_key(known, key)) if known else None
     if entry is not None:
         provenance = {k: v for k, v in entry.items() if k != "spec"}
         return Preset(key, budget, entry["spec"], source=f"shipped:{known}", provenance=provenance)
@@ -272,7 +315,7 @@ def resolve_engine_preset(
     preset = resolve_preset(key, calibration, model=known)
     if preset.source != "built-in":  # the file's spec, or the model's shipped one
         return preset
-    shipped = sorted(m for m, entry in model_presets().items() if key in entry["presets"])
+    shipped = sorted(m for m, entry in model_presets().items() if preset_key(m, key) in entry["presets"])
     fix = (
         f"or give the calibration file that `walshkv calibrate --preset {key} --model MODEL -o FILE` (a model "
         f"walshkv ships presets for) or `walshkv recommend --model MODEL --bits {preset.budget:g} -o FILE` wrote; "

@@ -40,7 +40,7 @@ import torch
 from walshkv.codecs.builtin_presets import check_preset_name
 from walshkv.export import KMeanBias, read_kv_mean_center
 from walshkv.identity import head_dim_of, identity_config, model_identity
-from walshkv.presets import known_model
+from walshkv.presets import known_model, preset_key
 
 if TYPE_CHECKING:
     from walshkv.constants import Basis, KBasis, Kind
@@ -174,7 +174,7 @@ def shipped_file(model: Any, preset: str) -> ShippedFile | None:
     known = known_model(model)
     if known is None:
         return None
-    name = manifest()["models"].get(known, {}).get("presets", {}).get(key)
+    name = manifest()["models"].get(known, {}).get("presets", {}).get(preset_key(known, key))
     return next((f for f in shipped_files(known) if f.name == name), None) if name else None
 
 
@@ -291,10 +291,11 @@ def shipped_calibration(model: Any, presets: Iterable[str] | None = None) -> Cal
     entry = manifest()["models"].get(known)
     if entry is None:
         return None
-    names = list(presets) if presets is not None else list(entry["presets"])
+    # the manifest is keyed by the table's entries; a preset name asked for stands for one of them (preset_key)
+    keys = list(entry["presets"]) if presets is None else [preset_key(known, name) for name in presets]
     wanted: list[str] = []
-    for name in names:
-        file = entry["presets"].get(check_preset_name(name))
+    for key in keys:
+        file = entry["presets"].get(key)
         if file and file not in wanted:
             wanted.append(file)
     if not wanted:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from transformers import LlamaConfig
-from walshkv.presets import model_presets
+from walshkv.presets import model_presets, preset_key
 
 from walshkv_vllm.specs import (
     CALIBRATION_ENV,
@@ -38,7 +38,7 @@ def test_every_smollm2_preset_is_its_own_spec_with_its_shipped_file(preset: str)
 
 def test_a_preset_the_pages_cannot_hold_is_refused_by_its_part() -> None:
     """qwen2.5-1.5b's walshkv:3.5 gives some layers other widths (layers:): pages of one size cannot hold it."""
-    spec = model_presets()["qwen2.5-1.5b"]["presets"]["walshkv:3.5"]["spec"]
+    spec = model_presets()["qwen2.5-1.5b"]["presets"][preset_key("qwen2.5-1.5b", "walshkv:3.5")]["spec"]
     with pytest.raises(ValueError) as err:
         resolve_spec("walshkv_spec", {SPEC_ENV: "walshkv:3.5", MODEL_ENV: "qwen2.5-1.5b"})
     msg = str(err.value)
@@ -71,3 +71,22 @@ def test_the_named_model_must_be_the_served_one() -> None:
     other = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=1152)
     with pytest.raises(ValueError, match=rf"{MODEL_ENV}='smollm2-135m' .* is not the model vLLM serves"):
         check_served_model("smollm2-135m", other)
+
+
+@pytest.mark.parametrize("model", sorted(model_presets()))
+def test_the_naming_rule_moves_a_plain_name_only_where_the_pages_hold_both_kinds(model: str) -> None:
+    """The naming rule's third condition (docs/presets.md): ``walshkv:B`` names the block frame only where the vLLM
+    plugin holds it wherever it holds the preset with the per-key map (both held, or both refused)."""
+    for plain in model_presets()[model].get("names", {}):
+        held = []
+        for name in (f"{plain}-fast", f"{plain}-max"):
+            try:
+                resolve_spec("walshkv_spec", {SPEC_ENV: name, MODEL_ENV: model})
+                held.append(True)
+            except ValueError:
+                held.append(False)
+        assert held[0] or not held[1], f"{model} {plain}: the pages hold the -max preset but not the block frame"
+        if held[0]:  # the plain name is the block frame's spec
+            env = {MODEL_ENV: model}
+            got = resolve_spec("walshkv_spec", env | {SPEC_ENV: plain}).spec
+            assert got == resolve_spec("walshkv_spec", env | {SPEC_ENV: f"{plain}-fast"}).spec

@@ -78,12 +78,11 @@ def _output(proc: subprocess.CompletedProcess[str]) -> str:
     return (proc.stdout + proc.stderr)[-6000:]
 
 
-@cache
-def _reference(slots_out: str) -> dict[str, Any]:
+def run_reference(request: dict[str, Any]) -> dict[str, Any]:
+    """walshkv's side of an end-to-end check: walshkv_reference.py with ``request``, in walshkv's environment."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "plugins" / "vllm" / "src")]))
-    request = {"model": MODEL, "spec": KV_CACHE_DTYPES[DTYPE], "text": TEXT, "new_tokens": NEW_TOKENS}
     proc = subprocess.run(
-        [_main_python(), str(HERE / "walshkv_reference.py"), json.dumps(request | {"slots_out": slots_out})],
+        [_main_python(), str(HERE / "walshkv_reference.py"), json.dumps(request)],
         capture_output=True,
         text=True,
         env=env,
@@ -91,6 +90,12 @@ def _reference(slots_out: str) -> dict[str, Any]:
     )
     assert proc.returncode == 0, f"walshkv's reference run failed:\n{_output(proc)}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@cache
+def _reference(slots_out: str) -> dict[str, Any]:
+    request = {"model": MODEL, "spec": KV_CACHE_DTYPES[DTYPE], "text": TEXT, "new_tokens": NEW_TOKENS}
+    return run_reference(request | {"slots_out": slots_out})
 
 
 def _engine_env(**walshkv: str) -> dict[str, str]:

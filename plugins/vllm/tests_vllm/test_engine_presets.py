@@ -13,9 +13,6 @@ slot that differs is counted, not inspected field by field.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from typing import Any
 
 import pytest
@@ -23,16 +20,13 @@ import torch
 
 from test_engine import (
     DECODE_TOL,
-    HERE,
     MIN_MARGIN,
     PROMPT_EXACT_TOL,
-    REPO,
     _diffs,
     _engine,
     _engine_env,
-    _main_python,
-    _output,
     _result,
+    run_reference,
 )
 from walshkv_reference import MODEL, NEW_TOKENS, TEXT
 from walshkv_vllm.layout import SlotLayout
@@ -43,24 +37,8 @@ PRESETS = ["walshkv:3.5-fast", "walshkv:3.5"]
 
 
 def _reference(preset: str, slots_out: str) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "plugins" / "vllm" / "src")]))
-    request = {
-        "model": MODEL,
-        "spec": preset,
-        "text": TEXT,
-        "new_tokens": NEW_TOKENS,
-        "runs": ["exact"],
-        "slots_out": slots_out,
-    }
-    proc = subprocess.run(
-        [_main_python(), str(HERE / "walshkv_reference.py"), json.dumps(request)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert proc.returncode == 0, f"walshkv's reference run failed:\n{_output(proc)}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    request = {"model": MODEL, "spec": preset, "text": TEXT, "new_tokens": NEW_TOKENS, "runs": ["exact"]}
+    return run_reference(request | {"slots_out": slots_out})
 
 
 @pytest.fixture(scope="module", params=PRESETS)

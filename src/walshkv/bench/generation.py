@@ -40,7 +40,16 @@ from walshkv.eval.calibrated import calibration_for
 from walshkv.eval.provenance import cpu_meta
 from walshkv.export import KMeanBias
 from walshkv.models import load_model
-from walshkv.presets import FAST_BUDGETS, PRESET_BUDGETS, is_preset, name_specs
+from walshkv.presets import (
+    FAST_BUDGETS,
+    FAST_SUFFIX,
+    MAX_SUFFIX,
+    PRESET_BUDGETS,
+    is_preset,
+    known_model,
+    name_specs,
+    preset_key,
+)
 from walshkv.shipped import check_file, shipped_file
 
 if TYPE_CHECKING:
@@ -144,7 +153,14 @@ def default_generation_codecs(model: str = DEFAULT_MODEL) -> tuple[list[CodecReq
     """
     requests: list[CodecRequest] = list(DEFAULT_GENERATION_CODECS)
     missing = []
-    for preset in [*PRESET_BUDGETS, *FAST_BUDGETS]:  # a fast preset joins where its file exists
+    # each budget's plain name, then its other kind where a file exists: B-fast, or B-max where the naming rule gave
+    # B to the fast entry (walshkv.presets.preset_key)
+    known = known_model(model)
+    other = [
+        f"{p}{MAX_SUFFIX}" if known and preset_key(known, p) == preset_key(known, f"{p}{FAST_SUFFIX}") else f
+        for p, f in zip(PRESET_BUDGETS, FAST_BUDGETS, strict=True)
+    ]
+    for preset in [*PRESET_BUDGETS, *other]:
         path = shipped_preset_file(model, preset)
         if path is not None:
             requests.append((preset, str(path)))

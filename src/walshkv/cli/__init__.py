@@ -74,7 +74,8 @@ research commands (with the walshkv-research package: pip install -e research):
 cache specs: KSPEC/VSPEC or one SPEC for both; SPEC = [rot+|rrot[:SEED]+]BASE, BASE in
 fp16, bf16, fp32, int2..int8, vht2:B1,..,Bn[:order=O][:sk=N], vht2:auto@BITS, vzc, sqfree:B.
 Example: rot+int4/int3 (K rotated int4, V int3). `walshkv codecs` lists them all.
-Presets: walshkv:3, walshkv:3.5, walshkv:4.5, and walshkv:B-fast (no per-key map in decode). Peers: q8_0..iq4_nl,
+Presets: walshkv:2.5, walshkv:3, walshkv:3.5, walshkv:4.5 (each model's choice), walshkv:B-fast (no per-key map
+in decode) and walshkv:B-max (the per-key map allowed): docs/presets.md. Peers: q8_0..iq4_nl,
 kivi2/4, tq:B, and Hugging Face's QuantizedCache as hf-quanto:B, hf-hqq:B, hf-fp8 (fed token by token).
 """
 

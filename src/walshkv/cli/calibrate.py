@@ -137,8 +137,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ca.add_argument(
         "--preset",
         metavar="NAME",
-        help="write everything the preset (walshkv:3, walshkv:3.5, walshkv:4.5, or walshkv:B-fast, the spec the fused "
-        "kernels decode fastest) needs for this model: the K mean "
+        help="write everything the preset (walshkv:3, walshkv:3.5, walshkv:4.5; walshkv:B-fast, the spec the fused "
+        "kernels decode fastest; walshkv:B-max, the per-key map allowed) needs for this model: the K mean "
         "in the basis of its spec (and its eq+ transforms), with the preset's name and spec (--basis and --eq are "
         "then ignored)",
     )

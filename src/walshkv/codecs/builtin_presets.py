@@ -2,7 +2,10 @@
 
 Each budget also has a *fast* preset, ``walshkv:B-fast``: the best spec among those the fused decode kernels read
 without a dense per-key map (no ``prerope+`` with ``eq+``'s dense transform; ``eqd+``'s diagonal one and every
-post-RoPE ``eq+`` are allowed). Its built-in spec is the plain preset's (which needs no per-key map).
+post-RoPE ``eq+`` are allowed). Its built-in spec is the plain preset's (which needs no per-key map). And a *max*
+preset, ``walshkv:B-max``: the one chosen with no limit on decode work (the dense per-key map allowed), which is
+what ``walshkv:B`` names unless a model's naming rule gives ``walshkv:B`` to its fast preset
+(:func:`walshkv.presets.preset_key`, docs/presets.md "Which kind the plain name means").
 
 Data only, at the codecs layer so that the spec grammar (:func:`walshkv.codecs.spec.parse_cache_spec`) can
 read ``walshkv:B`` names without importing :mod:`walshkv.presets`, which re-exports these names and adds
@@ -16,11 +19,14 @@ __all__ = [
     "BUILTIN",
     "FAST_BUDGETS",
     "FAST_SUFFIX",
+    "MAX_BUDGETS",
+    "MAX_SUFFIX",
     "PRESET_BUDGETS",
     "base_preset_name",
     "builtin_preset_spec",
     "check_preset_name",
     "is_fast_preset",
+    "is_max_preset",
     "preset_budget",
 ]
 
@@ -47,16 +53,24 @@ FAST_SUFFIX = "-fast"
 #: Bits per element of each fast preset (the same budgets).
 FAST_BUDGETS: dict[str, float] = {f"{name}{FAST_SUFFIX}": bits for name, bits in PRESET_BUDGETS.items()}
 
+#: Suffix of the max presets (``walshkv:3.5-max``): chosen with no limit on the decode work per key.
+MAX_SUFFIX = "-max"
+
+#: Bits per element of each max preset (the same budgets).
+MAX_BUDGETS: dict[str, float] = {f"{name}{MAX_SUFFIX}": bits for name, bits in PRESET_BUDGETS.items()}
+
 
 def check_preset_name(name: str) -> str:
-    """The canonical (lower-case, stripped) form of a built-in preset name (``walshkv:B`` or ``walshkv:B-fast``).
+    """The canonical (lower-case, stripped) form of a built-in preset name (``walshkv:B``, ``walshkv:B-fast`` or
+    ``walshkv:B-max``).
 
     Raises:
         ValueError: an unknown name; the message lists the presets.
     """
     key = name.strip().lower()
-    if key not in PRESET_BUDGETS and key not in FAST_BUDGETS:
-        raise ValueError(f"unknown preset {name!r}; presets: {', '.join([*PRESET_BUDGETS, *FAST_BUDGETS])}")
+    if key not in PRESET_BUDGETS and key not in FAST_BUDGETS and key not in MAX_BUDGETS:
+        names = [*PRESET_BUDGETS, *FAST_BUDGETS, *MAX_BUDGETS]
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(names)}")
     return key
 
 
@@ -65,10 +79,18 @@ def is_fast_preset(name: str) -> bool:
     return name.strip().lower().endswith(FAST_SUFFIX)
 
 
+def is_max_preset(name: str) -> bool:
+    """Whether ``name`` is a max preset name (``walshkv:B-max``, any budget ``B``)."""
+    return name.strip().lower().endswith(MAX_SUFFIX)
+
+
 def base_preset_name(name: str) -> str:
-    """``walshkv:B`` for ``walshkv:B-fast`` (and for ``walshkv:B`` itself), lower-case."""
+    """``walshkv:B`` for ``walshkv:B-fast`` and ``walshkv:B-max`` (and for ``walshkv:B`` itself), lower-case."""
     key = name.strip().lower()
-    return key[: -len(FAST_SUFFIX)] if key.endswith(FAST_SUFFIX) else key
+    for suffix in (FAST_SUFFIX, MAX_SUFFIX):
+        if key.endswith(suffix):
+            return key[: -len(suffix)]
+    return key
 
 
 def preset_budget(name: str) -> float:
@@ -85,11 +107,14 @@ def preset_budget(name: str) -> float:
     except ValueError:
         bits = float("nan")
     if not bits > 0:
-        raise ValueError(f"{name!r} is not a preset name: write walshkv:B or walshkv:B{FAST_SUFFIX} with B > 0")
+        raise ValueError(
+            f"{name!r} is not a preset name: write walshkv:B, walshkv:B{FAST_SUFFIX} or walshkv:B{MAX_SUFFIX} "
+            "with B > 0"
+        )
     return bits
 
 
 def builtin_preset_spec(name: str) -> str:
-    """The built-in cache spec of preset ``name`` (``walshkv:3.5`` -> ``center+tq:4/tq:2.5``; a fast preset has its
-    plain preset's built-in spec, which the kernels read without a per-key map)."""
+    """The built-in cache spec of preset ``name`` (``walshkv:3.5`` -> ``center+tq:4/tq:2.5``; a fast or max preset has
+    its plain preset's built-in spec, which the kernels read without a per-key map)."""
     return BUILTIN[base_preset_name(check_preset_name(name))]
