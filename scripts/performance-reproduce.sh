@@ -108,6 +108,17 @@ for model in smollm2-135m qwen2.5-1.5b gemma3-270m; do
     --codec "$tcq_after" --codec rot+int4 --codec q4_0 --quiet --no-plot --out "docs/results/bench-model-$model$isa"
   paste_block "docs/results/bench-model-$model$isa" "model-$model$isa"
 done
+# on an AVX-512 CPU, the same three runs with the AVX2 code paths (torch's AVX2 kernels: ATEN_CPU_CAPABILITY=avx2;
+# the fused kernel built with -march=haswell: WALSHKV_CPU_MARCH): a stand-in for an AVX2-only machine, on the same
+# cores, caches and memory (so not that machine's figures; the bench header names the build). A few minutes each
+if [[ -z "$isa" ]]; then
+  for model in smollm2-135m qwen2.5-1.5b gemma3-270m; do
+    ATEN_CPU_CAPABILITY=avx2 WALSHKV_CPU_MARCH=haswell walshkv bench attention --model "$model" \
+      --threads "${THREADS_MODELS:-1}" --kv-len "${KV_LEN_FAST:-16384,65536}" "${presets[@]}" --codec "tq:3.5/tq:3" \
+      --codec "$tcq_after" --codec rot+int4 --codec q4_0 --quiet --no-plot --out "docs/results/bench-model-$model-avx2code"
+    paste_block "docs/results/bench-model-$model-avx2code" "model-$model-avx2code"
+  done
+fi
 # on a CPU with AMX-BF16 the kernel maps eq+'s keys on tiles (walshkv.attention.cpu.amx_key_map): the same
 # eq+ presets with that off (WALSHKV_CPU_AMX=0, the fp32 multiply-adds every other CPU runs), in a run of their own
 if python -c "import sys; from walshkv.attention.cpu import amx_key_map; sys.exit(not amx_key_map())"; then

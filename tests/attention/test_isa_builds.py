@@ -142,3 +142,13 @@ def test_the_kernel_built_for_each_isa_matches_the_reference(isa, monkeypatch):
     want = torch.einsum("bhgt,bhtd->bhgd", s.softmax(-1), vc.decode(pv).to(torch.float64))
     got = (acc / l_sum[..., None]).to(torch.float64)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"{isa} query_block + key_table")
+
+
+def test_kernel_march_names_the_build_and_refuses_what_is_not_an_architecture(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cpu.MARCH_ENV, raising=False)
+    assert cpu.kernel_march() == "native"
+    monkeypatch.setenv(cpu.MARCH_ENV, " haswell ")
+    assert cpu.kernel_march() == "haswell"
+    monkeypatch.setenv(cpu.MARCH_ENV, "haswell -O0")
+    with pytest.raises(ValueError, match=r"WALSHKV_CPU_MARCH.*haswell \(AVX2\)"):
+        cpu.kernel_march()

@@ -97,7 +97,8 @@ The kernel's source is ``cpu_kernel.cpp`` beside this module (package data: the 
 ``cpu_kernel_*.h`` headers it includes, one per concern (vector helpers, formats, code unpacking, each format's row
 decoder, the prerope+ key map, the integer-dot scores, score tile and softmax, the encoders). :func:`kernel_source`
 inlines the headers into one text (:func:`assemble_source`), compiled with ``torch.utils.cpp_extension.load_inline``
-(``-O3 -march=native -fopenmp``; cached in torch's extension directory under a name that hashes that text, so every
+(``-O3 -march=native -fopenmp``, or the ``-march`` named by ``WALSHKV_CPU_MARCH``: :func:`kernel_march`;
+cached in torch's extension directory under a name that hashes that text, so every
 file's, the flags and the CPU's vector capability: only the first use pays the build, about 10-20 s, and an edit of
 the .cpp or of any header builds anew). It includes only pybind11 (no ATen headers, which keeps the build short) and
 receives raw data pointers and strides that the Python side checks first. It uses AVX-512 or AVX2 intrinsics where
@@ -157,6 +158,7 @@ __all__ = [
     "decode_chunk_cpu",
     "fused_decode_cpu",
     "kernel_available",
+    "kernel_march",
     "kernel_source",
     "load_kernel",
     "prerope_key_map",
@@ -172,6 +174,28 @@ KERNEL_SOURCE = "cpu_kernel.cpp"
 
 _CFLAGS_NATIVE = ["-O3", "-march=native", "-fopenmp", "-std=c++20"]
 _CFLAGS_PORTABLE = ["-O3", "-fopenmp", "-std=c++20"]
+
+#: Environment variable naming the ``-march`` the kernel is built for in place of ``native`` (``haswell``: the AVX2
+#: code paths on an AVX-512 CPU, what ``walshkv bench`` measures as a stand-in for an AVX2-only machine, with
+#: ``ATEN_CPU_CAPABILITY=avx2`` for torch's side).
+MARCH_ENV = "WALSHKV_CPU_MARCH"
+_MARCH = re.compile(r"[a-z0-9][a-z0-9.\-]*")
+
+
+def kernel_march() -> str:
+    """The ``-march`` :func:`load_kernel` builds for: ``native``, or the value of ``WALSHKV_CPU_MARCH``.
+
+    Raises:
+        ValueError: a value that is not a plain architecture name (``haswell``, ``skylake-avx512``, ``x86-64-v3``).
+    """
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not _MARCH.fullmatch(march):
+        raise ValueError(
+            f"{MARCH_ENV}={march!r} is not an architecture name; use one gcc's -march takes, e.g. native, haswell "
+            "(AVX2), x86-64-v3 (AVX2), skylake-avx512 (AVX-512), or unset it"
+        )
+    return march
+
 
 _lock = threading.Lock()
 _kernel: Any = None
@@ -363,7 +387,8 @@ def load_kernel() -> Any:
         except OSError as exc:  # a broken install: the package data is missing
             source = None
             errors.append(f"{KERNEL_SOURCE}: {type(exc).__name__}: {exc} (reinstall walshkv)")
-        for flags in (_CFLAGS_NATIVE, _CFLAGS_PORTABLE) if source is not None else ():
+        native = [f"-march={kernel_march()}" if f == "-march=native" else f for f in _CFLAGS_NATIVE]
+        for flags in (native, _CFLAGS_PORTABLE) if source is not None else ():
             try:
                 module = build_kernel(flags, source)
             except Exception as exc:  # no compiler, no ninja, a flag the compiler refuses, ...

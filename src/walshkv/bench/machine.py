@@ -58,6 +58,8 @@ def machine_description() -> dict[str, Any]:
         # OpenMP's wait policy: spinning workers (the default) cost several-fold on vCPUs that share a core
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "thread_speedup": thread_speedup(),
+        # the fused kernel's -march (walshkv.attention.cpu.kernel_march): "native" unless WALSHKV_CPU_MARCH names one
+        "kernel_march": os.environ.get("WALSHKV_CPU_MARCH", "").strip() or "native",
     }
 
 

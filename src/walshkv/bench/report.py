@@ -401,6 +401,11 @@ def bench_markdown(result: dict[str, Any]) -> list[str]:
         "",
         f"Machine: {m['cpu']}"
         + (f" (ISA {m['cpu_capability']})" if m.get("cpu_capability") else "")
+        + (
+            f" (fused kernel built with -march={m['kernel_march']} instead of native: that ISA's code on this CPU)"
+            if m.get("kernel_march", "native") != "native"
+            else ""
+        )
         + f", {m['logical_cpus']} logical CPUs, torch {m['torch']} with "
         f"{m['torch_threads']} threads"
         + (f"; GPU {m['gpu']}" if m.get("gpu") else "")
