@@ -14,7 +14,9 @@ Names (docs/presets.md, "Which kind the plain name means"): each entry is keyed 
 (``walshkv:B`` with no limit on decode work, ``walshkv:B-fast`` without a dense per-key map), and ``names`` maps
 ``walshkv:B`` to ``walshkv:B-fast`` where the naming rule holds: (1) the fast entry's spec decodes attention at
 least 2.5x the fastest SDPA at 16k and 64k in every per-model speed block that measured that spec
-(docs/results/bench-model-MODEL*/bench.json; none measured: not met), (2) its selection KLD at 4096 tokens is at
+(docs/results/bench-model-MODEL*/bench.json, each run with the fused kernel built for the CPU it ran on: a
+stand-in build for another instruction set, WALSHKV_CPU_MARCH, is reported in docs/performance.md but judges nothing;
+none measured: not met), (2) its selection KLD at 4096 tokens is at
 most 1.10x the plain entry's, also at 4096 tokens. The rule's third condition (the vLLM plugin holds it wherever it
 holds the plain one) is a test of the plugin (plugins/vllm/tests/test_plugin_presets.py). ``naming`` records the
 evidence for every budget, met or not.
@@ -46,7 +48,10 @@ def _speed_rows(model: str, spec: str) -> list[tuple[str, int, float]]:
     """``(block, kv_len, x vs fastest SDPA)`` of every per-model speed block row that measured ``spec``."""
     rows = []
     for path in sorted(BENCH.glob(f"bench-model-{model}*/bench.json")):
-        for r in json.loads(path.read_text()).get("attention", []):
+        run = json.loads(path.read_text())
+        if run["meta"]["machine"].get("kernel_march", "native") != "native":
+            continue  # another ISA's code on this CPU (WALSHKV_CPU_MARCH): a stand-in, reported, not judged
+        for r in run.get("attention", []):
             if r.get("spec") == spec and r.get("kv_len") in NAMING_CTXS:
                 rows.append((path.parent.name, int(r["kv_len"]), float(r["speedup_vs_best_sdpa"])))
     return rows

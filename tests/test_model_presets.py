@@ -187,6 +187,9 @@ def test_the_naming_rule_names_each_kind_and_no_fast_or_renamed_preset_maps_keys
         assert not dense_key_map(fast), (model, plain)
         assert resolve_preset(f"{plain}-max", model=model).spec == entry["presets"][plain]["spec"]
         rule = evidence[plain]
+        for s in rule["speed"]:  # judged on builds for the CPU they ran on, never a WALSHKV_CPU_MARCH stand-in
+            machine = json.loads((ROOT / "docs" / "results" / s["block"] / "bench.json").read_text())["meta"]["machine"]
+            assert machine.get("kernel_march", "native") == "native", s["block"]
         assert rule["plain_name_is_fast"] == (rule["speed_met"] and rule["selection_met"]) == (plain in names)
         if plain in names:
             assert resolve_preset(plain, model=model).spec == fast and not dense_key_map(fast)
