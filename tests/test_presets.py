@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -22,8 +23,10 @@ from walshkv.presets import (
     BUILTIN,
     FAST_BUDGETS,
     PRESET_BUDGETS,
+    KeyWork,
     dense_key_map,
     is_fast_preset,
+    key_work,
     model_presets,
     name_specs,
     preset_name_for_bits,
@@ -326,6 +329,43 @@ def test_recommend_fast_names_the_fast_preset(hd64_lm):
     rec = recommend(hd64_lm, TEXT, 4.5, windows=1, ctx=64, calib_tokens=128, progress=False, fast=True)
     assert rec.preset.name == "walshkv:4.5-fast" and not any(dense_key_map(r["codec"]) for r in rec.rows)
     assert any("eqd+" in r["codec"] for r in rec.rows)
+
+
+KEY_WORK = [  # (model, head_dim, group, its walshkv:3.5-max ratio, its walshkv:3.5-fast ratio)
+    ("smollm2-135m", 64, 3, 10.6667, 0.6667),
+    ("qwen2.5-1.5b", 128, 6, 10.6667, 1.0833),
+    ("gemma3-270m", 256, 4, 32.0, 2.125),
+]
+
+
+@pytest.mark.parametrize(("model", "head_dim", "group", "max_ratio", "fast_ratio"), KEY_WORK)
+def test_key_work_counts_each_kind_of_k_transform(model, head_dim, group, max_ratio, fast_ratio):
+    """The work per key that `recommend --max-key-work` and its help text state, from each shipped preset's wrappers:
+    eq+'s dense map d² per key, the block frame's query product shared by a block (group * d² / 64) plus its table
+    row (d), nothing after RoPE; the unit is plain attention's 2 * group * d."""
+    d, g = head_dim, group
+    assert key_work("rot+int4", d, g) == KeyWork(score=2 * g * d, key_map=0.0)
+    assert key_work("prerope+center+eqd+tq:3.5/tq:3", d, g).key_map == d * math.log2(d) + 2 * d
+    assert key_work(resolve_preset("walshkv:3.5-max", model=model).spec, d, g).ratio == pytest.approx(
+        max_ratio, abs=1e-4
+    )
+    assert key_work(resolve_preset("walshkv:3.5-fast", model=model).spec, d, g).ratio == pytest.approx(
+        fast_ratio, abs=1e-4
+    )
+    layered = "layers:prerope+center+eq+tq:3.5/tq:3@0;ropeblock:16+eqr:16+tq:3/tq:2.5"
+    assert key_work(layered, d, g).key_map == max(d * d, g * d * d / 16 + d)  # the costliest part
+    with pytest.raises(ValueError, match="group >= 1"):
+        key_work("rot+int4", d, 0)
+
+
+def test_a_key_work_ceiling_keeps_only_candidates_under_it():
+    dense = "prerope+center+eq+tq:3/tq:2.5"
+    frame = block_candidate(dense)
+    got = candidates_for(3.5, 64, [dense, frame], max_key_work=4.0, group=3)
+    assert frame in got and dense not in got and all(key_work(s, 64, 3).ratio <= 4.0 for s in got)
+    assert dense in candidates_for(3.5, 64, [dense, frame])
+    with pytest.raises(ValueError, match=r"within 0\.5x the score work per key"):
+        candidates_for(3.5, 64, [dense, frame], max_key_work=0.5, group=3, builtin=False)
 
 
 def test_block_candidates_store_k_in_the_block_frame():

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from walshkv.codecs import NamedSpec, SpecLike, name_spec, parse_cache_spec
 from walshkv.codecs.base import find_wrapper
+from walshkv.codecs.blockrope import RopeBlock
 from walshkv.codecs.builtin_presets import (
     BUILTIN,
     FAST_BUDGETS,
@@ -63,11 +65,13 @@ __all__ = [
     "MAX_SUFFIX",
     "MODEL_PRESETS_FILE",
     "PRESET_BUDGETS",
+    "KeyWork",
     "Preset",
     "dense_key_map",
     "is_fast_preset",
     "is_max_preset",
     "is_preset",
+    "key_work",
     "known_model",
     "model_presets",
     "name_specs",
@@ -379,6 +383,55 @@ def dense_key_map(spec: str | CacheSpec) -> bool:
             if eq is not None and not isinstance(eq, DiagonalEqualized):
                 return True
     return False
+
+
+@dataclass(frozen=True)
+class KeyWork:
+    """The multiply-adds a decode step spends per cached key and kv head, for a spec at a model's attention shape.
+
+    Attributes:
+        score: ``2 * group * head_dim``: the ``group`` query heads' scores against the key and their sums of its
+            value: what plain attention spends per key, and the unit of :attr:`ratio`.
+        key_map: what the spec's K transforms add per key: ``head_dim²`` for ``prerope+`` with ``eq+``'s dense
+            matrix; ``head_dim * log2(head_dim) + 2 * head_dim`` for other ``prerope+`` keys (a fast Walsh-Hadamard
+            map and RoPE per key); ``group * head_dim² / G + head_dim`` for the block frame (``ropeblock:G+``: each
+            block's query product shared by its ``G`` keys, and the table row added to each); 0 after RoPE (every
+            map moves onto the query, once per step). The largest over a ``layers:`` spec's parts.
+    """
+
+    score: int
+    key_map: float
+
+    @property
+    def ratio(self) -> float:
+        """:attr:`key_map` in units of :attr:`score`: 0 for a post-RoPE spec, about 10 or more with a dense map."""
+        return self.key_map / self.score
+
+
+def key_work(spec: str | CacheSpec, head_dim: int, group: int) -> KeyWork:
+    """The K transforms' decode work per cached key of ``spec`` (:class:`KeyWork`), counted from its wrappers.
+
+    Args:
+        spec: a cache spec or preset spec.
+        head_dim: the model's head size.
+        group: query heads per kv head (GQA).
+
+    Raises:
+        ValueError: ``head_dim`` or ``group`` below 1.
+    """
+    if head_dim < 1 or group < 1:
+        raise ValueError(
+            f"key_work needs head_dim >= 1 and group >= 1 query heads per kv head, got {head_dim}, {group}"
+        )
+    d = head_dim
+    work = 0.0
+    for part in spec_parts(spec):
+        if isinstance(part.k, RopeBlock):
+            work = max(work, group * d * d / part.k.block + d)
+        elif isinstance(part.k, PreRope):
+            dense = dense_key_map(part)
+            work = max(work, d * d if dense else d * math.log2(d) + 2 * d)
+    return KeyWork(score=2 * group * d, key_map=work)
 
 
 def spec_parts(spec: str | CacheSpec) -> list[CacheSpec]:

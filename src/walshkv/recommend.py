@@ -26,7 +26,7 @@ from walshkv.codecs.turbo import TQ_BITS, TurboQuant
 from walshkv.data import Text
 from walshkv.defaults import CALIB_TOKENS, CTX, RECOMMEND_WINDOWS
 from walshkv.eval.sweep import EvalJob, evaluate_specs
-from walshkv.presets import BUILTIN, PRESET_BUDGETS, Preset, dense_key_map, preset_name_for_bits
+from walshkv.presets import BUILTIN, PRESET_BUDGETS, Preset, dense_key_map, key_work, preset_name_for_bits
 
 if TYPE_CHECKING:
     from walshkv.constants import Kind
@@ -180,6 +180,8 @@ def candidates_for(
     ctx: int = CTX,
     fast: bool = False,
     builtin: bool = True,
+    max_key_work: float | None = None,
+    group: int = 1,
 ) -> list[str]:
     """Candidate specs whose bits per element at ``head_dim`` fit ``bits``, most bits first.
 
@@ -188,7 +190,9 @@ def candidates_for(
     spec's fp16 tokens are counted over a context of ``ctx`` tokens (the windows it is measured on).
     With ``fast`` (the ``walshkv:B-fast`` presets), each built-in candidate whose keys the kernels would map by
     a dense matrix per key (:func:`dense_key_map`) takes ``eqd+`` in place of ``eq+`` (:func:`fast_candidate`).
-    With ``builtin=False`` only ``extra`` is ranked (a re-selection between named specs).
+    With ``builtin=False`` only ``extra`` is ranked (a re-selection between named specs). With ``max_key_work``,
+    only specs whose K transforms cost at most that many times plain attention's work per cached key
+    (:func:`walshkv.presets.key_work` at ``head_dim`` and ``group`` query heads per kv head) are kept.
 
     Returns:
         Canonical spec strings (what result rows and preset files name).
@@ -226,10 +230,13 @@ def candidates_for(
             if isinstance(parsed, CacheSpec)
             else parsed.bits_per_element(head_dim)
         )
+        if max_key_work is not None and key_work(parsed, head_dim, group).ratio > max_key_work + 1e-9:
+            continue
         if b <= bits + 1e-9:
             fits.setdefault(parsed.spec, b)
     if not fits:
-        raise ValueError(f"no candidate spec fits {bits} bits per element at head_dim {head_dim}")
+        within = "" if max_key_work is None else f" with K transforms within {max_key_work:g}x the score work per key"
+        raise ValueError(f"no candidate spec fits {bits} bits per element at head_dim {head_dim}{within}")
     return sorted(fits, key=lambda s: -fits[s])
 
 
@@ -281,6 +288,7 @@ def recommend(
     per_layer: bool = False,
     fast: bool = False,
     builtin: bool = True,
+    max_key_work: float | None = None,
     progress: bool = True,
     executor: Executor | None = None,
 ) -> Recommendation:
@@ -301,12 +309,18 @@ def recommend(
             dense per-key matrix (:func:`candidates_for` with ``fast``; ``eqd+`` in place of
             ``prerope+``'s ``eq+``).
         builtin: rank the built-in candidates of the budget with ``extra`` (default); ``False``: ``extra`` only.
+        max_key_work: the work ceiling: only candidates whose K transforms cost at most this many times plain
+            attention's work per cached key at the model's shape (:func:`walshkv.presets.key_work`); ``None``: any.
+            Every row records its own (``key_work``).
         progress: progress bars.
         executor: where the candidates run (:class:`walshkv.eval.sweep.Executor`); ``None``: here, all in one
             evaluation. ``walshkv.integrations.ray.RayExecutor`` spreads them (and the per-layer moves) over a
             Ray cluster; the statistics are collected here and the choice is made here, on the same numbers.
     """
-    names = candidates_for(bits, lm.shape.head_dim, extra, lm.shape.layers, ctx=ctx, fast=fast, builtin=builtin)
+    d, group = lm.shape.head_dim, lm.shape.q_heads // lm.shape.kv_heads
+    names = candidates_for(
+        bits, d, extra, lm.shape.layers, ctx=ctx, fast=fast, builtin=builtin, max_key_work=max_key_work, group=group
+    )
     specs = {s.spec: s for s in (parse_cache_spec(n) for n in names)}  # canonical string -> spec, in order
     calib, select = split_text(text)
     stats = collect_kv_stats(lm, calib, tokens=calib_tokens, ctx=ctx, progress=progress)
@@ -331,6 +345,8 @@ def recommend(
         if plan is not None and plan.spec != plan.base:
             rows = sorted([*rows, *(r for r in plan.rows if r["codec"] == plan.spec)], key=lambda r: r["kld_mean"])
             winner = rows[0]["codec"]
+    for row in rows:
+        row["key_work"] = round(key_work(row["codec"], d, group).ratio, 4)
     preset = Preset(preset_name_for_bits(bits, fast), bits, winner, source="recommend")
     return Recommendation(preset, rows, result.meta, stats, plan)
 

@@ -107,6 +107,8 @@ def test_fixable_inputs_fail_in_one_line_before_any_work(capsys, no_load) -> Non
         ("codecs", "--head-dim", "0"): "--head-dim must be a positive number",
         ("codecs", "--head-dim", "-4"): "--head-dim must be a positive number",
         ("recommend", "--bits", "4.5", "--calib-tokens", "0"): "--calib-tokens must be at least 1",
+        ("recommend", "--bits", "4.5", "--max-key-work", "-1"): "--max-key-work must be a finite number >= 0",
+        ("recommend", "--bits", "4.5", "--max-key-work", "nan"): "--max-key-work must be a finite number >= 0",
         ("bench", "attention", "--repeats", "0"): "--repeats must be at least 1",
         ("bench", "attention", "--threads", "0"): "--threads must be at least 1",
         # sizes and counts from a small argument: refused before anything is allocated (issue 39)

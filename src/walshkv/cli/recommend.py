@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,11 @@ __all__ = ["add_parsers"]
 def _cmd_recommend(args: argparse.Namespace) -> int:
     name = preset_name_for_bits(args.bits, args.fast)  # validates the budget before loading anything
     require_at_least(args, ctx=4, windows=1, calib_tokens=1)
+    if args.max_key_work is not None and not (args.max_key_work >= 0 and math.isfinite(args.max_key_work)):
+        raise ValueError(
+            "--max-key-work must be a finite number >= 0 (times plain attention's work per key), "
+            f"got {args.max_key_work!r}"
+        )
     if args.output is None:  # the default file is named after the model: its folder is checked now
         check_output_dir(Path.cwd(), what="-o (not given: MODEL-walshkv-B.gguf in the current directory)")
     executor = executor_from_args(args)  # --ray errors before loading anything
@@ -47,6 +53,8 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
             ctx=args.ctx,
             fast=args.fast,
             builtin=not args.only_candidates,
+            max_key_work=args.max_key_work,
+            group=lm.shape.q_heads // lm.shape.kv_heads,
         )
     )
     print(
@@ -67,6 +75,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
             per_layer=args.per_layer,
             fast=args.fast,
             builtin=not args.only_candidates,
+            max_key_work=args.max_key_work,
             progress=not args.quiet,
             executor=runner,
         )
@@ -151,6 +160,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="choose the fast preset walshkv:B-fast: only specs the fused decode kernels read without a dense "
         "head_dim x head_dim map per cached key (K before RoPE takes eqd+, the best diagonal transform, in place of "
         "eq+); the plain preset may be slower to decode but lower in KLD (docs/presets.md)",
+    )
+    re_.add_argument(
+        "--max-key-work",
+        type=float,
+        metavar="R",
+        help="the decode-work ceiling: keep only specs whose K transforms cost at most R times plain attention's "
+        "multiply-adds per cached key at the model's shape (0 after RoPE; the block frame 0.67, 1.08 and 2.1 on "
+        "smollm2-135m, qwen2.5-1.5b and gemma3-270m; eq+'s dense map before RoPE 10.7, 10.7 and 32). Each result "
+        "row records its own (key_work); walshkv.presets.key_work counts it",
     )
     re_.add_argument("-o", "--output", help="preset file (default MODEL-walshkv-B.gguf)")
     re_.set_defaults(func=_cmd_recommend)
