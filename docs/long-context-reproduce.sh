@@ -325,10 +325,10 @@ PY
     # issue 35's quality target at 4k: each block-frame preset (walshkv:B-fast) next to the one with the per-key map
     # (walshkv:B-max) on the same windows of the frozen holdout (Persuasion, 4,096 tokens; FAST_4K_MODELS, default
     # smollm2-135m: about 30 minutes on 2 cores; FAST_4K_WINDOWS, default 8). Reported, paired per window; these rows
-    # choose nothing. The rows in the docs: the default, FAST_4K_MODELS=gemma3-270m, and
-    # FAST_4K_MODELS=qwen2.5-1.5b FAST_4K_WINDOWS=3 (about 70 minutes on 2 cores)
+    # choose nothing. The rows in the docs: the default, FAST_4K_MODELS=gemma3-270m, and FAST_4K_MODELS=qwen2.5-1.5b
+    # FAST_4K_WINDOWS=3 FAST_4K_GRID=docs/grids/long-context-fast-pairs-3-3.5.json (3 and 3.5 bits; about 35 minutes)
     for model in ${FAST_4K_MODELS:-smollm2-135m}; do
-      walshkv sweep --model "$model" --text "$PERSUASION" --grid docs/grids/long-context-fast-pairs.json --ctx 4096 \
+      walshkv sweep --model "$model" --text "$PERSUASION" --grid "${FAST_4K_GRID:-docs/grids/long-context-fast-pairs.json}" --ctx 4096 \
         --windows "${FAST_4K_WINDOWS:-8}" --calib-text python-docs --decode-chunk 64 --chunk 16 --reuse-rows --quiet \
         --out "$OUT/holdout-4k-fast/$model/austen_persuasion"
     done

@@ -29,6 +29,7 @@ import torch
 
 from walshkv.constants import MAX_WRAPPERS
 from walshkv.ops.quant import FP16_MAX, checks_on_device, device_checks, finite_absmax
+from walshkv.ops.threads import SERIAL_BLAS_MAX, serial_blas
 
 if TYPE_CHECKING:
     from walshkv.codecs.calibration import CalibrationLike
@@ -254,7 +255,8 @@ class Codec(ABC):
         self.check_head_dim(x.shape[-1])
         check_start(start)
         x = x.contiguous()  # the same bytes for a view and its copy (matmul and rounding follow the strides)
-        packed = self._encode_checked(x, start)
+        with serial_blas(x.numel() <= SERIAL_BLAS_MAX):  # a decode step's token: no thread woken per product
+            packed = self._encode_checked(x, start)
         packed.dtype = x.dtype
         if x.dtype == torch.float16 and on_device:
             decoded = self._decode_at(packed, start).to(torch.float32).abs()
