@@ -34,7 +34,7 @@ from walshkv.codecs.accelerated import Step
 from walshkv.codecs.base import Codec, Field, Packed
 from walshkv.codecs.turbo import TurboQuant, _check_norm_bits, _check_seed, _fmt_bits
 from walshkv.ops import trellis
-from walshkv.ops.packing import pack_bits, unpack_bits
+from walshkv.ops.packing import pack_bits_span, unpack_bits
 
 __all__ = ["TCQ_BITS", "TCQ_CODES", "TCQ_STATE_BITS", "TCQ_TABLE_SETS", "TrellisQuant", "parse_tcq_args"]
 
@@ -155,8 +155,9 @@ class TrellisQuant(Codec):
             # passes of a few torch ops per value, milliseconds); what it declines takes the torch path
             codes = coder(t.reshape(-1, d).contiguous(), tab, widths, self.state_bits)
         codes = trellis.encode(t, tab, widths, self.state_bits) if codes is None else codes.reshape(t.shape)
+        codes = codes.to(torch.int64)  # each segment packed in place (pack_bits_span), not copied out of the row
         tensors = {
-            name: pack_bits(codes[..., start:stop], bits) for name, start, stop, bits in self.rotation.segments(d)
+            name: pack_bits_span(codes, start, stop, bits) for name, start, stop, bits in self.rotation.segments(d)
         }
         tensors["norm"] = stored
         return Packed(tensors, d, x.dtype)
