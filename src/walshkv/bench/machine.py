@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from walshkv.attention.cpu import kernel_march
 from walshkv.eval.provenance import cpu_meta, proc_line
 from walshkv.eval.report import library_versions
 
@@ -58,8 +59,8 @@ def machine_description() -> dict[str, Any]:
         # OpenMP's wait policy: spinning workers (the default) cost several-fold on vCPUs that share a core
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "thread_speedup": thread_speedup(),
-        # the fused kernel's -march (walshkv.attention.cpu.kernel_march): "native" unless WALSHKV_CPU_MARCH names one
-        "kernel_march": os.environ.get("WALSHKV_CPU_MARCH", "").strip() or "native",
+        # the fused kernel's -march: "native" unless WALSHKV_CPU_MARCH names one
+        "kernel_march": kernel_march(),
     }
 
 
