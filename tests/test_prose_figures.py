@@ -1,0 +1,188 @@
+"""Figures typed in the docs' prose, checked against the result files they come from.
+
+Generated blocks are checked by tests/test_docs.py; a figure that prose quotes from them (a range over the presets,
+a row named in a sentence) is listed here with the file and rows it summarizes, so a rerun that moves a figure
+fails this test until the sentence is rewritten. Prose is compared with its line breaks folded into spaces.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+
+Pick = Callable[[str], bool]
+
+
+def _fast(method: str) -> bool:
+    return method.startswith("walshkv:") and method.endswith("-fast")
+
+
+def _max(method: str) -> bool:
+    """The per-key-map presets: ``walshkv:B-max``, or a plain ``walshkv:B`` where the model's names keep it there."""
+    return bool(re.fullmatch(r"walshkv:[0-9.]+(-max)?", method))
+
+
+def _named(name: str) -> Pick:
+    return lambda method: method == name
+
+
+def _speeds(folder: str, pick: Pick, kv_len: int) -> list[float]:
+    run = json.loads((RESULTS / folder / "bench.json").read_text())
+    xs = [r["speedup_vs_best_sdpa"] for r in run["attention"] if r["kv_len"] == kv_len and pick(r["method"])]
+    assert xs, f"{folder}: no row at kv_len {kv_len} for the claim"
+    return xs
+
+
+def span(folder: str, pick: Pick, kv_len: int | tuple[int, ...], digits: int = 2) -> str:
+    """``"lo-hi"`` (or one value) of the picked rows' speed against the fastest SDPA, as the prose writes it."""
+    lens = (kv_len,) if isinstance(kv_len, int) else kv_len
+    xs = [x for n in lens for x in _speeds(folder, pick, n)]
+    lo, hi = f"{min(xs):.{digits}f}", f"{max(xs):.{digits}f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    doc: str
+    text: str  # the sentence's words, {0}, {1}, ... where the figures go
+    figures: tuple[Callable[[], str], ...]
+
+    def expected(self) -> str:
+        return self.text.format(*(f() for f in self.figures))
+
+
+A2 = "bench-model-{}-avx2"
+BOTH = (16384, 65536)
+CLAIMS = [
+    Claim(
+        "README.md",
+        "not on an AVX2-only one ({0}x and {1}x at 16k)",
+        (
+            lambda: span(A2.format("qwen2.5-1.5b"), _fast, 16384, 1),
+            lambda: span(A2.format("gemma3-270m"), _fast, 16384, 1),
+        ),
+    ),
+    Claim(
+        "README.md",
+        "block frame reaches {0}x on qwen2.5-1.5b, {1}x on gemma3-270m and {2}x on smollm2-135m",
+        tuple(lambda m=m: span(A2.format(m), _fast, BOTH, 1) for m in ("qwen2.5-1.5b", "gemma3-270m", "smollm2-135m")),
+    ),
+    Claim(
+        "docs/performance.md",
+        "qwen2.5-1.5b by the least ({0}x at 16k, {1}x at 64k), then gemma3-270m ({2}x, {3}x) "
+        "and smollm2-135m ({4}x, {5}x)",
+        tuple(
+            lambda m=m, n=n: span(A2.format(m), _fast, n)
+            for m in ("qwen2.5-1.5b", "gemma3-270m", "smollm2-135m")
+            for n in BOTH
+        ),
+    ),
+    Claim(
+        "docs/performance.md",
+        "with no frame reach only {0}x at 16k against {1}x for the scalar `tq:3.5/tq:3` of the same bytes "
+        "(gemma3-270m {2}x against {3}x)",
+        (
+            lambda: span(A2.format("qwen2.5-1.5b"), lambda m: m.startswith("tcq:3.5"), 16384),
+            lambda: span(A2.format("qwen2.5-1.5b"), _named("tq:3.5/tq:3"), 16384),
+            lambda: span(A2.format("gemma3-270m"), lambda m: m.startswith("tcq:3.5"), 16384),
+            lambda: span(A2.format("gemma3-270m"), _named("tq:3.5/tq:3"), 16384),
+        ),
+    ),
+    Claim(
+        "docs/performance.md",
+        "The `-max` presets are the slowest rows ({0}x on smollm2-135m, {1}x on qwen2.5-1.5b, "
+        "{2}x on gemma3-270m at 16k)",
+        tuple(lambda m=m: span(A2.format(m), _max, 16384) for m in ("smollm2-135m", "qwen2.5-1.5b", "gemma3-270m")),
+    ),
+    Claim(
+        "docs/performance.md",
+        "it put qwen2.5-1.5b's block frame higher ({0}x at 16k) and smollm2-135m's much lower ({1}x)",
+        (
+            lambda: span("bench-model-qwen2.5-1.5b-avx2code", _fast, 16384),
+            lambda: span("bench-model-smollm2-135m-avx2code", _fast, 16384),
+        ),
+    ),
+    Claim(
+        "docs/performance.md",
+        "the block-frame presets decode attention at about SDPA over fp32 at 16k ({0}x) and {1}x at 64k, the `-max` "
+        "presets at {2}x and {3}x",
+        (
+            lambda: span("bench-fast-avx2", _fast, 16384),
+            lambda: span("bench-fast-avx2", _fast, 65536),
+            lambda: span("bench-fast-avx2", _max, 16384),
+            lambda: span("bench-fast-avx2", _max, 65536),
+        ),
+    ),
+]
+
+
+def _gen_row(folder: str, name: str) -> dict:
+    """The generation row of a preset (``preset``) or codec (``codec``) named ``name``; ``dynamic`` the fp32
+    DynamicCache row."""
+    run = json.loads((RESULTS / folder / "bench.json").read_text())
+    if name == "dynamic":
+        rows = [r for r in run["generation"] if r["cache"] == "dynamic" and r["dtype"] == "float32"]
+    else:
+        rows = [r for r in run["generation"] if r["cache"] == "fused" and name in (r.get("preset"), r.get("codec"))]
+    assert len(rows) == 1, f"{folder}: {len(rows)} generation rows for {name!r}"
+    return rows[0]
+
+
+def _gen_x(folder: str, name: str) -> str:
+    """Decode speed of ``name`` against DynamicCache fp32 in the same run, as the bench's table writes it."""
+    return f"{_gen_row(folder, 'dynamic')['step_ms'] / _gen_row(folder, name)['step_ms']:.2f}"
+
+
+def _gen_ms(folder: str, name: str, key: str) -> str:
+    return f"{_gen_row(folder, name)[key]:.0f}"
+
+
+GEN_A2 = "bench-fast-gen-avx2"
+CLAIMS += [
+    Claim(
+        "docs/performance.md",
+        "the shipped `walshkv:3.5` (the per-key map) decodes at {0}x DynamicCache fp32 at 8k, `walshkv:3.5-fast` at "
+        "{1}x and `rot+int4` at {2}x",
+        tuple(lambda c=c: _gen_x(GEN_A2, c) for c in ("walshkv:3.5", "walshkv:3.5-fast", "rot+int4")),
+    ),
+    Claim(
+        "docs/performance.md",
+        "({0} and {1} ms of the presets' steps against DynamicCache's {2} ms), and the trellis codes' encode another "
+        "part (update {3}-{4} ms a step against `rot+int4`'s {5} ms)",
+        (
+            lambda: _gen_ms(GEN_A2, "walshkv:3.5", "attn_ms"),
+            lambda: _gen_ms(GEN_A2, "walshkv:3.5-fast", "attn_ms"),
+            lambda: _gen_ms(GEN_A2, "dynamic", "attn_ms"),
+            lambda: _gen_ms(GEN_A2, "walshkv:3.5-fast", "update_ms"),
+            lambda: _gen_ms(GEN_A2, "walshkv:3.5", "update_ms"),
+            lambda: _gen_ms(GEN_A2, "rot+int4", "update_ms"),
+        ),
+    ),
+]
+
+
+def _folded(path: str) -> str:
+    return " ".join((ROOT / path).read_text().split())
+
+
+@pytest.mark.parametrize("claim", CLAIMS, ids=lambda c: f"{c.doc}:{c.text[:40]}")
+def test_prose_figure_matches_its_result_file(claim: Claim) -> None:
+    expected = claim.expected()
+    assert expected in _folded(claim.doc), f"{claim.doc} should say: {expected}"
+
+
+def test_span_formats_like_the_prose() -> None:
+    assert (
+        span("bench-fast-avx2", _named("rot+int4"), 16384)
+        == f"{_speeds('bench-fast-avx2', _named('rot+int4'), 16384)[0]:.2f}"
+    )
+    with pytest.raises(AssertionError, match="no row"):
+        span("bench-fast-avx2", _named("no-such-method"), 16384)
