@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from walshkv.eval.metrics import paired_difference
-from walshkv.presets import model_presets, public_name
+from walshkv.presets import BUILTIN, model_presets, public_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE_DIR = ROOT / "docs"  # links in the page are relative to its folder (set by main)
@@ -110,7 +110,9 @@ def _rows(folder: Path) -> list[dict[str, Any]]:
 def _name_of(model: str) -> dict[str, str]:
     """``{spec: preset name}`` of the model's shipped presets, each by the name users give it (``walshkv:B-max`` for
     a dense-map entry whose plain name the naming rule gave to the block frame: walshkv.presets.public_name)."""
-    entry = model_presets().get(model, {"presets": {}})
+    entry = model_presets().get(model)
+    if entry is None:  # a model walshkv has not measured: its walshkv:B is the built-in spec (walshkv.presets.BUILTIN)
+        return {spec: name for name, spec in BUILTIN.items()}
     return {p["spec"]: public_name(model, key) for key, p in entry["presets"].items()}
 
 
@@ -760,10 +762,16 @@ def holdout_section(results: Path, summary: dict[str, Any]) -> list[str]:
         commits, cpus = _provenance([*emma.values(), *pers.values()])
         meta = next(iter(pers.values()))["_meta"]
         lines += [f"### {model}", ""]
+        builtin = (
+            " No selected presets: the `walshkv:B` rows are the built-in specs any model walshkv has not measured "
+            "gets (calibrated on python-docs in the run), not specs chosen for this model."
+            if model not in model_presets()
+            else ""
+        )
         lines.append(
             f"{meta['windows']} windows of {meta['ctx']} tokens per text, second half scored; 95% intervals: "
             "percentile bootstrap over windows (2,000 resamples). "
-            f"Code {', '.join(sorted(commits))}; CPU {', '.join(sorted(cpus))}."
+            f"Code {', '.join(sorted(commits))}; CPU {', '.join(sorted(cpus))}.{builtin}"
         )
         lines += [
             "",

@@ -6,7 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from walshkv.presets import model_presets, public_name
+from walshkv.presets import BUILTIN, model_presets, public_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,3 +93,13 @@ def test_the_targets_at_4k_are_judged_on_paired_windows(tmp_path: Path) -> None:
     verdicts = {v["peer"]: v["verdict"] for v in summary["holdout_4k"]["smollm2-135m"]}
     assert verdicts == {"rot+iq4_nl": "met", "rot+q4_0": "undecided"}
     assert report.holdout_4k_section(tmp_path / "none", {}) == []  # no run, no section
+
+
+def test_a_model_without_selected_presets_labels_the_built_in_specs_by_their_names() -> None:
+    # qwen2.5-0.5b's holdout rows: walshkv:B resolves to the built-in spec there, so its targets are judged on it
+    report = _report()
+    assert "qwen2.5-0.5b" not in model_presets()
+    names = report._name_of("qwen2.5-0.5b")
+    assert names == {spec: name for name, spec in BUILTIN.items()} and names["center+tq:4/tq:2.5"] == "walshkv:3.5"
+    # a model with shipped presets keeps its own specs' names only
+    assert "center+tq:4/tq:2.5" not in report._name_of("smollm2-135m")
