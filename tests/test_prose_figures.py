@@ -7,36 +7,48 @@ fails this test until the sentence is rewritten. Prose is compared with its line
 
 from __future__ import annotations
 
+import functools
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from walshkv.presets import dense_key_map
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 
-Pick = Callable[[str], bool]
+Pick = Callable[[dict[str, Any]], bool]
 
 
-def _fast(method: str) -> bool:
-    return method.startswith("walshkv:") and method.endswith("-fast")
+@functools.cache
+def _run(folder: str) -> dict[str, Any]:
+    return json.loads((RESULTS / folder / "bench.json").read_text())
 
 
-def _max(method: str) -> bool:
-    """The per-key-map presets: ``walshkv:B-max``, or a plain ``walshkv:B`` where the model's names keep it there."""
-    return bool(re.fullmatch(r"walshkv:[0-9.]+(-max)?", method))
+def _fast(row: dict[str, Any]) -> bool:
+    """A preset row whose keys take no dense per-key map (the block frame), whatever name it was asked by."""
+    return row["method"].startswith("walshkv:") and not dense_key_map(row["spec"])
+
+
+def _max(row: dict[str, Any]) -> bool:
+    """A preset row whose keys take ``eq+``'s per-key map (``walshkv:B-max``, or the plain name that means it)."""
+    return row["method"].startswith("walshkv:") and dense_key_map(row["spec"])
 
 
 def _named(name: str) -> Pick:
-    return lambda method: method == name
+    return lambda row: row["method"] == name
+
+
+def _starts(prefix: str) -> Pick:
+    return lambda row: row["method"].startswith(prefix)
 
 
 def _speeds(folder: str, pick: Pick, kv_len: int) -> list[float]:
-    run = json.loads((RESULTS / folder / "bench.json").read_text())
-    xs = [r["speedup_vs_best_sdpa"] for r in run["attention"] if r["kv_len"] == kv_len and pick(r["method"])]
+    xs = [r["speedup_vs_best_sdpa"] for r in _run(folder)["attention"] if r["kv_len"] == kv_len and pick(r)]
     assert xs, f"{folder}: no row at kv_len {kv_len} for the claim"
     return xs
 
@@ -47,6 +59,27 @@ def span(folder: str, pick: Pick, kv_len: int | tuple[int, ...], digits: int = 2
     xs = [x for n in lens for x in _speeds(folder, pick, n)]
     lo, hi = f"{min(xs):.{digits}f}", f"{max(xs):.{digits}f}"
     return lo if lo == hi else f"{lo}-{hi}"
+
+
+def _gen_row(folder: str, name: str) -> dict[str, Any]:
+    """The generation row of a preset (``preset``) or codec (``codec``) named ``name``; ``dynamic`` the fp32
+    DynamicCache row."""
+    rows = _run(folder)["generation"]
+    if name == "dynamic":
+        rows = [r for r in rows if r["cache"] == "dynamic" and r["dtype"] == "float32"]
+    else:
+        rows = [r for r in rows if r["cache"] == "fused" and name in (r.get("preset"), r.get("codec"))]
+    assert len(rows) == 1, f"{folder}: {len(rows)} generation rows for {name!r}"
+    return rows[0]
+
+
+def _gen_x(folder: str, name: str) -> str:
+    """Decode speed of ``name`` against DynamicCache fp32 in the same run, as the bench's table writes it."""
+    return f"{_gen_row(folder, 'dynamic')['step_ms'] / _gen_row(folder, name)['step_ms']:.2f}"
+
+
+def _gen_ms(folder: str, name: str, key: str) -> str:
+    return f"{_gen_row(folder, name)[key]:.0f}"
 
 
 @dataclass(frozen=True)
@@ -60,6 +93,7 @@ class Claim:
 
 
 A2 = "bench-model-{}-avx2"
+GEN_A2 = "bench-fast-gen-avx2"
 BOTH = (16384, 65536)
 CLAIMS = [
     Claim(
@@ -90,9 +124,9 @@ CLAIMS = [
         "with no frame reach only {0}x at 16k against {1}x for the scalar `tq:3.5/tq:3` of the same bytes "
         "(gemma3-270m {2}x against {3}x)",
         (
-            lambda: span(A2.format("qwen2.5-1.5b"), lambda m: m.startswith("tcq:3.5"), 16384),
+            lambda: span(A2.format("qwen2.5-1.5b"), _starts("tcq:3.5"), 16384),
             lambda: span(A2.format("qwen2.5-1.5b"), _named("tq:3.5/tq:3"), 16384),
-            lambda: span(A2.format("gemma3-270m"), lambda m: m.startswith("tcq:3.5"), 16384),
+            lambda: span(A2.format("gemma3-270m"), _starts("tcq:3.5"), 16384),
             lambda: span(A2.format("gemma3-270m"), _named("tq:3.5/tq:3"), 16384),
         ),
     ),
@@ -121,32 +155,6 @@ CLAIMS = [
             lambda: span("bench-fast-avx2", _max, 65536),
         ),
     ),
-]
-
-
-def _gen_row(folder: str, name: str) -> dict:
-    """The generation row of a preset (``preset``) or codec (``codec``) named ``name``; ``dynamic`` the fp32
-    DynamicCache row."""
-    run = json.loads((RESULTS / folder / "bench.json").read_text())
-    if name == "dynamic":
-        rows = [r for r in run["generation"] if r["cache"] == "dynamic" and r["dtype"] == "float32"]
-    else:
-        rows = [r for r in run["generation"] if r["cache"] == "fused" and name in (r.get("preset"), r.get("codec"))]
-    assert len(rows) == 1, f"{folder}: {len(rows)} generation rows for {name!r}"
-    return rows[0]
-
-
-def _gen_x(folder: str, name: str) -> str:
-    """Decode speed of ``name`` against DynamicCache fp32 in the same run, as the bench's table writes it."""
-    return f"{_gen_row(folder, 'dynamic')['step_ms'] / _gen_row(folder, name)['step_ms']:.2f}"
-
-
-def _gen_ms(folder: str, name: str, key: str) -> str:
-    return f"{_gen_row(folder, name)[key]:.0f}"
-
-
-GEN_A2 = "bench-fast-gen-avx2"
-CLAIMS += [
     Claim(
         "docs/performance.md",
         "the shipped `walshkv:3.5` (the per-key map) decodes at {0}x DynamicCache fp32 at 8k, `walshkv:3.5-fast` at "
