@@ -36,6 +36,8 @@ FAST_BITS="${FAST_BITS:-3 3.5 4.5}"
 # the fast presets chosen again with K in the block frame among the candidates (stage select-frame, issue 35)
 FRAME_MODELS="${FRAME_MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}"
 FRAME_BITS="${FRAME_BITS:-2.5 3 3.5 4.5}"
+# qwen2.5-0.5b's first presets (stage select-qwen05): the plain budgets first, then the fast ones
+Q05_PRESETS="${Q05_PRESETS:-2.5 3 3.5 4.5 2.5-fast 3-fast 3.5-fast 4.5-fast}"
 windows_for() {
   [ "$2" = qwen2.5-1.5b ] && { echo "${WINDOWS_qwen:-1}"; return; }
   case "$1" in 512) echo 16 ;; 2048) echo 4 ;; 4096) echo 2 ;; *) echo 1 ;; esac
@@ -123,6 +125,34 @@ for stage in $STAGES; do
       --candidate 'sink:1:prerope+center+eq+tq:4.5/tq:4' --candidate 'sink:1:prerope+center+eq+tcq:4.5:norm=8/tcq:4:norm=8' \
       --ctx 4096 --windows 2 --quiet --json "$OUT/select/gemma3-270m/recommend-4.5-ctx4096.json" \
       -o "$OUT/select/gemma3-270m/walshkv-4.5-ctx4096.gguf"
+    ;;
+  select-qwen05)
+    # qwen2.5-0.5b's first presets (docs/presets.md, "qwen2.5-0.5b's presets: the shipping rule", written before any
+    # of these runs): per budget, recommend at 4k on python-docs ranks the built-in spec walshkv:B stands for on a
+    # model with no presets and the spec the three measured models ship (the family spec); --fast ranks the built-in
+    # spec, the family spec's eqd+ twin and its block-frame twin. The lowest selection KLD ships (ship_presets.py),
+    # then its calibration (ship_calibrations.py --model qwen2.5-0.5b); the holdout rows come after and choose nothing
+    mkdir -p "$OUT/select/qwen2.5-0.5b"
+    for name in $Q05_PRESETS; do
+      bits=${name%-fast} flag=
+      [ "$bits" != "$name" ] && flag=--fast
+      json="$OUT/select/qwen2.5-0.5b/recommend-$name-q05-ctx4096.json"
+      [ -f "$json" ] && continue
+      args=()
+      while IFS= read -r spec; do args+=(--candidate "$spec"); done < <(python - "$bits" "$flag" <<'PY'
+import sys
+from walshkv.presets import resolve_preset
+from walshkv.recommend import block_candidate, fast_candidate
+bits, fast = sys.argv[1], sys.argv[2] == "--fast"
+width = {"2.5": "2", "3": "2.5", "3.5": "3", "4.5": "4"}[bits]
+family = f"sink:1:prerope+center+eq+tcq:{bits}:norm=8:tables=2/tcq:{width}:norm=8:tables=2"
+builtin = resolve_preset(f"walshkv:{bits}", model=None).spec
+print("\n".join(dict.fromkeys([builtin, fast_candidate(family), block_candidate(family)] if fast else [builtin, family])))
+PY
+      )
+      walshkv recommend --model qwen2.5-0.5b --bits "$bits" $flag --only-candidates "${args[@]}" --ctx 4096 --windows 2 \
+        --quiet --json "$json" -o "$OUT/select/qwen2.5-0.5b/walshkv-$name-q05-ctx4096.gguf"
+    done
     ;;
   select-check)
     # the 4k winner at 4.5 bits ships (scripts/ship_presets.py: the longest selection context wins), so the grids'
