@@ -7,12 +7,16 @@ width: a half width codes the first half one bit wider) from fixed seeds, the be
 (by the last round's training MSE) kept. Two sets ship (walshkv.ops.trellis.TABLE_SETS), and a shipped set is never
 trained again (its codes would decode to other values): set 1, trellis_tables.json, what ``tcq:B`` reads (20
 rounds of 8192 vectors, one start, the torch search); set 2, trellis_tables_2.json, what ``tcq:B:tables=2`` reads
-(60 rounds of 16384 vectors, two starts, seeds 1 and 2, the C++ search). The tables are model-independent: tcq
+(60 rounds of 16384 vectors, two starts, seeds 1 and 2, the C++ search); set 3, trellis_tables_3.json, what
+``tcq:B:tables=3`` reads: split tables (walshkv.ops.trellis.SPLIT_SETS, ``P[s & 15] + Q[s >> 4]``, trained under
+that structure, train_table's ``structure="44"``; the file holds each table's parts beside its 256 values, which
+are their float32 sums). The tables are model-independent: tcq
 codes the rotated, norm-scaled coordinates, which are close to N(0, 1) for any K/V. The file records each table's
 training MSE per round, its gap to D(R) in dB and the command, commit, CPU and library versions; a table is stored
 as float32 values written exactly (repr of the float32 as a Python float).
 
     python scripts/train_trellis_tables.py --set 2 --iterations 60 --samples 16384 --starts 2 --out /tmp/t2.json
+    python scripts/train_trellis_tables.py --set 3 --search cpp --iterations 60 --samples 16384 --starts 2
     python scripts/train_trellis_tables.py --check   # every set's file has every table, each of the right size
 
 ``--out`` writes elsewhere than the set's file (the shipped files are pinned by their sha256 in
@@ -69,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
                     if tab is None or len(tab) != 1 << state_bits:
                         print(f"{path}: table {trellis.table_key(bits, state_bits)} missing or of the wrong size")
                         return 1
+                    if table_set in trellis.SPLIT_SETS:
+                        parts = torch.tensor(data["parts"][trellis.table_key(bits, state_bits)], dtype=torch.float32)
+                        if not torch.equal(trellis.split_table(parts, state_bits), torch.tensor(tab)):
+                            print(f"{path}: table {trellis.table_key(bits, state_bits)} is not the sum of its parts")
+                            return 1
             print(f"{path}: {len(data['tables'])} tables, all present")
         return 0
     out = args.out or OPS / trellis.table_file(args.set)
@@ -81,27 +90,36 @@ def main(argv: list[str] | None = None) -> int:
     partial = out.exists() and (args.state_bits or args.bits)
     old = json.loads(out.read_text()) if partial else {"tables": {}, "stats": {}}
     tables, stats = old["tables"], old["stats"]
+    structure = trellis.SPLIT_SETS.get(args.set)
+    parts = old.get("parts", {}) if structure else None
     for state_bits in args.state_bits or trellis.STATE_BITS:
         for bits in args.bits or trellis.TRELLIS_BITS:
             key = trellis.table_key(bits, state_bits)
             seeds = range(args.starts) if args.starts == 1 else range(1, args.starts + 1)
+            train = trellis.train_table_parts if structure else trellis.train_table
+            extra = {"structure": structure} if structure else {}
             runs = [
-                trellis.train_table(
-                    bits, state_bits, samples=args.samples, iterations=args.iterations, seed=seed, coder=coder
+                train(
+                    bits, state_bits, samples=args.samples, iterations=args.iterations, seed=seed, coder=coder, **extra
                 )
                 for seed in seeds
             ]
             tab, history = min(runs, key=lambda run: run[1][-1])
+            if parts is not None:
+                parts[key] = [float(v) for v in tab.tolist()]
+                tab = trellis.split_table(tab, state_bits)
             tables[key] = [float(v) for v in tab.tolist()]
             gap = 10 * math.log10(history[-1] / 2 ** (-2 * bits))
             stats[key] = {"mse_per_round": history, "gap_db": gap, "starts_last_mse": [r[1][-1] for r in runs]}
             print(f"{key}: mse {history[0]:.5f} -> {history[-1]:.5f}, {gap:.2f} dB above D(R)", flush=True)
-            _write(out, tables, stats, args, argv)
+            _write(out, tables, stats, args, argv, parts)
     print(f"wrote {out}")
     return 0
 
 
-def _write(out: Path, tables: dict, stats: dict, args: argparse.Namespace, argv: list[str] | None) -> None:
+def _write(
+    out: Path, tables: dict, stats: dict, args: argparse.Namespace, argv: list[str] | None, parts: dict | None
+) -> None:
     meta = {
         "command": "python scripts/train_trellis_tables.py " + " ".join(argv or sys.argv[1:]),
         "commit": code_commit(),
@@ -115,7 +133,11 @@ def _write(out: Path, tables: dict, stats: dict, args: argparse.Namespace, argv:
         "table_set": args.set,
         "values_per_vector": 64,
     }
-    out.write_text(json.dumps({"meta": meta, "stats": stats, "tables": tables}, indent=1) + "\n")
+    data = {"meta": meta, "stats": stats, "tables": tables}
+    if parts is not None:
+        meta["structure"] = trellis.SPLIT_SETS[args.set]
+        data["parts"] = parts
+    out.write_text(json.dumps(data, indent=1) + "\n")
 
 
 if __name__ == "__main__":

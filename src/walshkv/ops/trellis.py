@@ -18,8 +18,13 @@ alternating Viterbi coding and per-state centroids (:func:`train_table`, ``scrip
 ship beside this file, so every machine decodes the same values. They ship in numbered *sets*
 (:data:`TABLE_SETS`), one file each, and a set never changes once shipped: set 1 (``trellis_tables.json``, 20
 rounds of 8192 vectors) is what ``tcq:B`` means, set 2 (``trellis_tables_2.json``, 60 rounds of 16384 vectors, the
-better of two seeded starts, 0.1-0.3 dB closer to ``D(R)``) is what ``tcq:B:tables=2`` means. A spec therefore
-names the values its codes decode to, and a saved cache or a KLD row of one set stays true when another ships.
+better of two seeded starts, 0.1-0.3 dB closer to ``D(R)``) is what ``tcq:B:tables=2`` means. Set 3
+(``trellis_tables_3.json``, ``tcq:B:tables=3``) is *split* (:data:`SPLIT_SETS`): each table is the float32 sum of
+two 16-entry parts over the state's low and high four bits, ``table[s] = P[s & 15] + Q[s >> 4]``
+(:func:`table_parts`), trained under that structure (:func:`train_table`'s ``structure="44"``), so that a CPU
+without byte permutes (AVX2) reads it with register permutes instead of a gather; every other reader reads its
+256 values as any set's. A spec therefore names the values its codes decode to, and a saved cache or a KLD row of
+one set stays true when another ships.
 """
 
 from __future__ import annotations
@@ -33,19 +38,24 @@ from importlib import resources
 import torch
 
 __all__ = [
+    "SPLIT_SETS",
     "STATE_BITS",
+    "STRUCTURES",
     "TABLE_SETS",
     "TAP_UNUSED",
     "TRELLIS_BITS",
     "codes_to_states",
     "encode",
     "gaussian_table",
+    "split_table",
     "state_taps",
     "step_widths",
     "table",
     "table_file",
     "table_key",
+    "table_parts",
     "train_table",
+    "train_table_parts",
     "viterbi",
 ]
 
@@ -55,9 +65,14 @@ TRELLIS_BITS: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0)
 #: L=10 table: 1.49 dB above it at 3 bits, against 2.28 dB untrained and 1.52 dB trained at L=8) but the encoder's
 #: work grows as 2**L; a table for another L is one more line here and a run of scripts/train_trellis_tables.py.
 STATE_BITS: tuple[int, ...] = (8,)
-#: The shipped table sets (:func:`table_file`): 1, the first training, and 2, trained three times as long on twice
-#: the vectors (``scripts/train_trellis_tables.py --set 2``).
-TABLE_SETS: tuple[int, ...] = (1, 2)
+#: The shipped table sets (:func:`table_file`): 1, the first training, 2, trained three times as long on twice
+#: the vectors (``scripts/train_trellis_tables.py --set 2``), and 3, split tables (:data:`SPLIT_SETS`).
+TABLE_SETS: tuple[int, ...] = (1, 2, 3)
+#: Table sets whose every table is a sum of small parts over groups of the state's bits, by structure: ``"44"``,
+#: ``table[s] = P[s & 15] + Q[s >> 4]`` (float32 sum; :func:`table_parts` gives ``P`` then ``Q``).
+SPLIT_SETS: dict[int, str] = {3: "44"}
+#: The structures :func:`train_table` trains: ``None`` (256 free entries) or ``"44"``.
+STRUCTURES: tuple[str, ...] = ("44",)
 #: The shift :func:`state_taps` gives a tap a value does not need (a 32-bit lane shifted this far is 0).
 TAP_UNUSED = 32
 _CHUNK = 4096  # vectors per Viterbi call: the back pointers take n * 2**(L-k) bytes per vector
@@ -93,7 +108,7 @@ def table_file(tables: int = 1) -> str:
     if isinstance(tables, bool) or tables not in TABLE_SETS:
         raise ValueError(
             f"trellis table set is one of {', '.join(map(str, TABLE_SETS))}; got {tables!r} "
-            "(set 1 is tcq's default, set 2 the longer-trained tables)"
+            "(set 1 is tcq's default, set 2 the longer-trained tables, set 3 the split tables AVX2 reads by permutes)"
         )
     return "trellis_tables.json" if tables == 1 else f"trellis_tables_{tables}.json"
 
@@ -115,9 +130,48 @@ def gaussian_table(state_bits: int, seed: int = 0) -> torch.Tensor:
 
 
 @functools.cache
-def _tables(tables: int) -> dict[str, list[float]]:
+def _set(tables: int) -> dict:
     text = resources.files("walshkv.ops").joinpath(table_file(tables)).read_text(encoding="utf-8")
-    return json.loads(text)["tables"]
+    return json.loads(text)
+
+
+def _tables(tables: int) -> dict[str, list[float]]:
+    return _set(tables)["tables"]
+
+
+def split_table(parts: torch.Tensor, state_bits: int = 8) -> torch.Tensor:
+    """The table of a ``"44"`` split: ``table[s] = P[s & 15] + Q[s >> 4]``, summed in float32.
+
+    Args:
+        parts: float32 ``[32]``: ``P`` (16 values) then ``Q`` (16 values).
+        state_bits: ``L``; the split covers ``L = 8`` only.
+
+    Returns:
+        float32 ``[256]``.
+
+    Raises:
+        ValueError: ``parts`` is not 32 values, or ``state_bits`` is not 8.
+    """
+    if state_bits != 8 or parts.shape != (32,):
+        raise ValueError(
+            f"a 44 split is 32 parts (P then Q) of an L=8 table; got {tuple(parts.shape)} at L={state_bits}"
+        )
+    s = torch.arange(256)
+    p, q = parts.to(torch.float32)[:16], parts.to(torch.float32)[16:]
+    return p[s & 15] + q[s >> 4]
+
+
+def table_parts(bits: float, state_bits: int, tables: int = 1) -> torch.Tensor | None:
+    """The parts of a split set's table (float32 ``[32]``: ``P`` then ``Q``, :data:`SPLIT_SETS`), or ``None`` for a
+    set whose tables are 256 free values.
+
+    Raises:
+        ValueError: no table ships for this pair or set (as :func:`table`).
+    """
+    table(bits, state_bits, tables)  # the same checks and message
+    if tables not in SPLIT_SETS:
+        return None
+    return torch.tensor(_set(tables)["parts"][table_key(bits, state_bits)], dtype=torch.float32)
 
 
 def table(bits: float, state_bits: int, tables: int = 1) -> torch.Tensor:
@@ -261,8 +315,14 @@ def train_table(
     iterations: int = 12,
     seed: int = 0,
     coder: Callable[[torch.Tensor, torch.Tensor, tuple[int, ...], int], torch.Tensor | None] | None = None,
+    structure: str | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """Train a table on unit Gaussian samples: alternate Viterbi coding and per-state centroids.
+
+    With ``structure="44"`` the table stays a split (:func:`split_table`): it starts from small seeded random parts
+    (a projection of a free table trains worse) and each round fits the parts to the per-state means by least
+    squares weighted by the square roots of the state counts (research/scripts/trellis_structured.py measured this
+    refit); the parts come back through :func:`train_table_parts`.
 
     Args:
         bits: width pattern (:func:`step_widths`).
@@ -274,11 +334,18 @@ def train_table(
         coder: a search that gives :func:`encode`'s codes ``[N, n]`` for ``(x, table, widths, L)`` (the C++
             kernel's, ``walshkv.attention.cpu.tcq_code_rows``, about 20 times faster), or ``None`` for the torch
             search here; a coder that returns ``None`` leaves that round to the torch search.
+        structure: ``None`` (256 free entries) or one of :data:`STRUCTURES`.
 
     Returns:
         The table (float32 ``[2**L]``) and the mean squared error of each round (on that round's samples,
         before its update).
+
+    Raises:
+        ValueError: an unknown ``structure``, or a split at ``state_bits`` other than 8.
     """
+    if structure is not None:
+        parts, history = train_table_parts(bits, state_bits, n, samples, iterations, seed, coder, structure)
+        return split_table(parts, state_bits), history
     gen = torch.Generator().manual_seed(seed)
     widths = step_widths(bits, n)
     tab = gaussian_table(state_bits, seed)
@@ -294,3 +361,47 @@ def train_table(
         count = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
         tab = torch.where(count > 0, sums / count.clamp(min=1), tab.to(torch.float64)).to(torch.float32)
     return tab, history
+
+
+def train_table_parts(
+    bits: float,
+    state_bits: int,
+    n: int = 64,
+    samples: int = 8192,
+    iterations: int = 12,
+    seed: int = 0,
+    coder: Callable[[torch.Tensor, torch.Tensor, tuple[int, ...], int], torch.Tensor | None] | None = None,
+    structure: str = "44",
+) -> tuple[torch.Tensor, list[float]]:
+    """:func:`train_table` under a split structure; returns the parts (float32 ``[32]``, ``P`` then ``Q``) and the
+    mean squared error of each round.
+
+    Raises:
+        ValueError: ``structure`` is not one of :data:`STRUCTURES`, or ``state_bits`` is not 8.
+    """
+    if structure not in STRUCTURES or state_bits != 8:
+        raise ValueError(
+            f"a split table has structure one of {', '.join(STRUCTURES)} at L=8; got {structure!r} at L={state_bits}"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    widths = step_widths(bits, n)
+    s = torch.arange(1 << state_bits)
+    design = torch.cat((torch.nn.functional.one_hot(s & 15, 16), torch.nn.functional.one_hot(s >> 4, 16)), dim=1).to(
+        torch.float64
+    )
+    params = 0.6 * torch.randn(32, generator=gen, dtype=torch.float64)
+    history = []
+    for _ in range(iterations):
+        tab = split_table(params.to(torch.float32), state_bits)
+        x = torch.randn(samples, n, generator=gen)
+        codes = coder(x, tab, widths, state_bits) if coder is not None else None
+        states = viterbi(x, tab, widths, state_bits) if codes is None else codes_to_states(codes, widths, state_bits)
+        history.append(float(((x - tab[states]) ** 2).mean()))
+        flat = states.reshape(-1)
+        size = 1 << state_bits
+        count = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
+        sums = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, x.reshape(-1).to(torch.float64))
+        mean = torch.where(count > 0, sums / count.clamp(min=1), tab.to(torch.float64))
+        w = count.sqrt()
+        params = torch.linalg.lstsq(design * w[:, None], (mean * w)[:, None], driver="gelsd").solution[:, 0]
+    return params.to(torch.float32), history
