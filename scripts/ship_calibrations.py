@@ -18,6 +18,9 @@ same CPU kind and thread count; regenerated there, every file came out byte-iden
     python scripts/ship_calibrations.py --model smollm2-135m # one model; the others' entries are kept
     python scripts/ship_calibrations.py --check              # files vs manifest vs model_presets.json (no model)
 
+Each run (and ``--markdown``, without calibrating) also writes docs/results/presets/calibrations.md, the table of
+shipped files that docs/presets.md shows (block ``shipped-calibrations``: sizes and deflated sizes from the files).
+
 Run it from a clean, committed tree (the manifest records the commit; a dirty one is recorded as such) after
 model_presets.json, the calibration code or the protocol defaults change, and commit the files with the manifest.
 `walshkv calibrate --preset NAME --model MODEL --text python-docs` writes the same statistics for one preset (with
@@ -59,6 +62,40 @@ def _model_presets() -> dict[str, Any]:
     return json.loads((PACKAGE / "model_presets.json").read_text())["models"]
 
 
+TABLE = ROOT / "docs" / "results" / "presets" / "calibrations.md"
+
+
+def _deflated(path: Path) -> int:
+    """Bytes of the file deflated as a wheel stores it (zip's raw deflate at level 6)."""
+    import zlib
+
+    c = zlib.compressobj(6, zlib.DEFLATED, -15)
+    return len(c.compress(path.read_bytes()) + c.flush())
+
+
+def _k_kind(needs: dict[str, Any]) -> str:
+    eq = needs.get("k_eq")
+    where = "before RoPE" if needs.get("k_before_rope") else "after RoPE"
+    if eq and eq.startswith("eqr:"):
+        return f"block frame, `eqr:{eq.split(':')[1]}`"
+    return f"{where}, `{eq}+`" if eq else where
+
+
+def markdown() -> str:
+    """The table of shipped calibration files (docs/presets.md, "Shipped calibrations"), from the manifest."""
+    lines = [
+        "| file (in `walshkv/calibrations/`) | serves | K | bytes | in the wheel (deflated) |",
+        "|---|---|---|---|---|",
+    ]
+    for model, entry in _load_manifest().get("models", {}).items():
+        for name, info in sorted(entry["files"].items()):
+            path = OUT / model / name
+            served = ", ".join(f"`{p}`" for p in info["presets"])
+            deflated = f"{_deflated(path):,}" if path.is_file() else "missing"
+            lines.append(f"| `{model}/{name}` | {served} | {_k_kind(info['needs'])} | {info['size']:,} | {deflated} |")
+    return "\n".join(lines) + "\n"
+
+
 def check() -> list[str]:
     """Every problem with the shipped files (empty: all in step): a preset of model_presets.json without its file or
     with a file of other needs, a file missing, changed or not in the manifest."""
@@ -92,6 +129,10 @@ def check() -> list[str]:
     for model in models:
         if model not in _model_presets():
             problems.append(f"{model}: in the manifest but not in model_presets.json")
+    if not TABLE.is_file() or TABLE.read_text() != markdown():
+        problems.append(
+            f"{TABLE.relative_to(ROOT)}: out of step with the manifest; run python scripts/ship_calibrations.py"
+        )
     return problems
 
 
@@ -176,13 +217,24 @@ def ship(model_names: list[str], command: str) -> None:
     data["models"] = dict(sorted(data["models"].items()))
     write_text_atomic(MANIFEST, json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"wrote {MANIFEST.relative_to(ROOT)}")
+    TABLE.write_text(markdown())
+    print(
+        f"wrote {TABLE.relative_to(ROOT)} (paste it: python scripts/update_readme.py {TABLE.relative_to(ROOT)} "
+        "docs/presets.md shipped-calibrations)"
+    )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", action="append", help="a model of model_presets.json (repeatable; default: all)")
     ap.add_argument("--check", action="store_true", help="exit 1 if a file or the manifest is out of step")
+    ap.add_argument("--markdown", action="store_true", help=f"write {TABLE.relative_to(ROOT)} from the manifest only")
     args = ap.parse_args()
+    if args.markdown:
+        TABLE.parent.mkdir(parents=True, exist_ok=True)
+        TABLE.write_text(markdown())
+        print(f"wrote {TABLE.relative_to(ROOT)}")
+        return 0
     if args.check:
         problems = check()
         print(
