@@ -211,7 +211,7 @@ PY
     for model in $MODELS; do
       holdout_sweep "$model" long-context
       if [ "$model" = smollm2-135m ]; then holdout_sweep "$model" docs/grids/long-context-2.5.json; fi
-      case "$model" in qwen2.5-1.5b | gemma3-270m) holdout_sweep "$model" docs/grids/long-context-2.5-plain.json ;; esac
+      case "$model" in qwen2.5-1.5b | gemma3-270m | qwen2.5-0.5b) holdout_sweep "$model" docs/grids/long-context-2.5-plain.json ;; esac
     done
     ;;
   holdout-4k)

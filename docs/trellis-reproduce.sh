@@ -19,7 +19,8 @@ EMMA="$DATA/austen_emma.txt"
 PERSUASION="$DATA/austen_persuasion.txt"
 STAGES="${STAGES:-tables rd select ship emma holdout bench decode structured lookup report}"
 # (rd-n8 and select-n8, then ship, emma and holdout again: the norm=8 re-selection, run after the stages above;
-# then rd-t2, select-qwen25 and select-t2, ship: table set 2 and qwen2.5-1.5b's walshkv:2.5; then select-qwen-tcq, ship; then select-tcq-rest, ship; then select-gemma25, ship)
+# then rd-t2, select-qwen25 and select-t2, ship: table set 2 and qwen2.5-1.5b's walshkv:2.5; then select-qwen-tcq, ship; then select-tcq-rest, ship; then select-gemma25, ship;
+# then tables-3, rd-t3 and bench-t3: table set 3, the split tables)
 MODEL=smollm2-135m
 
 # The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
@@ -119,6 +120,39 @@ for stage in $STAGES; do
       for c in tcq:2.5:norm=8 tcq:3:norm=8 tcq:4:norm=8; do args+=(--codec "$c" --codec "$c:tables=2"); done
       [ -f "docs/results/rd-tables2/$model/rd.json" ] || walshkv rd --model "$model" --tokens 2048 --quiet \
         --out "docs/results/rd-tables2/$model" "${args[@]}"
+    done
+    ;;
+  tables-3)
+    # table set 3, split tables (P[s & 15] + Q[s >> 4]: an AVX2 CPU reads them by register permutes, no gather);
+    # the file is committed, so this trains it only where it is missing (about 25 minutes on one core)
+    [ -f src/walshkv/ops/trellis_tables_3.json ] || OMP_NUM_THREADS=1 python scripts/train_trellis_tables.py --set 3 \
+      --search cpp --iterations 200 --samples 16384 --starts 2
+    ;;
+  rd-t3)
+    # what the split costs on real K/V: tcq (one-byte norm) with table set 2 against table set 3, against D(R)
+    for model in smollm2-135m qwen2.5-1.5b; do
+      args=()
+      for w in 2 2.5 3 3.5 4 4.5; do args+=(--codec "tcq:$w:norm=8:tables=2" --codec "tcq:$w:norm=8:tables=3"); done
+      [ -f "docs/results/rd-tables3/$model/rd.json" ] || walshkv rd --model "$model" --tokens 2048 --quiet \
+        --out "docs/results/rd-tables3/$model" "${args[@]}"
+    done
+    ;;
+  bench-t3)
+    # decode attention at 16k and 64k on one thread (an idle machine), each model's shapes: the 3.5-bit codes after
+    # RoPE and the 3.5-bit fast preset (the block frame), table set 2 against its set-3 twin, built for this CPU and,
+    # where it has AVX-512, for AVX2 on the same CPU (WALSHKV_CPU_MARCH=haswell: a stand-in, not an AVX2-only machine)
+    for model in ${T3_MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
+      cal=src/walshkv/calibrations/$model/prerope-plain-keqr_64_64.gguf
+      fast=$(python -c "from walshkv.presets import resolve_preset as r; print(r('walshkv:3.5-fast', model='$model').spec)")
+      for march in native haswell; do
+        out="$OUT/split-bench/$model-$march"
+        [ -f "$out/bench.json" ] && continue
+        env $([ "$march" = native ] || echo WALSHKV_CPU_MARCH=$march) walshkv bench attention --model "$model" \
+          --threads 1 --kv-len "${T3_KV_LENS:-16384,65536}" --codec tq:3.5/tq:3 \
+          --codec tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2 --codec tcq:3.5:norm=8:tables=3/tcq:3:norm=8:tables=3 \
+          --codec "$fast" --codec "$(echo "$fast" | sed 's/tables=2/tables=3/g')" --kv-mean-center "$cal" --quiet \
+          --no-plot --out "$out"
+      done
     done
     ;;
   select)
@@ -228,6 +262,6 @@ for stage in $STAGES; do
   report)
     python scripts/trellis_report.py
     ;;
-  *) echo "unknown stage $stage (tables rd select ship emma holdout bench decode structured lookup report rd-n8 select-n8 rd-t2 select-qwen25 select-t2 select-qwen-tcq select-tcq-rest select-gemma25)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tables rd select ship emma holdout bench decode structured lookup report rd-n8 select-n8 rd-t2 select-qwen25 select-t2 select-qwen-tcq select-tcq-rest select-gemma25 tables-3 rd-t3 bench-t3)" >&2; exit 2 ;;
   esac
 done

@@ -66,24 +66,32 @@ def _where(meta: dict) -> str:
 
 
 def gaussian() -> str:
+    """Each table set's gap to D(R) on a Gaussian source; the best free set (256 values) against the scalar quantizer
+    and the first set, and each split set (walshkv.ops.trellis.SPLIT_SETS) against the best free set: what the split
+    costs."""
     sets = {n: json.loads((TABLES.parent / trellis.table_file(n)).read_text()) for n in trellis.TABLE_SETS}
-    first, last = sets[trellis.TABLE_SETS[0]], sets[trellis.TABLE_SETS[-1]]
+    first = trellis.TABLE_SETS[0]
+    free = [n for n in trellis.TABLE_SETS if n not in trellis.SPLIT_SETS][-1]
+    split = [n for n in trellis.TABLE_SETS if n in trellis.SPLIT_SETS]
     heads = " | ".join(f"set {n} dB above D(R)" for n in sets)
+    split_heads = "".join(f" | set {n} (split) cost over set {free}, dB" for n in split)
     lines = [
-        f"| bits | {heads} | scalar Lloyd-Max dB above D(R) | set {trellis.TABLE_SETS[-1]} gain over scalar, dB "
-        f"| set {trellis.TABLE_SETS[-1]} over set {trellis.TABLE_SETS[0]}, dB |",
-        "|---|" + "---|" * (len(sets) + 3),
+        f"| bits | {heads} | scalar Lloyd-Max dB above D(R) | set {free} gain over scalar, dB "
+        f"| set {free} over set {first}, dB{split_heads} |",
+        "|---|" + "---|" * (len(sets) + 3 + len(split)),
     ]
-    for key in first["stats"]:
+    for key in sets[first]["stats"]:
         bits = float(key.split("/")[0])
-        gaps = [data["stats"][key]["gap_db"] for data in sets.values()]
-        cells = " | ".join(f"{g:.2f}" for g in gaps)
+        gap = {n: data["stats"][key]["gap_db"] for n, data in sets.items()}
+        cells = " | ".join(f"{g:.2f}" for g in gap.values())
+        costs = "".join(f" | {gap[n] - gap[free]:.2f}" for n in split)
         if bits.is_integer():
             scalar = 10 * math.log10(lloyd_max(int(bits), "gaussian").mse / 2 ** (-2 * bits))
-            lines.append(f"| {bits:g} | {cells} | {scalar:.2f} | {scalar - gaps[-1]:.2f} | {gaps[0] - gaps[-1]:.2f} |")
+            gain, longer = scalar - gap[free], gap[first] - gap[free]
+            lines.append(f"| {bits:g} | {cells} | {scalar:.2f} | {gain:.2f} | {longer:.2f}{costs} |")
         else:
             half = "(half width: no single scalar quantizer)"
-            lines.append(f"| {bits:g} | {cells} | {half} | | {gaps[0] - gaps[-1]:.2f} |")
+            lines.append(f"| {bits:g} | {cells} | {half} | | {gap[first] - gap[free]:.2f}{costs} |")
     lines.append("")
     for n, data in sets.items():
         meta = data["meta"]
@@ -92,43 +100,42 @@ def gaussian() -> str:
             f"Set {n} (`{trellis.table_file(n)}`): unit Gaussian vectors of {meta['values_per_vector']} values, "
             f"{meta['samples']} per round, {meta['iterations']} rounds"
             + (f", the better of {starts} seeded starts" if starts > 1 else "")
+            + (f", split `{trellis.SPLIT_SETS[n]}` (P[s & 15] + Q[s >> 4])" if n in trellis.SPLIT_SETS else "")
             + f"; `{meta['command'].strip()}` at {meta['commit']} on {meta['cpu']} (torch {meta['torch']}, "
             f"{meta['torch_threads']} threads)."
         )
     lines.append("")
+    names = "; ".join(f"set {n} is `tcq:B:tables={n}`" for n in trellis.TABLE_SETS if n != first)
     lines.append(
         f"Each figure is the last training round's MSE, measured on that round's fresh vectors before its update (so "
-        f"a little above what the table it ships codes). Set {first['meta'].get('table_set', 1)} is what `tcq:B` "
-        f"reads; set {last['meta'].get('table_set', trellis.TABLE_SETS[-1])} is `tcq:B:tables="
-        f"{trellis.TABLE_SETS[-1]}`."
+        f"a little above what the table it ships codes). Set {first} is what `tcq:B` reads; {names}."
     )
     return "\n".join(lines)
 
 
-def rd() -> str | None:
+def _rd_block(
+    path_of, head: str, widths: tuple[str, ...], pair, sign: float, peers: tuple[str, ...] = ()
+) -> str | None:
+    """One table per model of a rd run (``path_of(model)``): per width the two codecs ``pair(width)``, their K and
+    V gaps to D(R) and ``sign x (first - second)``; then the ``peers`` rows."""
     blocks = []
     for model in ("smollm2-135m", "qwen2.5-1.5b"):
-        path = OUT / f"rd-{model}" / "rd.json"
+        path = path_of(model)
         if not path.exists():
             continue
         run = json.loads(path.read_text())
         rows = {r["codec"]: r for r in run["results"]}
-        lines = [
-            f"**{model}** ({_where(run['meta'])}):",
-            "",
-            "| width | bits stored | tq K dB | tcq K dB | tq V dB | tcq V dB | tcq gain K / V, dB |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for w in ("2", "2.5", "3", "3.5", "4"):
-            a, b = rows.get(f"tq:{w}"), rows.get(f"tcq:{w}")
+        lines = [f"**{model}** ({_where(run['meta'])}):", "", head, "|---|---|---|---|---|---|---|"]
+        for w in widths:
+            a, b = (rows.get(c) for c in pair(w))
             if a is None or b is None:
                 continue
-            gain_k, gain_v = a["gap_db_k"] - b["gap_db_k"], a["gap_db_v"] - b["gap_db_v"]
+            dk, dv = sign * (a["gap_db_k"] - b["gap_db_k"]), sign * (a["gap_db_v"] - b["gap_db_v"])
             lines.append(
                 f"| {w} | {a['bits_per_element']:.3f} | {a['gap_db_k']:.2f} | {b['gap_db_k']:.2f} | "
-                f"{a['gap_db_v']:.2f} | {b['gap_db_v']:.2f} | {gain_k:.2f} / {gain_v:.2f} |"
+                f"{a['gap_db_v']:.2f} | {b['gap_db_v']:.2f} | {dk:.2f} / {dv:.2f} |"
             )
-        for peer in ("rot+iq4_nl", "rot+q4_0"):
+        for peer in peers:
             r = rows.get(peer)
             if r is not None:
                 lines.append(
@@ -136,6 +143,17 @@ def rd() -> str | None:
                 )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) if blocks else None
+
+
+def rd() -> str | None:
+    return _rd_block(
+        lambda model: OUT / f"rd-{model}" / "rd.json",
+        "| width | bits stored | tq K dB | tcq K dB | tq V dB | tcq V dB | tcq gain K / V, dB |",
+        ("2", "2.5", "3", "3.5", "4"),
+        lambda w: (f"tq:{w}", f"tcq:{w}"),
+        1.0,
+        ("rot+iq4_nl", "rot+q4_0"),
+    )
 
 
 def select(kind: str = "tcq", stage: str = "select", models: tuple[str, ...] = (MODEL,)) -> str | None:
@@ -214,6 +232,63 @@ def _eval_block(path: Path, targets: bool) -> str | None:
     return "\n".join(lines)
 
 
+def split_rd() -> str | None:
+    """Table set 3 (split) against set 2 on real K/V (docs/trellis-reproduce.sh, stage rd-t3): dB above D(R)."""
+    return _rd_block(
+        lambda model: ROOT / "docs" / "results" / "rd-tables3" / model / "rd.json",
+        "| width | bits stored | set 2 K dB | set 3 K dB | set 2 V dB | set 3 V dB | split cost K / V, dB |",
+        ("2", "2.5", "3", "3.5", "4", "4.5"),
+        lambda w: (f"tcq:{w}:norm=8:tables=2", f"tcq:{w}:norm=8:tables=3"),
+        -1.0,
+    )
+
+
+def split_bench() -> str | None:
+    """Decode attention with table set 2 against its set-3 twin (stage bench-t3): x the fastest SDPA of each run."""
+    runs = sorted((OUT / "split-bench").glob("*/bench.json"))
+    if not runs:
+        return None
+    lines = [
+        "| model | kernel built for | kv_len | tq:3.5/tq:3 | tcq 3.5, set 2 | tcq 3.5, set 3 | fast preset, set 2 "
+        "| fast preset, set 3 | set 3 / set 2 time: tcq, fast preset |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    where = set()
+    for path in runs:
+        run = json.loads(path.read_text())
+        meta = run["meta"]["machine"]
+        march = meta.get("kernel_march", "native")
+        built = "this CPU (native)" if march == "native" else f"`-march={march}` (stand-in)"
+        where.add(f"{meta.get('commit', '?')} on {meta.get('cpu', '?')} ({meta.get('cpu_capability', '?')})")
+        model = path.parent.name.rsplit("-", 1)[0]
+        by_len: dict[int, list[dict]] = {}
+        for r in run["attention"]:
+            if r["backend"] != "torch":
+                by_len.setdefault(int(r["kv_len"]), []).append(r)
+        for n, rows in sorted(by_len.items()):
+
+            def pick(pred, rows=rows):
+                return next((r for r in rows if pred(r.get("spec", r["method"]))), None)
+
+            tq = pick(lambda s: s == "tq:3.5/tq:3")
+            t2 = pick(lambda s: s.startswith("tcq:3.5") and "tables=2" in s)
+            t3 = pick(lambda s: s.startswith("tcq:3.5") and "tables=3" in s)
+            f2 = pick(lambda s: "ropeblock" in s and "tables=2" in s)
+            f3 = pick(lambda s: "ropeblock" in s and "tables=3" in s)
+            cells = ["" if r is None else f"{r['speedup_vs_best_sdpa']:.2f}" for r in (tq, t2, t3, f2, f3)]
+            ratio = ", ".join(f"{b['ms'] / a['ms']:.2f}" for a, b in ((t2, t3), (f2, f3)) if a and b)
+            lines.append(f"| {model} | {built} | {n:,} | " + " | ".join(cells) + f" | {ratio} |")
+    lines += [
+        "",
+        "x the fastest SDPA of each run (one thread; medians of interleaved rounds; `walshkv bench attention --model "
+        "MODEL --threads 1`, docs/trellis-reproduce.sh stage bench-t3); the fast preset is the model's shipped "
+        "`walshkv:3.5-fast` (the block frame) and its twin with every `tables=2` made `tables=3`. "
+        + "; ".join(sorted(where))
+        + ".",
+    ]
+    return "\n".join(lines)
+
+
 def _written(path: Path) -> str | None:
     """A block written by its own command (a bench or probe's markdown), as it stands, or None before it runs."""
     return path.read_text().strip() if path.exists() else None
@@ -236,6 +311,8 @@ def main() -> int:
         "decode": _written(OUT / "decode-ab" / "ab.md"),
         "structured": _written(OUT / "structured" / "structured.md"),
         "lookup": _written(OUT / "lookup" / "lookup.md"),
+        "split-rd": split_rd(),
+        "split-bench": split_bench(),
     }
     for name, body in blocks.items():
         if body is None:

@@ -52,6 +52,15 @@ def _desc(module, spec: str, d: int, n: int, seed: int):
 
 AVX2_MAX_D = 256  # longest row the AVX2 plan takes (TCQ_AVX2_CHUNKS * 8); longer rows take the generic path
 GENERIC_CASES = (("tcq:3", 512), ("tcq:2.5", 512))  # the generic decoder (tcq_row), which no shipped layout takes
+#: The split table set (tables=3, P[s & 15] + Q[s >> 4]): the AVX2 decoder reads it by register permutes, the others
+#: as any table; every width at head_dim 64 and the presets' head sizes at 3.5 bits, and one row past the AVX2 plan
+SPLIT_CASES = (
+    *((f"tcq:{bits:g}:tables=3", 64) for bits in trellis.TRELLIS_BITS),
+    ("tcq:3.5:tables=3", 128),
+    ("tcq:3.5:tables=3", 256),
+    ("tcq:4.5:tables=3", 16),
+    ("tcq:3:tables=3", 512),
+)
 
 
 def _cases():
@@ -64,6 +73,11 @@ def _cases():
                 continue  # fewer bits in the row than the trellis state
             yield f"tcq:{bits:g}", d
     yield from GENERIC_CASES
+    yield from SPLIT_CASES
+
+
+def _bits(spec: str) -> float:
+    return float(spec.split(":")[1])
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])
@@ -71,7 +85,7 @@ def _cases():
 def test_kernel_rows_are_the_codecs_values_bit_for_bit(build, spec, d):
     module = _module(build)
     n, i0 = 70, 3  # three tiles of 32 (the last partial), starting past token 0
-    codec, packed, plan, desc, keep = _desc(module, spec, d, n, seed=int(10 * d + 2 * float(spec[4:])))
+    codec, packed, plan, desc, keep = _desc(module, spec, d, n, seed=int(10 * d + 2 * _bits(spec)))
     out = torch.full((2, 3, n - i0, plan.v.length), float("nan"))
     module.decode_rows(desc, [], out.data_ptr(), 2, 3, i0, n - i0, 1)
     del keep
@@ -86,7 +100,7 @@ def test_the_vbmi_path_reads_the_layouts_it_was_built_for(spec, d):
     module = cpu.load_kernel()
     _, _, _, desc, _keep = _desc(module, spec, d, 4, seed=0)
     vbmi = _cpu_has(("avx512vbmi", "avx512bw")) and "-march=native" in cpu._CFLAGS_NATIVE
-    bits = float(spec[4:])
+    bits = _bits(spec)
     segments = [d * bits / 8] if bits.is_integer() else [d // 2 * (bits + 0.5) / 8, d // 2 * (bits - 0.5) / 8]
     fits = d in VBMI_HEAD_DIMS and max(segments) <= 128  # tcq:5 at 256 is one segment of 160 bytes
     avx2 = "avx2" if d <= AVX2_MAX_D else "generic"  # every shipped layout fits the AVX2 plan

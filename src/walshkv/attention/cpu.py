@@ -551,9 +551,9 @@ def _desc(
             keep += [seg, levels]
             desc += [seg_ptr, seg_st[0], seg_st[1], seg_st[2], seg_end, start, size, bits, levels.data_ptr()]
     if f.trellis is not None:
-        table, shifts, taps, state_bits = f.trellis
-        keep += [table, shifts]
-        desc += [table.data_ptr(), shifts.data_ptr(), taps, state_bits]
+        table, shifts, taps, state_bits, parts = f.trellis
+        keep += [table, shifts] + ([] if parts is None else [parts])
+        desc += [table.data_ptr(), shifts.data_ptr(), taps, state_bits, 0 if parts is None else parts.data_ptr()]
     if f.norm_table is not None:
         desc.append(f.norm_table.data_ptr())
     return desc, keep

@@ -76,9 +76,10 @@ class KernelFormat:
     bands: tuple[int, ...] = ()  # banded: (first byte, first buffer position, size, bits) per band
     # tq: (field, first buffer position, size, bits, levels) per segment; levels float32, >= 32 entries
     segments: tuple[tuple[str, int, int, int, torch.Tensor], ...] = ()
-    # tcq: (table float32 [2**L], shifts int32 [taps, head_dim], taps, L): value i decodes to
-    # table[(sum_t code[(i - t) mod d] << shifts[t, i]) mod 2**L] (a shift of 32 adds nothing)
-    trellis: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+    # tcq: (table float32 [2**L], shifts int32 [taps, head_dim], taps, L, parts): value i decodes to
+    # table[(sum_t code[(i - t) mod d] << shifts[t, i]) mod 2**L] (a shift of 32 adds nothing); parts: a split
+    # set's P then Q (float32 [32], table[s] = P[s & 15] + Q[s >> 4]: AVX2 reads them by permutes), or None
+    trellis: tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None] | None = None
     # tq, tcq at norm=8: the norm field is one log byte per row, worth norm_table[byte] (float32 [256])
     norm_table: torch.Tensor | None = None
 
@@ -137,6 +138,16 @@ def _tq_format(core: TurboQuant, head_dim: int) -> KernelFormat | None:
     )
 
 
+def _parts(core: TrellisQuant) -> torch.Tensor | None:
+    """A split table set's parts (``P`` then ``Q``), checked to sum to the table the other readers read."""
+    parts = core.table_parts()
+    if parts is None:
+        return None
+    if not torch.equal(trellis.split_table(parts, core.state_bits), core.table()):
+        raise ValueError(f"{core.spec}: the table set's parts do not sum to its table (a damaged table file)")
+    return parts.contiguous()
+
+
 def _tcq_format(core: TrellisQuant, head_dim: int) -> KernelFormat | None:
     """tcq: tq's segments as raw codes, each value through the trellis table at its state."""
     try:
@@ -161,7 +172,7 @@ def _tcq_format(core: TrellisQuant, head_dim: int) -> KernelFormat | None:
         "norm",
         basis,
         segments=segments,
-        trellis=(table, shifts.contiguous(), shifts.shape[0], core.state_bits),
+        trellis=(table, shifts.contiguous(), shifts.shape[0], core.state_bits, _parts(core)),
         norm_table=_norm_table(core.rotation),
     )
 

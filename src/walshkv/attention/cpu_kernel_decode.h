@@ -261,7 +261,8 @@ static void decode_tile_tcq_vbmi(const Src& s, int64_t b, int64_t h, int64_t t, 
 
 #if defined(__AVX2__)
 // tcq with AVX2 (TcqAvx2): per row the padded stream in a buffer, per 8 values each state as the OR over taps of (byte
-// shuffle of the chunk's 16 broadcast bytes, per-lane shift, mask), then one gather from the table.
+// shuffle of the chunk's 16 broadcast bytes, per-lane shift, mask), then one gather from the table (a split table:
+// its two parts by register permutes and a blend each, then their sum).
 static void decode_tile_tcq_avx2(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
                                  float* rs) {
   const TcqAvx2& v = *s.tcq_avx2;
@@ -274,6 +275,12 @@ static void decode_tile_tcq_avx2(const Src& s, int64_t b, int64_t h, int64_t t, 
   // that no window load waits on the stores that just wrote it (a load spanning two stores is not forwarded)
   alignas(32) uint8_t buf[2][8 + MAX_TCQ_D + 64] = {};
   const float* tab = s.tcq_table;
+  // a split table (tcq_parts): P[s & 15] + Q[s >> 4], each half of P and Q in a register; a permute reads an index's
+  // low 3 bits, and a blend on bit 3 (shifted to the sign) picks the half, so the sum is the table's float32 entry
+  const bool split = s.tcq_parts != nullptr;
+  const float* parts = split ? s.tcq_parts : tab;  // unused without a split
+  const __m256 p0 = _mm256_loadu_ps(parts), p1 = split ? _mm256_loadu_ps(parts + 8) : p0;
+  const __m256 q0 = split ? _mm256_loadu_ps(parts + 16) : p0, q1 = split ? _mm256_loadu_ps(parts + 24) : p0;
   // whole 32-byte copies where the segment's row and 32 bytes after it lie inside its tensor (the slack of buf takes
   // what spills past the row; the next copy overwrites it), else exact copies
   const bool wide0 = v.bytes0 <= 32 && r0 + (nt - 1) * st0 + 32 <= s.seg_end[0];
@@ -310,7 +317,16 @@ static void decode_tile_tcq_avx2(const Src& s, int64_t b, int64_t h, int64_t t, 
                                                                       reinterpret_cast<const __m256i*>(v.shr[c][k]))),
                                                 _mm256_load_si256(reinterpret_cast<const __m256i*>(v.mask[c][k]))));
       }
-      _mm256_storeu_ps(row + 8 * c, _mm256_i32gather_ps(tab, x, 4));
+      if (split) {
+        const __m256i hi = _mm256_srli_epi32(x, 4);
+        const __m256 p = _mm256_blendv_ps(_mm256_permutevar8x32_ps(p0, x), _mm256_permutevar8x32_ps(p1, x),
+                                          _mm256_castsi256_ps(_mm256_slli_epi32(x, 28)));
+        const __m256 q = _mm256_blendv_ps(_mm256_permutevar8x32_ps(q0, hi), _mm256_permutevar8x32_ps(q1, hi),
+                                          _mm256_castsi256_ps(_mm256_slli_epi32(x, 24)));
+        _mm256_storeu_ps(row + 8 * c, _mm256_add_ps(p, q));
+      } else {
+        _mm256_storeu_ps(row + 8 * c, _mm256_i32gather_ps(tab, x, 4));
+      }
     }
     rs[i] = row_norm(s, sc + i * s.ss2) * s.row_mul;
   }

@@ -47,7 +47,8 @@ struct TcqVbmi {
 
 // FMT_TCQ with AVX2 and no VBMI plan (TcqAvx2): per row the padded stream (TcqGeom) copied to a small buffer, then per
 // 8 values 16 of its bytes broadcast to both lanes and, per tap, a byte shuffle, a per-lane shift and a mask give the
-// tap's bits of each state; one gather reads the table (on a Zen3 EPYC a scalar loop of loads was slower, and the
+// tap's bits of each state; one gather reads the table (a split table, tcq_parts: two pairs of register permutes and
+// two blends, no gather) (on a Zen3 EPYC a scalar loop of loads was slower, and the
 // gather still takes about half the time: docs/trellis.md). Rows of up to TCQ_AVX2_CHUNKS * 8 values (a multiple of
 // 8), at most TCQ_AVX2_TAPS taps, every chunk's bytes within 16; others take the generic path (tcq_row).
 static constexpr int TCQ_AVX2_CHUNKS = 32;
@@ -90,6 +91,9 @@ struct Src {
   // tcq_table[(sum over taps t of code[i - t] << tcq_shift[t * L + i]) & tcq_mask], code indices mod L, a shift of
   // 32 or more contributing nothing
   const float* tcq_table;
+  // a split table set's parts (P then Q, float32 [32]: tcq_table[s] = P[s & 15] + Q[s >> 4] in float32), or null;
+  // with them the AVX2 decoder reads each value by register permutes instead of a gather (TcqAvx2)
+  const float* tcq_parts;
   const int32_t* tcq_shift;
   int tcq_taps;
   uint32_t tcq_mask;
@@ -256,12 +260,14 @@ static Src make_src(const std::vector<int64_t>& a) {
   s.row_mul = 1.0f;
   s.norm_lut = nullptr;
   s.tcq_table = nullptr;
+  s.tcq_parts = nullptr;
   s.tcq_shift = nullptr;
   s.tcq_taps = 0;
   s.tcq_mask = 0;
   s.tcq_vbmi.ok = false;
   if (s.fmt == FMT_TQ || s.fmt == FMT_TCQ) {
-    const int64_t extra = s.fmt == FMT_TCQ ? 4 : 0;  // tcq: table, shifts, taps, state bits after the segments
+    // tcq: table, shifts, taps, state bits and the split table's parts (0: none) after the segments
+    const int64_t extra = s.fmt == FMT_TCQ ? 5 : 0;
     s.nseg = a.size() > 15 ? (int)a[15] : 0;
     // one more entry after them all: the norm byte's table (norm=8)
     const int64_t base = 16 + 9 * (int64_t)s.nseg + extra;
@@ -276,6 +282,8 @@ static Src make_src(const std::vector<int64_t>& a) {
       if (s.tcq_taps < 1 || s.tcq_taps > MAX_TCQ_TAPS || e[3] < 1 || e[3] > 16 || s.L > MAX_TCQ_D || s.L < s.tcq_taps)
         throw std::invalid_argument("walshkv decode attention: bad tcq trellis table");
       s.tcq_mask = (1u << e[3]) - 1u;
+      s.tcq_parts = reinterpret_cast<const float*>(e[4]);
+      if (s.tcq_parts && e[3] != 8) throw std::invalid_argument("walshkv decode attention: split tcq tables need L = 8");
     }
     for (int i = 0; i < s.nseg; ++i) {
       const int64_t* e = a.data() + 16 + 9 * i;

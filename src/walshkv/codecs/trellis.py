@@ -64,7 +64,7 @@ def _valid(values: tuple[float, ...]) -> str:
 
 @dataclass(frozen=True, repr=False)
 class TrellisQuant(Codec):
-    """``tcq:B[:L=8][:seed=N][:norm=16|8][:tables=1|2]``: Hadamard rotation, fp16 norm, a tail-biting trellis code
+    """``tcq:B[:L=8][:seed=N][:norm=16|8][:tables=1|2|3]``: Hadamard rotation, fp16 norm, a tail-biting trellis code
     of ``B`` bits per value.
 
     Attributes:
@@ -74,7 +74,8 @@ class TrellisQuant(Codec):
         norm_bits: 16 (fp16 norm, default) or 8 (a log byte, :mod:`walshkv.ops.lognorm`), as tq's.
         tables: the table set the codes decode through, one of :data:`TCQ_TABLE_SETS` (1, default: the first
             training; 2: trained longer, 0.1-0.3 dB closer to ``D(R)`` on a Gaussian source, the same bytes and
-            decode work). A set never changes once shipped, so a spec names what its codes decode to.
+            decode work; 3: split tables, ``P[s & 15] + Q[s >> 4]``, which an AVX2 CPU reads by register permutes
+            instead of a gather). A set never changes once shipped, so a spec names what its codes decode to.
         rotation: the ``tq:B`` codec whose rotation, norm and fields this codec shares (derived).
 
     Stored per vector: tq's fields at the same width (``codes`` or ``codes_hi``/``codes_lo``, ``norm``).
@@ -103,7 +104,7 @@ class TrellisQuant(Codec):
         if isinstance(self.tables, bool) or self.tables not in TCQ_TABLE_SETS:
             raise ValueError(
                 f"tcq's table set is one of {', '.join(map(str, TCQ_TABLE_SETS))} (tables=2: the longer-trained "
-                f"tables); got {self.tables!r}"
+                f"tables, tables=3: split tables AVX2 reads by register permutes); got {self.tables!r}"
             )
         self._set(bits=bits, rotation=TurboQuant(bits, self.seed, norm_bits=self.norm_bits))
         super().__post_init__()
@@ -123,6 +124,11 @@ class TrellisQuant(Codec):
     def table(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The trellis table (float32 ``[2**L]``) of this codec's table set, on ``device``."""
         return _table(self.bits, self.state_bits, self.tables, torch.device(device))
+
+    def table_parts(self) -> torch.Tensor | None:
+        """A split set's parts (float32 ``[32]``, ``P`` then ``Q``: ``table[s] = P[s & 15] + Q[s >> 4]``,
+        :func:`walshkv.ops.trellis.table_parts`), or ``None`` where the table is 256 free values."""
+        return trellis.table_parts(self.bits, self.state_bits, self.tables)
 
     def widths(self, head_dim: int) -> tuple[int, ...]:
         """Bits of each rotated coordinate (``head_dim`` entries)."""

@@ -307,6 +307,24 @@ def codes_to_states(codes: torch.Tensor, widths: tuple[int, ...], state_bits: in
     return parts.sum(dim=-2) & ((1 << state_bits) - 1)
 
 
+Coder = Callable[[torch.Tensor, torch.Tensor, tuple[int, ...], int], torch.Tensor | None]
+
+
+def _code_round(
+    x: torch.Tensor, tab: torch.Tensor, widths: tuple[int, ...], state_bits: int, coder: Coder | None
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One training round's coding of ``x`` ``[N, n]``: per state the count and the sum of the values coded there
+    (float64 ``[2**L]`` each) and the round's mean squared error (``coder`` as :func:`train_table` takes it)."""
+    codes = coder(x, tab, widths, state_bits) if coder is not None else None
+    states = viterbi(x, tab, widths, state_bits) if codes is None else codes_to_states(codes, widths, state_bits)
+    mse = float(((x - tab[states]) ** 2).mean())
+    flat = states.reshape(-1)
+    size = 1 << state_bits
+    count = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
+    sums = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, x.reshape(-1).to(torch.float64))
+    return count, sums, mse
+
+
 def train_table(
     bits: float,
     state_bits: int,
@@ -314,7 +332,7 @@ def train_table(
     samples: int = 8192,
     iterations: int = 12,
     seed: int = 0,
-    coder: Callable[[torch.Tensor, torch.Tensor, tuple[int, ...], int], torch.Tensor | None] | None = None,
+    coder: Coder | None = None,
     structure: str | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """Train a table on unit Gaussian samples: alternate Viterbi coding and per-state centroids.
@@ -349,16 +367,11 @@ def train_table(
     gen = torch.Generator().manual_seed(seed)
     widths = step_widths(bits, n)
     tab = gaussian_table(state_bits, seed)
-    size = 1 << state_bits
     history = []
     for _ in range(iterations):
         x = torch.randn(samples, n, generator=gen)
-        codes = coder(x, tab, widths, state_bits) if coder is not None else None
-        states = viterbi(x, tab, widths, state_bits) if codes is None else codes_to_states(codes, widths, state_bits)
-        history.append(float(((x - tab[states]) ** 2).mean()))
-        flat = states.reshape(-1)
-        sums = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, x.reshape(-1).to(torch.float64))
-        count = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
+        count, sums, mse = _code_round(x, tab, widths, state_bits, coder)
+        history.append(mse)
         tab = torch.where(count > 0, sums / count.clamp(min=1), tab.to(torch.float64)).to(torch.float32)
     return tab, history
 
@@ -370,7 +383,7 @@ def train_table_parts(
     samples: int = 8192,
     iterations: int = 12,
     seed: int = 0,
-    coder: Callable[[torch.Tensor, torch.Tensor, tuple[int, ...], int], torch.Tensor | None] | None = None,
+    coder: Coder | None = None,
     structure: str = "44",
 ) -> tuple[torch.Tensor, list[float]]:
     """:func:`train_table` under a split structure; returns the parts (float32 ``[32]``, ``P`` then ``Q``) and the
@@ -394,13 +407,8 @@ def train_table_parts(
     for _ in range(iterations):
         tab = split_table(params.to(torch.float32), state_bits)
         x = torch.randn(samples, n, generator=gen)
-        codes = coder(x, tab, widths, state_bits) if coder is not None else None
-        states = viterbi(x, tab, widths, state_bits) if codes is None else codes_to_states(codes, widths, state_bits)
-        history.append(float(((x - tab[states]) ** 2).mean()))
-        flat = states.reshape(-1)
-        size = 1 << state_bits
-        count = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
-        sums = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, x.reshape(-1).to(torch.float64))
+        count, sums, mse = _code_round(x, tab, widths, state_bits, coder)
+        history.append(mse)
         mean = torch.where(count > 0, sums / count.clamp(min=1), tab.to(torch.float64))
         w = count.sqrt()
         params = torch.linalg.lstsq(design * w[:, None], (mean * w)[:, None], driver="gelsd").solution[:, 0]
