@@ -263,8 +263,9 @@ static void decode_tile_tcq_vbmi(const Src& s, int64_t b, int64_t h, int64_t t, 
 // tcq with AVX2 (TcqAvx2): per row the padded stream in a buffer, per 8 values each state as the OR over taps of (byte
 // shuffle of the chunk's 16 broadcast bytes, per-lane shift, mask), then one gather from the table (a split table:
 // its two parts by register permutes and a blend each, then their sum).
-static void decode_tile_tcq_avx2(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
-                                 float* rs) {
+template <bool SPLIT>
+static void decode_tile_tcq_avx2_t(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
+                                   float* rs) {
   const TcqAvx2& v = *s.tcq_avx2;
   const uint8_t* sc = s.scale + b * s.ss0 + h * s.ss1 + t * s.ss2;
   const int g1 = s.nseg > 1 ? 1 : 0;
@@ -277,10 +278,9 @@ static void decode_tile_tcq_avx2(const Src& s, int64_t b, int64_t h, int64_t t, 
   const float* tab = s.tcq_table;
   // a split table (tcq_parts): P[s & 15] + Q[s >> 4], each half of P and Q in a register; a permute reads an index's
   // low 3 bits, and a blend on bit 3 (shifted to the sign) picks the half, so the sum is the table's float32 entry
-  const bool split = s.tcq_parts != nullptr;
-  const float* parts = split ? s.tcq_parts : tab;  // unused without a split
-  const __m256 p0 = _mm256_loadu_ps(parts), p1 = split ? _mm256_loadu_ps(parts + 8) : p0;
-  const __m256 q0 = split ? _mm256_loadu_ps(parts + 16) : p0, q1 = split ? _mm256_loadu_ps(parts + 24) : p0;
+  const float* parts = SPLIT ? s.tcq_parts : tab;  // unused without a split
+  const __m256 p0 = _mm256_loadu_ps(parts), p1 = SPLIT ? _mm256_loadu_ps(parts + 8) : p0;
+  const __m256 q0 = SPLIT ? _mm256_loadu_ps(parts + 16) : p0, q1 = SPLIT ? _mm256_loadu_ps(parts + 24) : p0;
   // whole 32-byte copies where the segment's row and 32 bytes after it lie inside its tensor (the slack of buf takes
   // what spills past the row; the next copy overwrites it), else exact copies
   const bool wide0 = v.bytes0 <= 32 && r0 + (nt - 1) * st0 + 32 <= s.seg_end[0];
@@ -317,7 +317,7 @@ static void decode_tile_tcq_avx2(const Src& s, int64_t b, int64_t h, int64_t t, 
                                                                       reinterpret_cast<const __m256i*>(v.shr[c][k]))),
                                                 _mm256_load_si256(reinterpret_cast<const __m256i*>(v.mask[c][k]))));
       }
-      if (split) {
+      if constexpr (SPLIT) {
         const __m256i hi = _mm256_srli_epi32(x, 4);
         const __m256 p = _mm256_blendv_ps(_mm256_permutevar8x32_ps(p0, x), _mm256_permutevar8x32_ps(p1, x),
                                           _mm256_castsi256_ps(_mm256_slli_epi32(x, 28)));
@@ -329,6 +329,15 @@ static void decode_tile_tcq_avx2(const Src& s, int64_t b, int64_t h, int64_t t, 
       }
     }
     rs[i] = row_norm(s, sc + i * s.ss2) * s.row_mul;
+  }
+}
+
+static void decode_tile_tcq_avx2(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
+                                 float* rs) {
+  if (s.tcq_parts) {
+    decode_tile_tcq_avx2_t<true>(s, b, h, t, nt, tile, ld, rs);
+  } else {
+    decode_tile_tcq_avx2_t<false>(s, b, h, t, nt, tile, ld, rs);
   }
 }
 #endif
