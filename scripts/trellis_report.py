@@ -156,9 +156,14 @@ def rd() -> str | None:
     )
 
 
-def select(kind: str = "tcq", stage: str = "select", models: tuple[str, ...] = (MODEL,)) -> str | None:
-    """The selection runs ``MODEL/recommend-*-KIND-ctx4096.json`` (docs/trellis-reproduce.sh, stage ``stage``); a
-    model column where there is more than one model."""
+def select(
+    kind: str = "tcq",
+    stage: str = "select",
+    models: tuple[str, ...] = (MODEL,),
+    script: str = "docs/trellis-reproduce.sh",
+) -> str | None:
+    """The selection runs ``MODEL/recommend-*-KIND-ctx4096.json`` (``script``, stage ``stage``); a model column where
+    there is more than one model."""
     runs = [path for model in models for path in sorted((SELECT / model).glob(f"recommend-*-{kind}-ctx4096.json"))]
     if not runs:
         return None
@@ -179,7 +184,7 @@ def select(kind: str = "tcq", stage: str = "select", models: tuple[str, ...] = (
             )
     lines.append("")
     lines.append(
-        f"`walshkv recommend --only-candidates --ctx 4096 --windows 2` on python-docs (docs/trellis-reproduce.sh, "
+        f"`walshkv recommend --only-candidates --ctx 4096 --windows 2` on python-docs ({script}, "
         f"stage {stage}), {', '.join(dict.fromkeys(where))}."
     )
     return "\n".join(lines)
@@ -314,15 +319,18 @@ def main() -> int:
         "split-rd": split_rd(),
         "split-bench": split_bench(),
     }
-    for name, body in blocks.items():
+    # qwen2.5-0.5b's first presets (docs/presets.md, "qwen2.5-0.5b's presets: the shipping rule")
+    q05 = select("q05", "select-qwen05", ("qwen2.5-0.5b",), "docs/long-context-reproduce.sh")
+    pages = [(f"trellis-{name}", body, PAGE) for name, body in blocks.items()]
+    pages.append(("qwen05-select", q05, ROOT / "docs" / "presets.md"))
+    for name, body, page in pages:
         if body is None:
             print(f"{name}: no results yet, skipped", file=sys.stderr)
             continue
-        path = OUT / f"{name}.md"
+        path = OUT / f"{name.removeprefix('trellis-')}.md"
         path.write_text(body + "\n")
         subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "update_readme.py"), str(path), str(PAGE), f"trellis-{name}"],
-            check=True,
+            [sys.executable, str(ROOT / "scripts" / "update_readme.py"), str(path), str(page), name], check=True
         )
     return 0
 

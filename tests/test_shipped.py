@@ -108,7 +108,8 @@ def test_every_shipped_preset_has_a_checked_file_with_provenance():
             assert produced["torch_threads"] >= 1 and produced["cpu"]["model"]
             assert produced["versions"]["commit"] and not produced["versions"]["commit"].endswith("-dirty")
     sizes = {f.label: f.size for m in data["models"] for f in shipped_files(m)}
-    assert sum(sizes.values()) < 20_000_000, sizes  # the wheel stays small: one file per model and need
+    # the wheel stays small: one file per model and need (four models, two needs each: about 22 MB, 18 MB deflated)
+    assert sum(sizes.values()) < 24_000_000, sizes
 
 
 @pytest.mark.parametrize("model", sorted(model_presets()))
@@ -351,7 +352,7 @@ def _compare_with_the_run(smollm2) -> None:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("model", _ids(["smollm2-135m", "gemma3-270m", "qwen2.5-1.5b"]))
+@pytest.mark.parametrize("model", _ids(["smollm2-135m", "gemma3-270m", "qwen2.5-1.5b", "qwen2.5-0.5b"]))
 def test_eval_reads_the_shipped_files_and_never_calibrates(model, tmp_path, monkeypatch, capsys):
     """README's first command, CI-sized: the default set on one window, no calibration in the run (each model's
     presets read one file: K before RoPE with eq+)."""
@@ -421,7 +422,7 @@ def test_from_preset_needs_no_calibration_on_a_known_model(smollm2):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("model", _ids(["gemma3-270m", "qwen2.5-1.5b"]))
+@pytest.mark.parametrize("model", _ids(["gemma3-270m", "qwen2.5-1.5b", "qwen2.5-0.5b"]))
 def test_from_preset_runs_each_shipped_preset_of_the_other_models(model):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
