@@ -45,8 +45,8 @@ windows_for() {
 
 # holdout windows of 512 tokens per text (qwen2.5-1.5b: fewer, each forward costs ten times smollm2's;
 # gemma3-270m: its 262k-token vocabulary makes each scored position's KLD several times smollm2's; qwen2.5-0.5b:
-# four times smollm2's forward and a 152k-token vocabulary. STAGES=holdout MODELS=qwen2.5-0.5b runs its rows: it has
-# no selected presets, so walshkv:B is the built-in spec, calibrated on python-docs in the run)
+# four times smollm2's forward and a 152k-token vocabulary. STAGES=holdout MODELS=qwen2.5-0.5b runs its rows: its
+# presets from stage select-qwen05; the built-in specs' rows measured before them stay in the same tables)
 holdout_windows() {
   case "$1" in
   qwen2.5-1.5b) echo "${HOLDOUT_WINDOWS_qwen:-8}" ;;
