@@ -109,11 +109,14 @@ def _rows(folder: Path) -> list[dict[str, Any]]:
 
 def _name_of(model: str) -> dict[str, str]:
     """``{spec: preset name}`` of the model's shipped presets, each by the name users give it (``walshkv:B-max`` for
-    a dense-map entry whose plain name the naming rule gave to the block frame: walshkv.presets.public_name)."""
+    a dense-map entry whose plain name the naming rule gave to the block frame: walshkv.presets.public_name), and of
+    the built-in specs (``walshkv:B (built-in)``, or ``walshkv:B`` on a model with no presets)."""
     entry = model_presets().get(model)
     if entry is None:  # a model walshkv has not measured: its walshkv:B is the built-in spec (walshkv.presets.BUILTIN)
         return {spec: name for name, spec in BUILTIN.items()}
-    return {p["spec"]: public_name(model, key) for key, p in entry["presets"].items()}
+    # rows of the built-in specs measured before the model's presets were selected (qwen2.5-0.5b) keep their names
+    names = {spec: f"{name} (built-in)" for name, spec in BUILTIN.items()}
+    return names | {p["spec"]: public_name(model, key) for key, p in entry["presets"].items()}
 
 
 def _pair(model: str, fast_key: str) -> tuple[str, str]:

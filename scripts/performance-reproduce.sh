@@ -90,7 +90,7 @@ walshkv bench attention --kv-len "${KV_LEN_FAST:-16384,65536}" --codec walshkv:3
   --codec q4_0 --quiet --no-plot --out "docs/results/bench-fast$isa"
 paste_block "docs/results/bench-fast$isa" "fast$isa"
 # every model's attention shapes (walshkv bench attention --model: head_dim 64 with GQA 3 for smollm2-135m, 128 with
-# GQA 6 for qwen2.5-1.5b, 256 with GQA 4 for gemma3-270m), each preset with the calibration walshkv ships for that
+# GQA 6 for qwen2.5-1.5b, 256 with GQA 4 for gemma3-270m, 64 with GQA 7 for qwen2.5-0.5b), each preset with the calibration walshkv ships for that
 # model, against rot+int4, q4_0, the same tq codes stored after RoPE (no per-key map) and SDPA, at 16k and 64k, on
 # one thread (SDPA and the kernel alike: what a machine shared with other work disturbs least; THREADS_MODELS=2
 # for both cores). One block per model and instruction set (a few minutes each)
@@ -102,7 +102,7 @@ tcq_after="tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2"
 # naming rule of docs/presets.md), so rerun ship_presets.py after this step
 presets=()
 for b in 2.5 3 3.5 4.5; do presets+=(--codec "walshkv:$b-max" --codec "walshkv:$b-fast"); done
-for model in smollm2-135m qwen2.5-1.5b gemma3-270m; do
+for model in ${BENCH_MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m qwen2.5-0.5b}; do
   walshkv bench attention --model "$model" --threads "${THREADS_MODELS:-1}" --kv-len "${KV_LEN_FAST:-16384,65536}" \
     "${presets[@]}" --codec "tq:3.5/tq:3" \
     --codec "$tcq_after" --codec rot+int4 --codec q4_0 --quiet --no-plot --out "docs/results/bench-model-$model$isa"
