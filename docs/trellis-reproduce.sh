@@ -140,14 +140,16 @@ for stage in $STAGES; do
   bench-t3)
     # decode attention at 16k and 64k on one thread (an idle machine), each model's shapes: the 3.5-bit codes after
     # RoPE and the 3.5-bit fast preset (the block frame), table set 2 against its set-3 twin, built for this CPU and,
-    # where it has AVX-512, for AVX2 on the same CPU (WALSHKV_CPU_MARCH=haswell: a stand-in, not an AVX2-only machine)
+    # where it has AVX-512, for AVX2 on the same CPU (WALSHKV_CPU_MARCH=haswell, and torch's AVX2 kernels for SDPA:
+    # ATEN_CPU_CAPABILITY=avx2; a stand-in, not an AVX2-only machine)
     for model in ${T3_MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m}; do
       cal=src/walshkv/calibrations/$model/prerope-plain-keqr_64_64.gguf
       fast=$(python -c "from walshkv.presets import resolve_preset as r; print(r('walshkv:3.5-fast', model='$model').spec)")
       for march in native haswell; do
         out="$OUT/split-bench/$model-$march"
         [ -f "$out/bench.json" ] && continue
-        env $([ "$march" = native ] || echo WALSHKV_CPU_MARCH=$march) walshkv bench attention --model "$model" \
+        env $([ "$march" = native ] || echo WALSHKV_CPU_MARCH=$march ATEN_CPU_CAPABILITY=avx2) walshkv bench attention \
+          --model "$model" \
           --threads 1 --kv-len "${T3_KV_LENS:-16384,65536}" --codec tq:3.5/tq:3 \
           --codec tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2 --codec tcq:3.5:norm=8:tables=3/tcq:3:norm=8:tables=3 \
           --codec "$fast" --codec "$(echo "$fast" | sed 's/tables=2/tables=3/g')" --kv-mean-center "$cal" --quiet \
