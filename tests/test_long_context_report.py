@@ -95,11 +95,18 @@ def test_the_targets_at_4k_are_judged_on_paired_windows(tmp_path: Path) -> None:
     assert report.holdout_4k_section(tmp_path / "none", {}) == []  # no run, no section
 
 
-def test_a_model_without_selected_presets_labels_the_built_in_specs_by_their_names() -> None:
-    # qwen2.5-0.5b's holdout rows: walshkv:B resolves to the built-in spec there, so its targets are judged on it
+def test_a_model_without_selected_presets_labels_the_built_in_specs_by_their_names(monkeypatch) -> None:
+    # a listed model with no presets (qwen2.5-0.5b before its selection): walshkv:B resolves to the built-in spec there,
+    # so its targets are judged on it
     report = _report()
-    assert "qwen2.5-0.5b" not in model_presets()
+    presets = {m: e for m, e in model_presets().items() if m != "qwen2.5-0.5b"}
+    monkeypatch.setattr(report, "model_presets", lambda: presets)
     names = report._name_of("qwen2.5-0.5b")
     assert names == {spec: name for name, spec in BUILTIN.items()} and names["center+tq:4/tq:2.5"] == "walshkv:3.5"
-    # a model with shipped presets keeps its own specs' names only
-    assert "center+tq:4/tq:2.5" not in report._name_of("smollm2-135m")
+    monkeypatch.undo()
+    # a model with shipped presets: its own specs by their names, and the rows of built-in specs measured before its
+    # selection by theirs, marked built-in (qwen2.5-0.5b's holdout keeps both)
+    names = report._name_of("qwen2.5-0.5b")
+    assert names["center+tq:4/tq:2.5"] == "walshkv:3.5 (built-in)"
+    assert names[model_presets()["qwen2.5-0.5b"]["presets"]["walshkv:3.5"]["spec"]] == "walshkv:3.5"
+    assert report._name_of("smollm2-135m")["center+tq:4/tq:2.5"] == "walshkv:3.5 (built-in)"

@@ -175,9 +175,13 @@ def test_a_model_whose_config_differs_is_refused_by_name():
     assert "rms_norm_eps" in msg and "walshkv calibrate" in msg
 
 
-def test_unknown_models_and_presets_without_a_shipped_spec_get_none():
+def test_unknown_models_and_presets_without_a_shipped_spec_get_none(monkeypatch):
     assert shipped_file("mystery-7b", "walshkv:3.5") is None
-    assert shipped_file("qwen2.5-0.5b", "walshkv:3.5") is None  # a listed model walshkv has not measured
+    listed = manifest()
+    unmeasured = {**listed, "models": {m: e for m, e in listed["models"].items() if m != "qwen2.5-0.5b"}}
+    monkeypatch.setattr(walshkv.shipped, "manifest", lambda: unmeasured)
+    assert shipped_file("qwen2.5-0.5b", "walshkv:3.5") is None  # a listed model with no files in the manifest
+    monkeypatch.undo()
     assert shipped_calibration(object(), ["walshkv:3.5"]) is None  # matches no known model
     with pytest.raises(ValueError, match="unknown preset"):
         shipped_file("smollm2-135m", "walshkv:7")
