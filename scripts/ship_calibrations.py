@@ -34,6 +34,7 @@ import hashlib
 import json
 import shlex
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,6 @@ TABLE = ROOT / "docs" / "results" / "presets" / "calibrations.md"
 
 def _deflated(path: Path) -> int:
     """Bytes of the file deflated as a wheel stores it (zip's raw deflate at level 6)."""
-    import zlib
-
     c = zlib.compressobj(6, zlib.DEFLATED, -15)
     return len(c.compress(path.read_bytes()) + c.flush())
 
@@ -131,7 +130,7 @@ def check() -> list[str]:
             problems.append(f"{model}: in the manifest but not in model_presets.json")
     if not TABLE.is_file() or TABLE.read_text() != markdown():
         problems.append(
-            f"{TABLE.relative_to(ROOT)}: out of step with the manifest; run python scripts/ship_calibrations.py"
+            f"{TABLE.relative_to(ROOT)}: out of step with the manifest; run scripts/ship_calibrations.py --markdown"
         )
     return problems
 

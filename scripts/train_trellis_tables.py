@@ -9,7 +9,7 @@ trained again (its codes would decode to other values): set 1, trellis_tables.js
 rounds of 8192 vectors, one start, the torch search); set 2, trellis_tables_2.json, what ``tcq:B:tables=2`` reads
 (60 rounds of 16384 vectors, two starts, seeds 1 and 2, the C++ search); set 3, trellis_tables_3.json, what
 ``tcq:B:tables=3`` reads: split tables (walshkv.ops.trellis.SPLIT_SETS, ``P[s & 15] + Q[s >> 4]``, trained under
-that structure, train_table's ``structure="44"``; the file holds each table's parts beside its 256 values, which
+that structure, train_table_parts; the file holds each table's parts beside its 256 values, which
 are their float32 sums). The tables are model-independent: tcq
 codes the rotated, norm-scaled coordinates, which are close to N(0, 1) for any K/V. The file records each table's
 training MSE per round, its gap to D(R) in dB and the command, commit, CPU and library versions; a table is stored
@@ -97,11 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             key = trellis.table_key(bits, state_bits)
             seeds = range(args.starts) if args.starts == 1 else range(1, args.starts + 1)
             train = trellis.train_table_parts if structure else trellis.train_table
-            extra = {"structure": structure} if structure else {}
             runs = [
-                train(
-                    bits, state_bits, samples=args.samples, iterations=args.iterations, seed=seed, coder=coder, **extra
-                )
+                train(bits, state_bits, samples=args.samples, iterations=args.iterations, seed=seed, coder=coder)
                 for seed in seeds
             ]
             tab, history = min(runs, key=lambda run: run[1][-1])

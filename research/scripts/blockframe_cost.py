@@ -86,13 +86,9 @@ def measure(model: str, preset: str, kv_len: int, rounds: int) -> dict[str, obje
     off = sink % g_len
     n_blocks = -(-(off + pk.seq_len) // g_len)
     qg = q.reshape(1, kv, group, d)
-    half = d // 2
 
     def build_w() -> torch.Tensor:
-        q1, q2 = qg[..., :half, None], qg[..., half:, None]
-        f1, f2 = bp.q_to_buffer[:, None, :half], bp.q_to_buffer[:, None, half:]
-        w = torch.cat((q1 * f1 + q2 * f2, q2 * f1 - q1 * f2), dim=-2)
-        return w.permute(0, 1, 3, 2, 4).reshape(1, kv, d, group * d)
+        return blockframe.block_query_matrix(qg, bp)
 
     cs = bp.block_angles((sink - off) // g_len, n_blocks)
     w = build_w()

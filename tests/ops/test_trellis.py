@@ -73,7 +73,8 @@ def test_every_table_ships(tables: int) -> None:
             assert tab.shape == (1 << state_bits,)
             assert bool(torch.isfinite(tab).all())
             assert abs(float(tab.mean())) < 0.1
-            assert 0.7 < float(tab.std()) < 1.35  # entries, not codes: set 2 to 1.22 at 4.5 bits, set 3 to 1.34 at 5
+            # entries, not codes: set 2 spreads to 1.22 at 4.5 bits; set 3's split parts to 1.34 at 5 bits
+            assert 0.7 < float(tab.std()) < (1.35 if tables in trellis.SPLIT_SETS else 1.3)
 
 
 def test_a_missing_table_names_the_ones_that_ship() -> None:
@@ -140,9 +141,9 @@ def test_a_split_table_codes_close_to_the_free_table() -> None:
 def test_split_training_keeps_the_structure() -> None:
     parts, history = trellis.train_table_parts(3, 8, n=16, samples=256, iterations=3)
     assert parts.shape == (32,) and len(history) == 3
-    tab, _ = trellis.train_table(3, 8, n=16, samples=256, iterations=3, structure="44")
-    assert torch.equal(tab, trellis.split_table(parts))  # the same seed: the same parts
-    with pytest.raises(ValueError, match=r"structure one of 44 at L=8"):
+    again, _ = trellis.train_table_parts(3, 8, n=16, samples=256, iterations=3)
+    assert torch.equal(parts, again)  # the same seed: the same parts
+    with pytest.raises(ValueError, match=r"44 split covers L=8 tables only"):
         trellis.train_table_parts(3, 6, n=16, samples=16, iterations=1)
 
 

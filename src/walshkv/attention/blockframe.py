@@ -27,7 +27,7 @@ from walshkv.codecs.blockrope import RopeBlock
 from walshkv.codecs.equalize import Equalized
 from walshkv.ops.rope import rope_angles
 
-__all__ = ["BlockFramePlan", "block_frame_decode_cpu", "block_frame_plan"]
+__all__ = ["BlockFramePlan", "block_frame_decode_cpu", "block_frame_plan", "block_query_matrix"]
 
 
 @dataclass(eq=False)
@@ -98,6 +98,29 @@ def block_frame_plan(k_codec: Codec, v_codec: Codec, head_dim: int, scale: float
     return bp
 
 
+def block_query_matrix(q: torch.Tensor, bp: BlockFramePlan) -> torch.Tensor:
+    """The per-step matrix ``W`` whose product with a block's ``[cos, sin]`` row is the query turned back to that
+    block's start and mapped to K's buffer, ``F (R(p0)ᵀ q)``.
+
+    With ``q = (q1, q2)``, ``F = (F1; F2)`` (halves) and the block's angles ``(c, s)``, ``R(p0)ᵀ q = (q1 c + q2 s,
+    q2 c - q1 s)``, so ``F (R(p0)ᵀ q) = sum_k c_k (q1_k F1_k + q2_k F2_k) + s_k (q2_k F1_k - q1_k F2_k)``.
+
+    Args:
+        q: ``[batch, kv_heads, group, head_dim]``, unscaled, in the model's basis (after RoPE).
+        bp: :func:`block_frame_plan` of the codecs.
+
+    Returns:
+        float32 ``[batch, kv_heads, head_dim, group * head_dim]``: ``[cos, sin] @ W`` gives every query of the group.
+    """
+    b, h, g, d = q.shape
+    qf = q.to(torch.float32)
+    half = d // 2
+    q1, q2 = qf[..., :half, None], qf[..., half:, None]  # [b, h, g, d/2, 1]
+    f1, f2 = bp.q_to_buffer[:, None, :half], bp.q_to_buffer[:, None, half:]  # [h, 1, d/2, L]
+    w = torch.cat((q1 * f1 + q2 * f2, q2 * f1 - q1 * f2), dim=-2)  # [b, h, g, d, L]
+    return w.permute(0, 1, 3, 2, 4).reshape(b, h, d, g * d)
+
+
 def block_frame_decode_cpu(
     q: torch.Tensor, bp: BlockFramePlan, packed_k: Packed, packed_v: Packed, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -118,17 +141,8 @@ def block_frame_decode_cpu(
     b, h, g, d = q.shape
     off = start % g_len
     n_blocks = max(1, -(-(off + packed_k.seq_len) // g_len))
-    # The query turned back to each block's start and mapped to K's buffer, F (R(p0)ᵀ q), as one product: with
-    # q = (q1, q2), F = (F1; F2) (halves) and the block's angles (c, s), R(p0)ᵀ q = (q1 c + q2 s, q2 c - q1 s), so
-    # F (R(p0)ᵀ q) = sum_k c_k (q1_k F1_k + q2_k F2_k) + s_k (q2_k F1_k - q1_k F2_k): [c, s] @ W, W made once a step
     cs = bp.block_angles((start - off) // g_len, n_blocks)  # [n_blocks, d]: c then s
-    qf = q.to(torch.float32)
-    half = d // 2
-    q1, q2 = qf[..., :half, None], qf[..., half:, None]  # [b, h, g, d/2, 1]
-    f1, f2 = bp.q_to_buffer[:, None, :half], bp.q_to_buffer[:, None, half:]  # [h, 1, d/2, L]
-    w = torch.cat((q1 * f1 + q2 * f2, q2 * f1 - q1 * f2), dim=-2)  # [b, h, g, d, L]
-    w = w.permute(0, 1, 3, 2, 4).reshape(b, h, d, g * d)
-    qb = torch.matmul(cs, w).reshape(b, h, n_blocks, g, d)
+    qb = torch.matmul(cs, block_query_matrix(q, bp)).reshape(b, h, n_blocks, g, d)
     return fused_decode_cpu(
         qb,
         bp.plan,

@@ -138,16 +138,6 @@ def _tq_format(core: TurboQuant, head_dim: int) -> KernelFormat | None:
     )
 
 
-def _parts(core: TrellisQuant) -> torch.Tensor | None:
-    """A split table set's parts (``P`` then ``Q``), checked to sum to the table the other readers read."""
-    parts = core.table_parts()
-    if parts is None:
-        return None
-    if not torch.equal(trellis.split_table(parts, core.state_bits), core.table()):
-        raise ValueError(f"{core.spec}: the table set's parts do not sum to its table (a damaged table file)")
-    return parts.contiguous()
-
-
 def _tcq_format(core: TrellisQuant, head_dim: int) -> KernelFormat | None:
     """tcq: tq's segments as raw codes, each value through the trellis table at its state."""
     try:
@@ -172,7 +162,7 @@ def _tcq_format(core: TrellisQuant, head_dim: int) -> KernelFormat | None:
         "norm",
         basis,
         segments=segments,
-        trellis=(table, shifts.contiguous(), shifts.shape[0], core.state_bits, _parts(core)),
+        trellis=(table, shifts.contiguous(), shifts.shape[0], core.state_bits, core.table_parts()),
         norm_table=_norm_table(core.rotation),
     )
 

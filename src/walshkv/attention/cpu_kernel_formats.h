@@ -47,9 +47,9 @@ struct TcqVbmi {
 
 // FMT_TCQ with AVX2 and no VBMI plan (TcqAvx2): per row the padded stream (TcqGeom) copied to a small buffer, then per
 // 8 values 16 of its bytes broadcast to both lanes and, per tap, a byte shuffle, a per-lane shift and a mask give the
-// tap's bits of each state; one gather reads the table (a split table, tcq_parts: two pairs of register permutes and
-// two blends, no gather) (on a Zen3 EPYC a scalar loop of loads was slower, and the
-// gather still takes about half the time: docs/trellis.md). Rows of up to TCQ_AVX2_CHUNKS * 8 values (a multiple of
+// tap's bits of each state; one gather reads the table (on a Zen3 EPYC a scalar loop of loads was slower, and the
+// gather still takes about half the time: docs/trellis.md), or, for a split table (tcq_parts), two pairs of register
+// permutes and two blends. Rows of up to TCQ_AVX2_CHUNKS * 8 values (a multiple of
 // 8), at most TCQ_AVX2_TAPS taps, every chunk's bytes within 16; others take the generic path (tcq_row).
 static constexpr int TCQ_AVX2_CHUNKS = 32;
 static constexpr int TCQ_AVX2_TAPS = 8;

@@ -21,7 +21,7 @@ rounds of 8192 vectors) is what ``tcq:B`` means, set 2 (``trellis_tables_2.json`
 better of two seeded starts, 0.1-0.3 dB closer to ``D(R)``) is what ``tcq:B:tables=2`` means. Set 3
 (``trellis_tables_3.json``, ``tcq:B:tables=3``) is *split* (:data:`SPLIT_SETS`): each table is the float32 sum of
 two 16-entry parts over the state's low and high four bits, ``table[s] = P[s & 15] + Q[s >> 4]``
-(:func:`table_parts`), trained under that structure (:func:`train_table`'s ``structure="44"``), so that a CPU
+(:func:`table_parts`), trained under that structure (:func:`train_table_parts`), so that a CPU
 without byte permutes (AVX2) reads it with register permutes instead of a gather; every other reader reads its
 256 values as any set's. A spec therefore names the values its codes decode to, and a saved cache or a KLD row of
 one set stays true when another ships.
@@ -40,7 +40,6 @@ import torch
 __all__ = [
     "SPLIT_SETS",
     "STATE_BITS",
-    "STRUCTURES",
     "TABLE_SETS",
     "TAP_UNUSED",
     "TRELLIS_BITS",
@@ -71,8 +70,6 @@ TABLE_SETS: tuple[int, ...] = (1, 2, 3)
 #: Table sets whose every table is a sum of small parts over groups of the state's bits, by structure: ``"44"``,
 #: ``table[s] = P[s & 15] + Q[s >> 4]`` (float32 sum; :func:`table_parts` gives ``P`` then ``Q``).
 SPLIT_SETS: dict[int, str] = {3: "44"}
-#: The structures :func:`train_table` trains: ``None`` (256 free entries) or ``"44"``.
-STRUCTURES: tuple[str, ...] = ("44",)
 #: The shift :func:`state_taps` gives a tap a value does not need (a 32-bit lane shifted this far is 0).
 TAP_UNUSED = 32
 _CHUNK = 4096  # vectors per Viterbi call: the back pointers take n * 2**(L-k) bytes per vector
@@ -166,12 +163,18 @@ def table_parts(bits: float, state_bits: int, tables: int = 1) -> torch.Tensor |
     set whose tables are 256 free values.
 
     Raises:
-        ValueError: no table ships for this pair or set (as :func:`table`).
+        ValueError: no table ships for this pair or set (as :func:`table`), or its parts do not sum to its table.
     """
-    table(bits, state_bits, tables)  # the same checks and message
+    tab = table(bits, state_bits, tables)  # the same checks and message
     if tables not in SPLIT_SETS:
         return None
-    return torch.tensor(_set(tables)["parts"][table_key(bits, state_bits)], dtype=torch.float32)
+    parts = torch.tensor(_set(tables)["parts"][table_key(bits, state_bits)], dtype=torch.float32)
+    if not torch.equal(split_table(parts, state_bits), tab):  # the AVX2 decoder sums them: they must be the table
+        raise ValueError(
+            f"table set {tables}'s parts for {bits:g} bits do not sum to its table: the file "
+            f"{table_file(tables)} is damaged (reinstall walshkv)"
+        )
+    return parts
 
 
 def table(bits: float, state_bits: int, tables: int = 1) -> torch.Tensor:
@@ -333,14 +336,8 @@ def train_table(
     iterations: int = 12,
     seed: int = 0,
     coder: Coder | None = None,
-    structure: str | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """Train a table on unit Gaussian samples: alternate Viterbi coding and per-state centroids.
-
-    With ``structure="44"`` the table stays a split (:func:`split_table`): it starts from small seeded random parts
-    (a projection of a free table trains worse) and each round fits the parts to the per-state means by least
-    squares weighted by the square roots of the state counts (research/scripts/trellis_structured.py measured this
-    refit); the parts come back through :func:`train_table_parts`.
 
     Args:
         bits: width pattern (:func:`step_widths`).
@@ -352,18 +349,11 @@ def train_table(
         coder: a search that gives :func:`encode`'s codes ``[N, n]`` for ``(x, table, widths, L)`` (the C++
             kernel's, ``walshkv.attention.cpu.tcq_code_rows``, about 20 times faster), or ``None`` for the torch
             search here; a coder that returns ``None`` leaves that round to the torch search.
-        structure: ``None`` (256 free entries) or one of :data:`STRUCTURES`.
 
     Returns:
         The table (float32 ``[2**L]``) and the mean squared error of each round (on that round's samples,
         before its update).
-
-    Raises:
-        ValueError: an unknown ``structure``, or a split at ``state_bits`` other than 8.
     """
-    if structure is not None:
-        parts, history = train_table_parts(bits, state_bits, n, samples, iterations, seed, coder, structure)
-        return split_table(parts, state_bits), history
     gen = torch.Generator().manual_seed(seed)
     widths = step_widths(bits, n)
     tab = gaussian_table(state_bits, seed)
@@ -384,18 +374,17 @@ def train_table_parts(
     iterations: int = 12,
     seed: int = 0,
     coder: Coder | None = None,
-    structure: str = "44",
 ) -> tuple[torch.Tensor, list[float]]:
-    """:func:`train_table` under a split structure; returns the parts (float32 ``[32]``, ``P`` then ``Q``) and the
-    mean squared error of each round.
+    """:func:`train_table` for a ``"44"`` split (:func:`split_table`): the parts (float32 ``[32]``, ``P`` then ``Q``)
+    and the mean squared error of each round. It starts from small seeded random parts (a projection of a free table
+    trains worse) and each round fits the parts to the per-state means by least squares weighted by the square roots
+    of the state counts (research/scripts/trellis_structured.py measured this refit).
 
     Raises:
-        ValueError: ``structure`` is not one of :data:`STRUCTURES`, or ``state_bits`` is not 8.
+        ValueError: ``state_bits`` is not 8.
     """
-    if structure not in STRUCTURES or state_bits != 8:
-        raise ValueError(
-            f"a split table has structure one of {', '.join(STRUCTURES)} at L=8; got {structure!r} at L={state_bits}"
-        )
+    if state_bits != 8:
+        raise ValueError(f"a 44 split covers L=8 tables only; got L={state_bits}")
     gen = torch.Generator().manual_seed(seed)
     widths = step_widths(bits, n)
     s = torch.arange(1 << state_bits)
