@@ -28,6 +28,8 @@ CTXS_qwen="${CTXS_qwen:-2048 4096 16384}"
 # gemma3-270m: 5 of its 6 layers attend to a 512-token sliding window, so 2k and 8k ask whether the global layers'
 # codes hold where the local ones see none of the window's start (its trained context is 32k; 32k is not run)
 CTXS_gemma="${CTXS_gemma:-2048 8192}"
+# qwen2.5-0.5b (trained to 32k; four times smollm2's forward): 2k and 8k, the core grid (32k is not run)
+CTXS_qwen05="${CTXS_qwen05:-2048 8192}"
 SELECT_MODELS="${SELECT_MODELS:-smollm2-135m}"
 SELECT_BITS="${SELECT_BITS:-3 3.5 4.5}"
 # the fast presets (walshkv:B-fast, stages select-fast and fast): chosen and measured on these models and budgets
@@ -83,6 +85,7 @@ ctxs_for() {
   smollm2-135m) echo "$CTXS_smollm" ;;
   qwen2.5-1.5b) echo "$CTXS_qwen" ;;
   gemma3-270m) echo "$CTXS_gemma" ;;
+  qwen2.5-0.5b) echo "$CTXS_qwen05" ;;
   *) echo "2048" ;;
   esac
 }
