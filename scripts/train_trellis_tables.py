@@ -4,19 +4,22 @@
 One table per bit width of walshkv.ops.trellis.TRELLIS_BITS and state size of STATE_BITS, each trained by
 walshkv.ops.trellis.train_table on unit Gaussian samples (vectors of 64 values, the width pattern of tcq at that
 width: a half width codes the first half one bit wider) from fixed seeds, the better of ``--starts`` seeded starts
-(by the last round's training MSE) kept. Two sets ship (walshkv.ops.trellis.TABLE_SETS), and a shipped set is never
+(by the last round's training MSE) kept. Four sets ship (walshkv.ops.trellis.TABLE_SETS), and a shipped set is never
 trained again (its codes would decode to other values): set 1, trellis_tables.json, what ``tcq:B`` reads (20
 rounds of 8192 vectors, one start, the torch search); set 2, trellis_tables_2.json, what ``tcq:B:tables=2`` reads
 (60 rounds of 16384 vectors, two starts, seeds 1 and 2, the C++ search); set 3, trellis_tables_3.json, what
 ``tcq:B:tables=3`` reads: split tables (walshkv.ops.trellis.SPLIT_SETS, ``P[s & 15] + Q[s >> 4]``, trained under
 that structure, train_table_parts; the file holds each table's parts beside its 256 values, which
-are their float32 sums). The tables are model-independent: tcq
+are their float32 sums); set 4, trellis_tables_4.json, what ``tcq:B:tables=4`` reads: set 2's tables rounded to
+bfloat16 (walshkv.ops.trellis.ROUNDED_SETS; no training: ``--set 4`` rounds them and measures the rounded and the
+source table on the same ``--samples`` fresh vectors). The tables are model-independent: tcq
 codes the rotated, norm-scaled coordinates, which are close to N(0, 1) for any K/V. The file records each table's
 training MSE per round, its gap to D(R) in dB and the command, commit, CPU and library versions; a table is stored
 as float32 values written exactly (repr of the float32 as a Python float).
 
     python scripts/train_trellis_tables.py --set 2 --iterations 60 --samples 16384 --starts 2 --out /tmp/t2.json
     python scripts/train_trellis_tables.py --set 3 --search cpp --iterations 60 --samples 16384 --starts 2
+    python scripts/train_trellis_tables.py --set 4 --search cpp --samples 16384
     python scripts/train_trellis_tables.py --check   # every set's file has every table, each of the right size
 
 ``--out`` writes elsewhere than the set's file (the shipped files are pinned by their sha256 in
@@ -73,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
                     if tab is None or len(tab) != 1 << state_bits:
                         print(f"{path}: table {trellis.table_key(bits, state_bits)} missing or of the wrong size")
                         return 1
+                    source = trellis.ROUNDED_SETS.get(table_set)
+                    if source is not None:
+                        want = trellis.round_bf16(trellis.table(bits, state_bits, source))
+                        if not torch.equal(torch.tensor(tab, dtype=torch.float32), want):
+                            print(f"{path}: table {trellis.table_key(bits, state_bits)} is not set {source}'s rounded")
+                            return 1
                     if table_set in trellis.SPLIT_SETS:
                         parts = torch.tensor(data["parts"][trellis.table_key(bits, state_bits)], dtype=torch.float32)
                         if not torch.equal(trellis.split_table(parts, state_bits), torch.tensor(tab)):
@@ -90,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     partial = out.exists() and (args.state_bits or args.bits)
     old = json.loads(out.read_text()) if partial else {"tables": {}, "stats": {}}
     tables, stats = old["tables"], old["stats"]
+    if args.set in trellis.ROUNDED_SETS:
+        return _round(out, args, argv, coder)
     structure = trellis.SPLIT_SETS.get(args.set)
     parts = old.get("parts", {}) if structure else None
     for state_bits in args.state_bits or trellis.STATE_BITS:
@@ -114,6 +125,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _round(out: Path, args: argparse.Namespace, argv: list[str] | None, coder: object) -> int:
+    """A rounded set (walshkv.ops.trellis.ROUNDED_SETS): its source set's tables rounded to bfloat16, each measured
+    with the source table on the same ``--samples`` fresh unit Gaussian vectors (seed 0 per table)."""
+    source = trellis.ROUNDED_SETS[args.set]
+    tables, stats = {}, {}
+    for state_bits in trellis.STATE_BITS:
+        for bits in trellis.TRELLIS_BITS:
+            key = trellis.table_key(bits, state_bits)
+            src = trellis.table(bits, state_bits, source)
+            tab = trellis.round_bf16(src)
+            widths = trellis.step_widths(bits, 64)
+            x = torch.randn(args.samples, 64, generator=torch.Generator().manual_seed(0))
+            mse = trellis._code_round(x, tab, widths, state_bits, coder)[2]
+            src_mse = trellis._code_round(x, src, widths, state_bits, coder)[2]
+            tables[key] = [float(v) for v in tab.tolist()]
+            gap = 10 * math.log10(mse / 2 ** (-2 * bits))
+            stats[key] = {"mse_per_round": [mse], "gap_db": gap, "source_mse": src_mse}
+            print(f"{key}: mse {mse:.5f} (set {source}: {src_mse:.5f}), {gap:.2f} dB above D(R)", flush=True)
+    _write(out, tables, stats, args, argv, None)
+    print(f"wrote {out}")
+    return 0
+
+
 def _write(
     out: Path, tables: dict, stats: dict, args: argparse.Namespace, argv: list[str] | None, parts: dict | None
 ) -> None:
@@ -130,6 +164,8 @@ def _write(
         "table_set": args.set,
         "values_per_vector": 64,
     }
+    if args.set in trellis.ROUNDED_SETS:
+        meta.update(iterations=0, starts=1, rounded_from=trellis.ROUNDED_SETS[args.set], rounding="bfloat16")
     data = {"meta": meta, "stats": stats, "tables": tables}
     if parts is not None:
         meta["structure"] = trellis.SPLIT_SETS[args.set]

@@ -191,13 +191,29 @@ static inline void tcq_vbmi_lookup(__m512i x, const __m512i* pl, __m512i* f) {
   f[3] = _mm512_unpackhi_epi16(b, d);
 }
 
+// The same lookup from the two high byte planes (pl[8..15]) of a table whose values' low 16 bits are all zero
+// (TcqVbmi::hi16, a bfloat16 set): half the permutes and blends, and the low bytes of each float are zeros.
+static inline void tcq_vbmi_lookup_hi16(__m512i x, const __m512i* pl, __m512i* f) {
+  const __mmask64 top = _mm512_movepi8_mask(x);
+  const __m512i p2 = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(pl[8], x, pl[9]),
+                                            _mm512_permutex2var_epi8(pl[10], x, pl[11]));
+  const __m512i p3 = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(pl[12], x, pl[13]),
+                                            _mm512_permutex2var_epi8(pl[14], x, pl[15]));
+  const __m512i z = _mm512_setzero_si512();
+  const __m512i c = _mm512_unpacklo_epi8(p2, p3), d = _mm512_unpackhi_epi8(p2, p3);
+  f[0] = _mm512_unpacklo_epi16(z, c);
+  f[1] = _mm512_unpackhi_epi16(z, c);
+  f[2] = _mm512_unpacklo_epi16(z, d);
+  f[3] = _mm512_unpackhi_epi16(z, d);
+}
+
 // Byte mask of the first n (0 .. 64) bytes.
 static inline __mmask64 first_bytes(int n) { return n >= 64 ? ~0ULL : n <= 0 ? 0ULL : (1ULL << n) - 1; }
 
 // tcq with VBMI (TcqVbmi): per row the two segments in two registers (WIDE: four, two per segment; masked loads:
 // nothing read past a segment), per chunk of 64 values each state as the OR over taps of (byte permute, multishift,
-// mask), then the table lookup.
-template <bool WIDE>
+// mask), then the table lookup (HI16: from the two high byte planes of a bfloat16 set).
+template <bool WIDE, bool HI16>
 static void decode_tile_tcq_vbmi_t(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
                                    float* rs) {
   const TcqVbmi& v = s.tcq_vbmi;
@@ -235,7 +251,11 @@ static void decode_tile_tcq_vbmi_t(const Src& s, int64_t b, int64_t h, int64_t t
                                       _mm512_load_si512(v.mask[c][k]), 0xF8);  // x | (w & mask)
       }
       __m512i f[4];
-      tcq_vbmi_lookup(x, pl, f);
+      if (HI16) {
+        tcq_vbmi_lookup_hi16(x, pl, f);
+      } else {
+        tcq_vbmi_lookup(x, pl, f);
+      }
       for (int g = 0; g < 4; ++g) {
         const int at = 64 * c + 16 * g;
         if (at + 16 <= s.L) {
@@ -251,10 +271,15 @@ static void decode_tile_tcq_vbmi_t(const Src& s, int64_t b, int64_t h, int64_t t
 
 static void decode_tile_tcq_vbmi(const Src& s, int64_t b, int64_t h, int64_t t, int nt, float* tile, int64_t ld,
                                  float* rs) {
-  if (s.tcq_vbmi.wide) {
-    decode_tile_tcq_vbmi_t<true>(s, b, h, t, nt, tile, ld, rs);
+  const bool wide = s.tcq_vbmi.wide, hi16 = s.tcq_vbmi.hi16;
+  if (wide && hi16) {
+    decode_tile_tcq_vbmi_t<true, true>(s, b, h, t, nt, tile, ld, rs);
+  } else if (wide) {
+    decode_tile_tcq_vbmi_t<true, false>(s, b, h, t, nt, tile, ld, rs);
+  } else if (hi16) {
+    decode_tile_tcq_vbmi_t<false, true>(s, b, h, t, nt, tile, ld, rs);
   } else {
-    decode_tile_tcq_vbmi_t<false>(s, b, h, t, nt, tile, ld, rs);
+    decode_tile_tcq_vbmi_t<false, false>(s, b, h, t, nt, tile, ld, rs);
   }
 }
 #endif

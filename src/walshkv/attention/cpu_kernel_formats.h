@@ -38,6 +38,7 @@ static constexpr int TCQ_VBMI_TAPS = 8;
 // code's bits there.
 struct TcqVbmi {
   bool ok, wide;  // wide: a segment over 64 bytes; idx then picks from (segment 0's 128 bytes, segment 1's 128)
+  bool hi16;      // every table value's low 16 bits are zero (a bfloat16 set): planes 0 and 1 are zero, not read
   int nchunks, taps, bytes0, bytes1;
   alignas(64) uint8_t idx[TCQ_VBMI_CHUNKS][TCQ_VBMI_TAPS][64];
   alignas(64) uint8_t ctrl[TCQ_VBMI_CHUNKS][TCQ_VBMI_TAPS][64];
@@ -186,10 +187,12 @@ static void make_tcq_vbmi(Src& s, const TcqGeom& g) {
           v.mask[c][t][lane] = (uint8_t)((((1u << g.w(j)) - 1u) << sh) & 0xFFu);
         }
       }
+  v.hi16 = true;
   for (int e = 0; e < 256; ++e) {
     uint32_t u;
     std::memcpy(&u, s.tcq_table + e, 4);
     for (int p = 0; p < 4; ++p) v.planes[p][e] = (uint8_t)(u >> (8 * p));
+    v.hi16 = v.hi16 && (u & 0xFFFFu) == 0;
   }
   v.ok = true;
 }

@@ -75,7 +75,8 @@ class TrellisQuant(Codec):
         tables: the table set the codes decode through, one of :data:`TCQ_TABLE_SETS` (1, default: the first
             training; 2: trained longer, 0.1-0.3 dB closer to ``D(R)`` on a Gaussian source, the same bytes and
             decode work; 3: split tables, ``P[s & 15] + Q[s >> 4]``, which an AVX2 CPU reads by register permutes
-            instead of a gather). A set never changes once shipped, so a spec names what its codes decode to.
+            instead of a gather; 4: set 2 rounded to bfloat16, which a VBMI CPU reads with half the byte permutes,
+            0.001 dB or less from set 2). A set never changes once shipped, so a spec names what its codes decode to.
         rotation: the ``tq:B`` codec whose rotation, norm and fields this codec shares (derived).
 
     Stored per vector: tq's fields at the same width (``codes`` or ``codes_hi``/``codes_lo``, ``norm``).
@@ -104,7 +105,8 @@ class TrellisQuant(Codec):
         if isinstance(self.tables, bool) or self.tables not in TCQ_TABLE_SETS:
             raise ValueError(
                 f"tcq's table set is one of {', '.join(map(str, TCQ_TABLE_SETS))} (tables=2: the longer-trained "
-                f"tables, tables=3: split tables AVX2 reads by register permutes); got {self.tables!r}"
+                f"tables, tables=3: split tables AVX2 reads by register permutes, tables=4: set 2 rounded to "
+                f"bfloat16); got {self.tables!r}"
             )
         self._set(bits=bits, rotation=TurboQuant(bits, self.seed, norm_bits=self.norm_bits))
         super().__post_init__()

@@ -23,7 +23,9 @@ better of two seeded starts, 0.1-0.3 dB closer to ``D(R)``) is what ``tcq:B:tabl
 two 16-entry parts over the state's low and high four bits, ``table[s] = P[s & 15] + Q[s >> 4]``
 (:func:`table_parts`), trained under that structure (:func:`train_table_parts`), so that a CPU
 without byte permutes (AVX2) reads it with register permutes instead of a gather; every other reader reads its
-256 values as any set's. A spec therefore names the values its codes decode to, and a saved cache or a KLD row of
+256 values as any set's. Set 4 (``trellis_tables_4.json``, ``tcq:B:tables=4``) is set 2 with every value rounded to
+bfloat16 (:data:`ROUNDED_SETS`; 0.001 dB or less from set 2 on a Gaussian): each float32 value's low 16 bits are
+zero, so the VBMI decoder looks up the two high bytes of each value and not four. A spec therefore names the values its codes decode to, and a saved cache or a KLD row of
 one set stays true when another ships.
 """
 
@@ -38,6 +40,7 @@ from importlib import resources
 import torch
 
 __all__ = [
+    "ROUNDED_SETS",
     "SPLIT_SETS",
     "STATE_BITS",
     "TABLE_SETS",
@@ -46,6 +49,7 @@ __all__ = [
     "codes_to_states",
     "encode",
     "gaussian_table",
+    "round_bf16",
     "split_table",
     "state_taps",
     "step_widths",
@@ -65,8 +69,12 @@ TRELLIS_BITS: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0)
 #: work grows as 2**L; a table for another L is one more line here and a run of scripts/train_trellis_tables.py.
 STATE_BITS: tuple[int, ...] = (8,)
 #: The shipped table sets (:func:`table_file`): 1, the first training, 2, trained three times as long on twice
-#: the vectors (``scripts/train_trellis_tables.py --set 2``), and 3, split tables (:data:`SPLIT_SETS`).
-TABLE_SETS: tuple[int, ...] = (1, 2, 3)
+#: the vectors (``scripts/train_trellis_tables.py --set 2``), 3, split tables (:data:`SPLIT_SETS`), and 4, set 2
+#: rounded to bfloat16 (:data:`ROUNDED_SETS`).
+TABLE_SETS: tuple[int, ...] = (1, 2, 3, 4)
+#: Table sets that are another set's tables with every value rounded to bfloat16 (to nearest, ties to even), by the
+#: set they round: a float32 value whose low 16 bits are zero, which a byte-permute decoder reads from two byte planes.
+ROUNDED_SETS: dict[int, int] = {4: 2}
 #: Table sets whose every table is a sum of small parts over groups of the state's bits, by structure: ``"44"``,
 #: ``table[s] = P[s & 15] + Q[s >> 4]`` (float32 sum; :func:`table_parts` gives ``P`` then ``Q``).
 SPLIT_SETS: dict[int, str] = {3: "44"}
@@ -105,7 +113,8 @@ def table_file(tables: int = 1) -> str:
     if isinstance(tables, bool) or tables not in TABLE_SETS:
         raise ValueError(
             f"trellis table set is one of {', '.join(map(str, TABLE_SETS))}; got {tables!r} "
-            "(set 1 is tcq's default, set 2 the longer-trained tables, set 3 the split tables AVX2 reads by permutes)"
+            "(set 1 is tcq's default, set 2 the longer-trained tables, set 3 the split tables AVX2 reads by permutes, "
+            "set 4 set 2 rounded to bfloat16)"
         )
     return "trellis_tables.json" if tables == 1 else f"trellis_tables_{tables}.json"
 
@@ -124,6 +133,12 @@ def gaussian_table(state_bits: int, seed: int = 0) -> torch.Tensor:
     perm = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
     q = (perm.to(torch.float64) + 0.5) / size
     return (math.sqrt(2.0) * torch.erfinv(2.0 * q - 1.0)).to(torch.float32)
+
+
+def round_bf16(values: torch.Tensor) -> torch.Tensor:
+    """``values`` rounded to bfloat16 (to nearest, ties to even) and back to float32: what a rounded set
+    (:data:`ROUNDED_SETS`) holds of its source set's tables."""
+    return values.to(torch.float32).to(torch.bfloat16).to(torch.float32)
 
 
 @functools.cache
