@@ -20,7 +20,8 @@ PERSUASION="$DATA/austen_persuasion.txt"
 STAGES="${STAGES:-tables rd select ship emma holdout bench decode structured lookup report}"
 # (rd-n8 and select-n8, then ship, emma and holdout again: the norm=8 re-selection, run after the stages above;
 # then rd-t2, select-qwen25 and select-t2, ship: table set 2 and qwen2.5-1.5b's walshkv:2.5; then select-qwen-tcq, ship; then select-tcq-rest, ship; then select-gemma25, ship;
-# then tables-3, rd-t3 and bench-t3: table set 3, the split tables)
+# then tables-3, rd-t3 and bench-t3: table set 3, the split tables; then tables-4, rd-t4 and bench-t4: table set 4,
+# set 2 rounded to bfloat16)
 MODEL=smollm2-135m
 
 # The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
@@ -155,6 +156,36 @@ for stage in $STAGES; do
           --codec "$fast" --codec "$(echo "$fast" | sed 's/tables=2/tables=3/g')" --kv-mean-center "$cal" --quiet \
           --no-plot --out "$out"
       done
+    done
+    ;;
+  tables-4)
+    # table set 4: set 2's tables rounded to bfloat16 (the VBMI decoder reads two byte planes of each value, not
+    # four); the file is committed, so this writes it only where it is missing (seconds: no training)
+    [ -f src/walshkv/ops/trellis_tables_4.json ] || OMP_NUM_THREADS=1 python scripts/train_trellis_tables.py --set 4 \
+      --search cpp --samples 16384
+    ;;
+  rd-t4)
+    # what the rounding costs on real K/V: tcq (one-byte norm) with table set 2 against table set 4, against D(R)
+    for model in smollm2-135m qwen2.5-1.5b; do
+      args=()
+      for w in 2 2.5 3 3.5 4 4.5; do args+=(--codec "tcq:$w:norm=8:tables=2" --codec "tcq:$w:norm=8:tables=4"); done
+      [ -f "docs/results/rd-tables4/$model/rd.json" ] || walshkv rd --model "$model" --tokens 2048 --quiet \
+        --out "docs/results/rd-tables4/$model" "${args[@]}"
+    done
+    ;;
+  bench-t4)
+    # decode attention at 16k and 64k on one thread (an idle machine), each model's shapes, the kernel built for
+    # this CPU: the 3.5-bit codes after RoPE and the 3.5-bit fast preset (the block frame), table set 2 against its
+    # set-4 twin (the two-plane lookup needs VBMI; without it set 4 decodes as set 2 does)
+    for model in ${T4_MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m qwen2.5-0.5b}; do
+      cal=src/walshkv/calibrations/$model/prerope-plain-keqr_64_64.gguf
+      fast=$(python -c "from walshkv.presets import resolve_preset as r; print(r('walshkv:3.5-fast', model='$model').spec)")
+      out="$OUT/bf16-bench/$model"
+      [ -f "$out/bench.json" ] && continue
+      walshkv bench attention --model "$model" --threads 1 --kv-len "${T4_KV_LENS:-16384,65536}" --codec tq:3.5/tq:3 \
+        --codec tcq:3.5:norm=8:tables=2/tcq:3:norm=8:tables=2 --codec tcq:3.5:norm=8:tables=4/tcq:3:norm=8:tables=4 \
+        --codec "$fast" --codec "$(echo "$fast" | sed 's/tables=[0-9]/tables=4/g')" --kv-mean-center "$cal" --quiet \
+        --no-plot --out "$out"
     done
     ;;
   select)

@@ -248,14 +248,25 @@ def split_rd() -> str | None:
     )
 
 
-def split_bench() -> str | None:
-    """Decode attention with table set 2 against its set-3 twin (stage bench-t3): x the fastest SDPA of each run."""
-    runs = sorted((OUT / "split-bench").glob("*/bench.json"))
+def rounded_rd() -> str | None:
+    """Table set 4 (set 2 rounded to bfloat16) against set 2 on real K/V (stage rd-t4): dB above D(R)."""
+    return _rd_block(
+        lambda model: ROOT / "docs" / "results" / "rd-tables4" / model / "rd.json",
+        "| width | bits stored | set 2 K dB | set 4 K dB | set 2 V dB | set 4 V dB | rounding cost K / V, dB |",
+        ("2", "2.5", "3", "3.5", "4", "4.5"),
+        lambda w: (f"tcq:{w}:norm=8:tables=2", f"tcq:{w}:norm=8:tables=4"),
+        -1.0,
+    )
+
+
+def split_bench(folder: str = "split-bench", twin: int = 3, stage: str = "bench-t3") -> str | None:
+    """Decode attention with table set 2 against its set-``twin`` twin (``stage``): x the fastest SDPA of each run."""
+    runs = sorted((OUT / folder).glob("*/bench.json"))
     if not runs:
         return None
     lines = [
-        "| model | kernel built for | kv_len | tq:3.5/tq:3 | tcq 3.5, set 2 | tcq 3.5, set 3 | fast preset, set 2 "
-        "| fast preset, set 3 | set 3 / set 2 time: tcq, fast preset |",
+        f"| model | kernel built for | kv_len | tq:3.5/tq:3 | tcq 3.5, set 2 | tcq 3.5, set {twin} "
+        f"| fast preset, set 2 | fast preset, set {twin} | set {twin} / set 2 time: tcq, fast preset |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     where = set()
@@ -265,7 +276,7 @@ def split_bench() -> str | None:
         march = meta.get("kernel_march", "native")
         built = "this CPU (native)" if march == "native" else f"`-march={march}` (stand-in)"
         where.add(f"{meta.get('commit', '?')} on {meta.get('cpu', '?')} ({meta.get('cpu_capability', '?')})")
-        model = path.parent.name.rsplit("-", 1)[0]
+        model = path.parent.name.removesuffix(f"-{march}")
         by_len: dict[int, list[dict]] = {}
         for r in run["attention"]:
             if r["backend"] != "torch":
@@ -277,17 +288,17 @@ def split_bench() -> str | None:
 
             tq = pick(lambda s: s == "tq:3.5/tq:3")
             t2 = pick(lambda s: s.startswith("tcq:3.5") and "tables=2" in s)
-            t3 = pick(lambda s: s.startswith("tcq:3.5") and "tables=3" in s)
+            t3 = pick(lambda s: s.startswith("tcq:3.5") and f"tables={twin}" in s)
             f2 = pick(lambda s: "ropeblock" in s and "tables=2" in s)
-            f3 = pick(lambda s: "ropeblock" in s and "tables=3" in s)
+            f3 = pick(lambda s: "ropeblock" in s and f"tables={twin}" in s)
             cells = ["" if r is None else f"{r['speedup_vs_best_sdpa']:.2f}" for r in (tq, t2, t3, f2, f3)]
             ratio = ", ".join(f"{b['ms'] / a['ms']:.2f}" for a, b in ((t2, t3), (f2, f3)) if a and b)
             lines.append(f"| {model} | {built} | {n:,} | " + " | ".join(cells) + f" | {ratio} |")
     lines += [
         "",
         "x the fastest SDPA of each run (one thread; medians of interleaved rounds; `walshkv bench attention --model "
-        "MODEL --threads 1`, docs/trellis-reproduce.sh stage bench-t3); the fast preset is the model's shipped "
-        "`walshkv:3.5-fast` (the block frame) and its twin with every `tables=2` made `tables=3`. "
+        f"MODEL --threads 1`, docs/trellis-reproduce.sh stage {stage}); the fast preset is the model's shipped "
+        f"`walshkv:3.5-fast` (the block frame) and its twin with every `tables=2` made `tables={twin}`. "
         + "; ".join(sorted(where))
         + ".",
     ]
@@ -318,6 +329,8 @@ def main() -> int:
         "lookup": _written(OUT / "lookup" / "lookup.md"),
         "split-rd": split_rd(),
         "split-bench": split_bench(),
+        "bf16-rd": rounded_rd(),
+        "bf16-bench": split_bench("bf16-bench", 4, "bench-t4"),
     }
     # qwen2.5-0.5b's first presets (docs/presets.md, "qwen2.5-0.5b's presets: the shipping rule")
     q05 = select("q05", "select-qwen05", ("qwen2.5-0.5b",), "docs/long-context-reproduce.sh")

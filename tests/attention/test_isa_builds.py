@@ -38,6 +38,7 @@ PAIRS = [
     ("rot+int3", "int2"),
     ("prerope+center+eqd+tcq:3.5", "tcq:2.5"),  # the trellis paths: byte permutes with VBMI, a gather without
     ("prerope+center+eqd+tcq:3.5:tables=3", "tcq:2.5:tables=3"),  # split tables: register permutes without VBMI
+    ("prerope+center+eqd+tcq:3.5:tables=4", "tcq:2.5:tables=4"),  # bfloat16 set: two byte planes with VBMI
 ]
 ISAS = {
     "avx2": ("-march=haswell", ("avx2", "fma")),

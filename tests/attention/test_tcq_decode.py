@@ -62,6 +62,16 @@ SPLIT_CASES = (
     ("tcq:3:tables=3", 512),
 )
 
+#: The bfloat16 set (tables=4, set 2 rounded): the VBMI decoder reads its two high byte planes only; every width at
+#: head_dim 64, the presets' head sizes at 3.5 bits, a wide row (a segment over 64 bytes) and one past the AVX2 plan
+ROUNDED_CASES = (
+    *((f"tcq:{bits:g}:tables=4", 64) for bits in trellis.TRELLIS_BITS),
+    ("tcq:3.5:tables=4", 128),
+    ("tcq:3.5:tables=4", 256),
+    ("tcq:4.5:tables=4", 16),
+    ("tcq:3:tables=4", 512),
+)
+
 
 def _cases():
     for d in HEAD_DIMS:
@@ -74,6 +84,7 @@ def _cases():
             yield f"tcq:{bits:g}", d
     yield from GENERIC_CASES
     yield from SPLIT_CASES
+    yield from ROUNDED_CASES
 
 
 def _bits(spec: str) -> float:

@@ -98,6 +98,7 @@ MATRIX: tuple[Entry, ...] = (
     Entry("tcq:3:norm=8:tables=2", 0.2, bad_head_dim=_ODD),  # the longer-trained table set
     Entry("tcq:2.5:norm=8:tables=2", 0.28, kind="v", bad_head_dim=_ODD),
     Entry("tcq:3:norm=8:tables=3", 0.2, bad_head_dim=_ODD),  # split tables (AVX2: register permutes, no gather)
+    Entry("tcq:3:norm=8:tables=4", 0.2, bad_head_dim=_ODD),  # set 2 rounded to bfloat16 (VBMI: two byte planes)
     # vLLM 0.32's own caches (emulated): TurboQuant keys and values, turboquant_k8v4's fp8 keys, int4_per_token_head;
     Entry("vllm-tq:3:nc", 0.2, bad_head_dim=_ODD),
     Entry("vllm-tq:4", 0.11, bad_head_dim=_ODD),

@@ -88,7 +88,18 @@ SHIPPED_SHA256 = {
     1: "9598f8757721ce6f0533933df8098e7eabb4cde3a795e75eeb7cf2802191c891",
     2: "91e084790d1a29221d26420f704a0c5c953f40da5f2b98482f467102d2b7dfa1",
     3: "b1f9728381e55775476f397fe6e9268f53fa044c03ee5a9d6d7fb41f76b034d8",
+    4: "40511c171b6284edf5f573fa6566cf673a9c6e8483ea9e9abdd23de6036e7241",
 }
+
+
+@pytest.mark.parametrize("tables", sorted(trellis.ROUNDED_SETS))
+def test_a_rounded_set_is_its_source_rounded_to_bfloat16(tables: int) -> None:
+    source = trellis.ROUNDED_SETS[tables]
+    for bits in trellis.TRELLIS_BITS:
+        tab = trellis.table(bits, 8, tables)
+        assert torch.equal(tab, trellis.round_bf16(trellis.table(bits, 8, source)))
+        assert not (tab.view(torch.int32) & 0xFFFF).any()  # what the VBMI decoder's two-plane lookup needs
+        assert (tab - trellis.table(bits, 8, source)).abs().max() <= 2**-8 * tab.abs().max()
 
 
 @pytest.mark.parametrize("tables", trellis.TABLE_SETS)

@@ -25,8 +25,8 @@ two 16-entry parts over the state's low and high four bits, ``table[s] = P[s & 1
 without byte permutes (AVX2) reads it with register permutes instead of a gather; every other reader reads its
 256 values as any set's. Set 4 (``trellis_tables_4.json``, ``tcq:B:tables=4``) is set 2 with every value rounded to
 bfloat16 (:data:`ROUNDED_SETS`; 0.001 dB or less from set 2 on a Gaussian): each float32 value's low 16 bits are
-zero, so the VBMI decoder looks up the two high bytes of each value and not four. A spec therefore names the values its codes decode to, and a saved cache or a KLD row of
-one set stays true when another ships.
+zero, so the VBMI decoder looks up the two high bytes of each value and not four. A spec therefore names the values
+its codes decode to, and a saved cache or a KLD row of one set stays true when another ships.
 """
 
 from __future__ import annotations
