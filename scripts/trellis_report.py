@@ -65,16 +65,29 @@ def _where(meta: dict) -> str:
     return f"{meta.get('versions', {}).get('commit', '?')} on {meta.get('cpu', {}).get('model', '?')}"
 
 
+def _cost_cell(data: dict, key: str, gap_diff: float) -> str:
+    """A derived set's cost over the free set in dB, as a table cell: a rounded set's on the vectors it was measured
+    on with its source table (``source_mse``, three decimals), a trained set's as the difference of the last training
+    rounds' gaps (two)."""
+    stats = data["stats"][key]
+    if "source_mse" in stats:
+        cost = 10 * math.log10(stats["mse_per_round"][-1] / stats["source_mse"])
+        return f" | {0.0 if abs(cost) < 0.0005 else cost:.3f}"
+    return f" | {gap_diff:.2f}"
+
+
 def gaussian() -> str:
     """Each table set's gap to D(R) on a Gaussian source; the best free set (256 values) against the scalar quantizer
     and the first set, and each split set (walshkv.ops.trellis.SPLIT_SETS) against the best free set: what the split
     costs."""
     sets = {n: json.loads((TABLES.parent / trellis.table_file(n)).read_text()) for n in trellis.TABLE_SETS}
     first = trellis.TABLE_SETS[0]
-    free = [n for n in trellis.TABLE_SETS if n not in trellis.SPLIT_SETS][-1]
-    split = [n for n in trellis.TABLE_SETS if n in trellis.SPLIT_SETS]
+    free = [n for n in trellis.TABLE_SETS if n not in trellis.SPLIT_SETS and n not in trellis.ROUNDED_SETS][-1]
+    split = [n for n in trellis.TABLE_SETS if n in trellis.SPLIT_SETS or n in trellis.ROUNDED_SETS]
     heads = " | ".join(f"set {n} dB above D(R)" for n in sets)
-    split_heads = "".join(f" | set {n} (split) cost over set {free}, dB" for n in split)
+    split_heads = "".join(
+        f" | set {n} ({'split' if n in trellis.SPLIT_SETS else 'bfloat16'}) cost over set {free}, dB" for n in split
+    )
     lines = [
         f"| bits | {heads} | scalar Lloyd-Max dB above D(R) | set {free} gain over scalar, dB "
         f"| set {free} over set {first}, dB{split_heads} |",
@@ -84,7 +97,7 @@ def gaussian() -> str:
         bits = float(key.split("/")[0])
         gap = {n: data["stats"][key]["gap_db"] for n, data in sets.items()}
         cells = " | ".join(f"{g:.2f}" for g in gap.values())
-        costs = "".join(f" | {gap[n] - gap[free]:.2f}" for n in split)
+        costs = "".join(_cost_cell(sets[n], key, gap[n] - gap[free]) for n in split)
         if bits.is_integer():
             scalar = 10 * math.log10(lloyd_max(int(bits), "gaussian").mse / 2 ** (-2 * bits))
             gain, longer = scalar - gap[free], gap[first] - gap[free]
@@ -96,6 +109,14 @@ def gaussian() -> str:
     for n, data in sets.items():
         meta = data["meta"]
         starts = meta.get("starts", 1)
+        if n in trellis.ROUNDED_SETS:
+            lines.append(
+                f"Set {n} (`{trellis.table_file(n)}`): set {meta['rounded_from']}'s tables rounded to "
+                f"{meta['rounding']}, no training; each measured on {meta['samples']} fresh unit Gaussian vectors of "
+                f"{meta['values_per_vector']} values; `{meta['command'].strip()}` at {meta['commit']} on {meta['cpu']} "
+                f"(torch {meta['torch']}, {meta['torch_threads']} threads)."
+            )
+            continue
         lines.append(
             f"Set {n} (`{trellis.table_file(n)}`): unit Gaussian vectors of {meta['values_per_vector']} values, "
             f"{meta['samples']} per round, {meta['iterations']} rounds"

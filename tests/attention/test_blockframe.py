@@ -135,6 +135,22 @@ def test_a_query_already_in_k_buffer_gives_the_same_attention():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_a_key_table_with_nan_is_refused_even_after_it_was_read():
+    """The kernel scans a key table once and skips the scan while the same tensor is unchanged (a plan's table, read
+    every step); a NaN written into it afterwards (its version moves) is found on the next step."""
+    _, pk, pv, kc, vc = _case("ropeblock:16+tq:3", "tq:4", 1, 3, 40, 0, torch.float32)
+    plan = cpu_plan(kc.inner, vc, 64, 0.125)
+    gen = torch.Generator().manual_seed(6)
+    qb, table = torch.randn(1, KV, 3, 3, 64, generator=gen), torch.randn(KV, 16, 64, generator=gen)
+    cpu.fused_decode_cpu(qb, plan, pk, pv, query_block=16, key_table=table)
+    cpu.fused_decode_cpu(qb, plan, pk, pv, query_block=16, key_table=table)  # read again: no scan
+    table[1, 3, 7] = float("nan")
+    with pytest.raises(ValueError, match="key_table has NaN or Inf"):
+        cpu.fused_decode_cpu(qb, plan, pk, pv, query_block=16, key_table=table)
+    with pytest.raises(ValueError, match="key_table has NaN or Inf"):
+        cpu.fused_decode_cpu(qb, plan, pk, pv, query_block=16, key_table=torch.full((KV, 16, 64), float("inf")))
+
+
 def test_the_block_angles_grow_with_the_cache_and_match_the_model_rope():
     """The per-block cos/sin rows a plan keeps are the model's float32 angles at each block start, at any reach."""
     _, _, _, kc, vc = _case("ropeblock:16+tq:4", "tq:4", 1, 1, 20, 0, torch.float32)

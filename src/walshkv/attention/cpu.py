@@ -199,6 +199,9 @@ def kernel_march() -> str:
 
 _lock = threading.Lock()
 _kernel: Any = None
+#: key tables found finite, by id: (the tensor, its version counter then); a table a step reads again unchanged (a
+#: block frame's, kept in its plan) is not scanned again
+_FINITE_TABLES: dict[int, tuple[torch.Tensor, int]] = {}
 _kernel_failed = False
 
 
@@ -818,8 +821,13 @@ def fused_decode_cpu(
                 f"key_table needs query_block and a float32 CPU tensor [kv_heads, query_block, head_dim] = "
                 f"[{h}, {query_block}, {d}], got {key_table.dtype} {tuple(key_table.shape)}"
             )
-        if not bool(torch.isfinite(key_table).all()):
-            raise ValueError("key_table has NaN or Inf entries: the keys would be undefined (check the mean)")
+        seen = _FINITE_TABLES.get(id(key_table))
+        if seen is None or seen[0] is not key_table or seen[1] != key_table._version:
+            if not bool(torch.isfinite(key_table).all()):
+                raise ValueError("key_table has NaN or Inf entries: the keys would be undefined (check the mean)")
+            if len(_FINITE_TABLES) >= 256:
+                _FINITE_TABLES.clear()
+            _FINITE_TABLES[id(key_table)] = (key_table, key_table._version)
         table = key_table
         if not plan.k_buffer_orthogonal:
             raise ValueError(
