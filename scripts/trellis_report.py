@@ -134,8 +134,13 @@ def gaussian() -> str:
     return "\n".join(lines)
 
 
+def _db(x: float, digits: int) -> str:
+    """``x`` with ``digits`` decimals, a value that rounds to zero written as zero (no ``-0.00``)."""
+    return f"{0.0 if abs(x) < 0.5 * 10**-digits else x:.{digits}f}"
+
+
 def _rd_block(
-    path_of, head: str, widths: tuple[str, ...], pair, sign: float, peers: tuple[str, ...] = ()
+    path_of, head: str, widths: tuple[str, ...], pair, sign: float, peers: tuple[str, ...] = (), digits: int = 2
 ) -> str | None:
     """One table per model of a rd run (``path_of(model)``): per width the two codecs ``pair(width)``, their K and
     V gaps to D(R) and ``sign x (first - second)``; then the ``peers`` rows."""
@@ -151,10 +156,10 @@ def _rd_block(
             a, b = (rows.get(c) for c in pair(w))
             if a is None or b is None:
                 continue
-            dk, dv = sign * (a["gap_db_k"] - b["gap_db_k"]), sign * (a["gap_db_v"] - b["gap_db_v"])
+            dk, dv = (_db(sign * (a[f] - b[f]), digits) for f in ("gap_db_k", "gap_db_v"))
             lines.append(
                 f"| {w} | {a['bits_per_element']:.3f} | {a['gap_db_k']:.2f} | {b['gap_db_k']:.2f} | "
-                f"{a['gap_db_v']:.2f} | {b['gap_db_v']:.2f} | {dk:.2f} / {dv:.2f} |"
+                f"{a['gap_db_v']:.2f} | {b['gap_db_v']:.2f} | {dk} / {dv} |"
             )
         for peer in peers:
             r = rows.get(peer)
@@ -277,6 +282,7 @@ def rounded_rd() -> str | None:
         ("2", "2.5", "3", "3.5", "4", "4.5"),
         lambda w: (f"tcq:{w}:norm=8:tables=2", f"tcq:{w}:norm=8:tables=4"),
         -1.0,
+        digits=3,
     )
 
 
