@@ -14,9 +14,6 @@ preset:
     query product    the per-block query product alone (torch matmul)
     W                building the per-step matrix the product reads
     no frame         the same codes read after RoPE with one query (the preset's codecs with the frame taken off)
-    decode           the K and V codes turned to float rows alone (the kernel's row decoders, ``decode_rows``, as a
-                     prefill tile reads them): no scores, no softmax, no sums. The fastest SDPA over it bounds what any
-                     step that decodes every code once can reach, whatever the rest costs
 
 ``step - kernel`` is what a kernel that built the block queries itself could save at most, if it made the product as
 fast as torch's matmul; ``query product`` is what the frame's dense equalizer costs at any speed of the rest.
@@ -39,7 +36,7 @@ from pathlib import Path
 import torch
 
 from walshkv.attention import blockframe
-from walshkv.attention.cpu import _desc, fused_decode_cpu, load_kernel
+from walshkv.attention.cpu import fused_decode_cpu
 from walshkv.attention.decode import decode_attention
 from walshkv.bench.attention import attention_shapes
 from walshkv.bench.generation import shipped_preset_file
@@ -99,16 +96,6 @@ def measure(model: str, preset: str, kv_len: int, rounds: int) -> dict[str, obje
     post = parse_cache_spec(named.text.replace(f"ropeblock:{g_len}+eqr:{g_len}+", ""))
     ppk, ppv = post.k.encode(k, sink), post.v.encode(v, sink)
     kf, vf = k.clone(), v.clone()
-    kern = load_kernel()
-    kdesc, keep_k = _desc(pk, bp.plan.k, d, "K", kern.FORMATS[bp.plan.k.fmt])
-    vdesc, keep_v = _desc(pv, bp.plan.v, d, "V", kern.FORMATS[bp.plan.v.fmt])
-    kout = torch.empty(1, kv, pk.seq_len, bp.plan.k.length)
-    vout = torch.empty(1, kv, pv.seq_len, bp.plan.v.length)
-
-    def decode_rows() -> None:
-        kern.decode_rows(kdesc, [], kout.data_ptr(), 1, kv, 0, pk.seq_len, 1)
-        kern.decode_rows(vdesc, [], vout.data_ptr(), 1, kv, 0, pv.seq_len, 1)
-
     fns = {
         "sdpa-fp32": lambda: torch.nn.functional.scaled_dot_product_attention(q, kf, vf, enable_gqa=True),
         "step": lambda: decode_attention(q, pk, pv, spec.k, spec.v, backend="auto", start=sink),
@@ -118,10 +105,8 @@ def measure(model: str, preset: str, kv_len: int, rounds: int) -> dict[str, obje
         "query product": lambda: torch.matmul(cs, w),
         "W": build_w,
         "no frame": lambda: decode_attention(q, ppk, ppv, post.k, post.v, backend="auto", start=sink),
-        "decode": decode_rows,
     }
     ms = _median_ms(fns, rounds)
-    del keep_k, keep_v
     macs = kv * n_blocks * d * group * d
     return {
         "model": model,
@@ -139,9 +124,8 @@ def measure(model: str, preset: str, kv_len: int, rounds: int) -> dict[str, obje
 def _markdown(rows: list[dict[str, object]], meta: dict[str, object]) -> str:
     head = (
         "| model (head_dim, GQA) | kv_len | SDPA fp32 ms | step ms | kernel ms | query product ms (GMAC/s) | W ms | "
-        "step - kernel ms | no frame ms | decode ms | step x fastest SDPA | no frame x fastest SDPA | "
-        "bound: SDPA / decode |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "step - kernel ms | no frame ms | step x fastest SDPA | no frame x fastest SDPA |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -149,16 +133,15 @@ def _markdown(rows: list[dict[str, object]], meta: dict[str, object]) -> str:
         lines.append(
             f"| {r['model']} ({s['head_dim']}, {s['group']}) | {r['kv_len']:,} | {ms['sdpa-fp32']:.3f} | "
             f"{ms['step']:.3f} | {ms['kernel']:.3f} | {ms['query product']:.3f} ({r['query_product_gmacs']:.1f}) | "
-            f"{ms['W']:.3f} | {ms['step'] - ms['kernel']:.3f} | {ms['no frame']:.3f} | {ms['decode']:.3f} | "
-            f"{ms['sdpa-fp32'] / ms['step']:.2f} | {ms['sdpa-fp32'] / ms['no frame']:.2f} | "
-            f"{ms['sdpa-fp32'] / ms['decode']:.2f} |"
+            f"{ms['W']:.3f} | {ms['step'] - ms['kernel']:.3f} | {ms['no frame']:.3f} | "
+            f"{ms['sdpa-fp32'] / ms['step']:.2f} | {ms['sdpa-fp32'] / ms['no frame']:.2f} |"
         )
     machine = meta["machine"]
     foot = (
         f"\nEach model's shipped `{rows[0]['preset']}` (the block frame) on its attention shapes, batch 1, one thread, "
         f"medians of {rows[0]['rounds']} interleaved rounds; `no frame`: the same codes read after RoPE with one "
-        f"query; `decode`: the K and V codes to float rows alone (no scores). `{meta['command']}` at "
-        f"{machine.get('commit', '?')} on {machine.get('cpu', '?')} (ISA {machine.get('cpu_capability', '?')}).\n"
+        f"query. `{meta['command']}` at {machine.get('commit', '?')} on {machine.get('cpu', '?')} "
+        f"(ISA {machine.get('cpu_capability', '?')}).\n"
     )
     return head + "\n".join(lines) + "\n" + foot
 

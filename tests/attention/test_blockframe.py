@@ -135,20 +135,29 @@ def test_a_query_already_in_k_buffer_gives_the_same_attention():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_a_key_table_with_nan_is_refused_even_after_it_was_read():
-    """The kernel scans a key table once and skips the scan while the same tensor is unchanged (a plan's table, read
-    every step); a NaN written into it afterwards (its version moves) is found on the next step."""
+def test_a_key_table_with_nan_is_refused_unless_the_caller_checked_it():
+    """The kernel scans a key table for NaN/Inf unless its caller says it checked it (a block frame's plan checks its
+    table once, when it builds it, and its steps pass ``key_table_finite``)."""
     _, pk, pv, kc, vc = _case("ropeblock:16+tq:3", "tq:4", 1, 3, 40, 0, torch.float32)
     plan = cpu_plan(kc.inner, vc, 64, 0.125)
     gen = torch.Generator().manual_seed(6)
     qb, table = torch.randn(1, KV, 3, 3, 64, generator=gen), torch.randn(KV, 16, 64, generator=gen)
-    cpu.fused_decode_cpu(qb, plan, pk, pv, query_block=16, key_table=table)
-    cpu.fused_decode_cpu(qb, plan, pk, pv, query_block=16, key_table=table)  # read again: no scan
+    want = cpu.fused_decode_cpu(qb, plan, pk, pv, query_block=16, key_table=table)
+    got = cpu.fused_decode_cpu(qb, plan, pk, pv, query_block=16, key_table=table, key_table_finite=True)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
     table[1, 3, 7] = float("nan")
     with pytest.raises(ValueError, match="key_table has NaN or Inf"):
         cpu.fused_decode_cpu(qb, plan, pk, pv, query_block=16, key_table=table)
-    with pytest.raises(ValueError, match="key_table has NaN or Inf"):
-        cpu.fused_decode_cpu(qb, plan, pk, pv, query_block=16, key_table=torch.full((KV, 16, 64), float("inf")))
+
+
+def test_a_block_frame_plan_refuses_a_mean_with_nan():
+    """The plan checks its mean table once, when it builds it (the steps then skip the scan)."""
+    _, _, _, kc, vc = _case("ropeblock:16+tq:3", "tq:4", 1, 3, 40, 0, torch.float32)
+    kc.mu[0, 0] = float("nan")  # past bind's own check of the calibration
+    kc._table.clear()
+    with pytest.raises(ValueError, match="mean table has NaN or Inf"):
+        blockframe.block_frame_plan(kc, vc, 64, 0.125)
 
 
 def test_the_block_angles_grow_with_the_cache_and_match_the_model_rope():

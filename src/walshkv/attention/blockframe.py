@@ -93,6 +93,11 @@ def block_frame_plan(k_codec: Codec, v_codec: Codec, head_dim: int, scale: float
     mapped = to_buffer.expand(kv, -1, -1) if fold is None else torch.matmul(fold, to_buffer)  # A⁻ᵀ first
     q_to_buffer = (rope.scaling * mapped).contiguous()
     table_buffer = table if plan.q_map is None else torch.matmul(table, plan.q_map / plan.scale)
+    if not bool(torch.isfinite(table_buffer).all()):  # checked once here; the steps pass key_table_finite
+        raise ValueError(
+            "the block frame's mean table has NaN or Inf entries: the keys would be undefined (check the K mean of "
+            "the calibration file)"
+        )
     bp = BlockFramePlan(k_codec, plan, q_to_buffer, table_buffer.contiguous(), torch.empty(0, head_dim))
     _TABLES[id(k_codec)] = (k_codec, plan, bp)
     return bp
@@ -152,4 +157,5 @@ def block_frame_decode_cpu(
         key_table=bp.table_buffer,
         block_offset=off,
         in_buffer=True,
+        key_table_finite=True,
     )

@@ -199,9 +199,6 @@ def kernel_march() -> str:
 
 _lock = threading.Lock()
 _kernel: Any = None
-#: key tables found finite, by id: (the tensor, its version counter then); a table a step reads again unchanged (a
-#: block frame's, kept in its plan) is not scanned again
-_FINITE_TABLES: dict[int, tuple[torch.Tensor, int]] = {}
 _kernel_failed = False
 
 
@@ -724,6 +721,7 @@ def fused_decode_cpu(
     key_table: torch.Tensor | None = None,
     block_offset: int = 0,
     in_buffer: bool = False,
+    key_table_finite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Unnormalised attention of one query step over packed K/V, with the C++ kernel.
 
@@ -759,6 +757,8 @@ def fused_decode_cpu(
         in_buffer: ``q`` (scaled) and ``key_table`` are already in K's kernel buffer (the caller folded
             ``plan.q_map``, or ``plan.scale`` where it is ``None``, into its own map: one matmul per step instead of
             two). Needs a K buffer as long as the head; not with ``prerope+`` keys.
+        key_table_finite: the caller has checked that ``key_table`` holds no NaN or Inf (a block frame's plan
+            checks its table once, when it builds it), so the step does not scan it again.
 
     Returns:
         ``(m, l, acc)``: running max ``[batch, kv_heads, group]`` of the scaled scores, softmax denominator
@@ -821,13 +821,8 @@ def fused_decode_cpu(
                 f"key_table needs query_block and a float32 CPU tensor [kv_heads, query_block, head_dim] = "
                 f"[{h}, {query_block}, {d}], got {key_table.dtype} {tuple(key_table.shape)}"
             )
-        seen = _FINITE_TABLES.get(id(key_table))
-        if seen is None or seen[0] is not key_table or seen[1] != key_table._version:
-            if not bool(torch.isfinite(key_table).all()):
-                raise ValueError("key_table has NaN or Inf entries: the keys would be undefined (check the mean)")
-            if len(_FINITE_TABLES) >= 256:
-                _FINITE_TABLES.clear()
-            _FINITE_TABLES[id(key_table)] = (key_table, key_table._version)
+        if not key_table_finite and not bool(torch.isfinite(key_table).all()):
+            raise ValueError("key_table has NaN or Inf entries: the keys would be undefined (check the mean)")
         table = key_table
         if not plan.k_buffer_orthogonal:
             raise ValueError(
