@@ -92,10 +92,43 @@ class Claim:
         return self.text.format(*(f() for f in self.figures))
 
 
+def _time_ratios(folder: str, pair: tuple[Pick, Pick]) -> list[float]:
+    """Per kv_len, the second picked row's time over the first's (the twin against the shipped spec)."""
+    rows = _run(folder)["attention"]
+    out = []
+    for n in sorted({r["kv_len"] for r in rows}):
+        a, b = (next(r for r in rows if r["kv_len"] == n and p(r.get("spec", r["method"]))) for p in pair)
+        out.append(b["ms"] / a["ms"])
+    return out
+
+
+def ratio_span(folders: list[str], pair: tuple[Pick, Pick]) -> str:
+    """``"lo-hi"`` of the twin's time ratios over every run and kv_len, as the prose writes it."""
+    xs = [x for f in folders for x in _time_ratios(f, pair)]
+    return f"{min(xs):.2f}-{max(xs):.2f}"
+
+
+def _spec_has(*parts: str) -> Pick:
+    return lambda spec: all(p in spec for p in parts)
+
+
+def _tcq_row(table: str) -> Pick:
+    return lambda spec: spec.startswith("tcq:3.5") and table in spec
+
+
+BF16 = [f"trellis/bf16-bench/{m}" for m in ("smollm2-135m", "qwen2.5-1.5b", "gemma3-270m", "qwen2.5-0.5b")]
 A2 = "bench-model-{}-avx2"
 GEN_A2 = "bench-fast-gen-avx2"
 BOTH = (16384, 65536)
 CLAIMS = [
+    Claim(
+        "docs/trellis.md",
+        "set 4 takes the trellis rows to {0}x set 2's time and the 3.5-bit fast preset's step to {1}x",
+        (
+            lambda: ratio_span(BF16, (_tcq_row("tables=2"), _tcq_row("tables=4"))),
+            lambda: ratio_span(BF16, (_spec_has("ropeblock", "tables=2"), _spec_has("ropeblock", "tables=4"))),
+        ),
+    ),
     Claim(
         "README.md",
         "not on an AVX2-only one ({0}x and {1}x at 16k)",
@@ -194,3 +227,16 @@ def test_span_formats_like_the_prose() -> None:
     )
     with pytest.raises(AssertionError, match="no row"):
         span("bench-fast-avx2", _named("no-such-method"), 16384)
+
+
+def test_set_4_trellis_codes_outrun_scalar_tq_at_16k_as_trellis_md_says() -> None:
+    """trellis.md: "with it the 3.5-bit trellis codes decode faster than the scalar tq:3.5/tq:3 of the same bytes at
+    16k on every model"."""
+    assert "decode faster than the scalar `tq:3.5/tq:3` of the same bytes at 16k on every model" in _folded(
+        "docs/trellis.md"
+    )
+    for folder in BF16:
+        rows = [r for r in _run(folder)["attention"] if r["kv_len"] == 16384]
+        tq = next(r for r in rows if r["method"] == "tq:3.5/tq:3")
+        t4 = next(r for r in rows if _tcq_row("tables=4")(r.get("spec", r["method"])))
+        assert t4["ms"] < tq["ms"], folder

@@ -48,21 +48,32 @@ from walshkv.presets import name_specs
 MODELS = ("smollm2-135m", "qwen2.5-1.5b", "gemma3-270m", "qwen2.5-0.5b")
 
 
-def _median_ms(fns: dict[str, object], rounds: int) -> dict[str, float]:
-    """Median milliseconds of each function over ``rounds`` interleaved rounds (three warm-up calls each first)."""
+#: Bytes written between timed calls to push the last call's data out of the caches (larger than this CPU's L3)
+FLUSH_BYTES = 256 << 20
+
+
+def _median_ms(fns: dict[str, object], rounds: int, flush: torch.Tensor | None) -> dict[str, float]:
+    """Median milliseconds of each function over ``rounds`` interleaved rounds (three warm-up calls each first).
+
+    With ``flush`` (a large tensor), it is written before every timed call, so each part starts with cold caches, as
+    a layer's attention does in a model (the other layers' weights and caches ran in between); without it each part
+    runs after the one before it in the round, warm with whatever that one left in the caches.
+    """
     for f in fns.values():
         for _ in range(3):
             f()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, f in fns.items():
+            if flush is not None:
+                flush.add_(1)
             t = time.perf_counter()
             f()
             times[name].append(time.perf_counter() - t)
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
-def measure(model: str, preset: str, kv_len: int, rounds: int) -> dict[str, object]:
+def measure(model: str, preset: str, kv_len: int, rounds: int, cold: bool = True) -> dict[str, object]:
     """One model's row: the parts' median milliseconds at ``kv_len`` cached tokens, batch 1."""
     shapes = attention_shapes(model)
     kv, d = shapes["kv_heads"], shapes["head_dim"]
@@ -106,7 +117,7 @@ def measure(model: str, preset: str, kv_len: int, rounds: int) -> dict[str, obje
         "W": build_w,
         "no frame": lambda: decode_attention(q, ppk, ppv, post.k, post.v, backend="auto", start=sink),
     }
-    ms = _median_ms(fns, rounds)
+    ms = _median_ms(fns, rounds, torch.zeros(FLUSH_BYTES // 4) if cold else None)
     macs = kv * n_blocks * d * group * d
     return {
         "model": model,
@@ -118,6 +129,7 @@ def measure(model: str, preset: str, kv_len: int, rounds: int) -> dict[str, obje
         "query_product_macs": macs,
         "query_product_gmacs": macs / ms["query product"] / 1e6,
         "rounds": rounds,
+        "cold": cold,
     }
 
 
@@ -139,7 +151,13 @@ def _markdown(rows: list[dict[str, object]], meta: dict[str, object]) -> str:
     machine = meta["machine"]
     foot = (
         f"\nEach model's shipped `{rows[0]['preset']}` (the block frame) on its attention shapes, batch 1, one thread, "
-        f"medians of {rows[0]['rounds']} interleaved rounds; `no frame`: the same codes read after RoPE with one "
+        f"medians of {rows[0]['rounds']} interleaved rounds"
+        + (
+            ", the caches flushed before every timed call"
+            if rows[0].get("cold")
+            else ", each part warm from the one before"
+        )
+        + f"; `no frame`: the same codes read after RoPE with one "
         f"query. `{meta['command']}` at {machine.get('commit', '?')} on {machine.get('cpu', '?')} "
         f"(ISA {machine.get('cpu_capability', '?')}).\n"
     )
@@ -152,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="walshkv:3.5-fast", help="a block-frame preset (default: %(default)s)")
     ap.add_argument("--kv-len", default="16384,65536", help="comma-separated cached tokens (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved timed rounds (default: %(default)s)")
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="time each part right after the one before it, without flushing the caches between calls (default: "
+        "flush before every timed call, as a layer in a model starts cold)",
+    )
     ap.add_argument("--json", type=Path, help="write the rows and the machine here")
     ap.add_argument("--markdown", type=Path, help="write the table here")
     args = ap.parse_args(argv)
@@ -163,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model in args.models.split(","):
         for n in (int(x) for x in args.kv_len.split(",")):
-            rows.append(measure(model, args.preset, n, args.rounds))
+            rows.append(measure(model, args.preset, n, args.rounds, cold=not args.warm))
             print(json.dumps({k: rows[-1][k] for k in ("model", "kv_len", "ms")}), flush=True)
     md = _markdown(rows, meta)
     print(md)
