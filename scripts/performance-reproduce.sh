@@ -108,6 +108,13 @@ for model in ${BENCH_MODELS:-smollm2-135m qwen2.5-1.5b gemma3-270m qwen2.5-0.5b}
     --codec "$tcq_after" --codec rot+int4 --codec q4_0 --quiet --no-plot --out "docs/results/bench-model-$model$isa"
   paste_block "docs/results/bench-model-$model$isa" "model-$model$isa"
 done
+# where a block-frame step spends its time ("Where a block-frame step spends its time"): each part of every model's
+# 3.5-bit fast preset step timed alone on one thread, the caches flushed before every timed call (a few minutes)
+if [[ -z "$isa" ]]; then
+  python research/scripts/blockframe_cost.py --kv-len "${KV_LEN_FAST:-16384,65536}" \
+    --json docs/results/research/blockframe-cost/cost.json --markdown docs/results/research/blockframe-cost/cost.md
+  python scripts/update_readme.py docs/results/research/blockframe-cost/cost.md docs/performance.md blockframe-cost
+fi
 # on an AVX-512 CPU, the same three runs with the AVX2 code paths (torch's AVX2 kernels: ATEN_CPU_CAPABILITY=avx2;
 # the fused kernel built with -march=haswell: WALSHKV_CPU_MARCH): a stand-in for an AVX2-only machine, on the same
 # cores, caches and memory (so not that machine's figures; the bench header names the build). A few minutes each

@@ -112,6 +112,42 @@ def _spec_has(*parts: str) -> Pick:
     return lambda spec: all(p in spec for p in parts)
 
 
+@functools.cache
+def _cost() -> list[dict[str, Any]]:
+    return json.loads((RESULTS / "research" / "blockframe-cost" / "cost.json").read_text())["rows"]
+
+
+def _cost_rows(models: tuple[str, ...], kv_len: int | None) -> list[dict[str, Any]]:
+    rows = [r for r in _cost() if r["model"] in models and kv_len in (None, r["kv_len"])]
+    assert rows, f"blockframe-cost: no row of {models} at {kv_len}"
+    return rows
+
+
+def _pct_span(xs: list[float]) -> str:
+    lo, hi = f"{100 * min(xs):.0f}", f"{100 * max(xs):.0f}"
+    return f"{lo}%" if lo == hi else f"{lo}-{hi}%"
+
+
+def outside_share(models: tuple[str, ...], kv_len: int) -> str:
+    """``(step - kernel) / step`` of the block-frame cost rows, as a percent span."""
+    return _pct_span([(r["ms"]["step"] - r["ms"]["kernel"]) / r["ms"]["step"] for r in _cost_rows(models, kv_len)])
+
+
+def kernel_over_no_frame() -> str:
+    """The most the kernel alone takes over the whole no-frame step, over every cost row, as a percent."""
+    return f"{100 * max(r['ms']['kernel'] / r['ms']['no frame'] - 1 for r in _cost()):.0f}%"
+
+
+def no_frame_x(models: tuple[str, ...], kv_len: int) -> str:
+    xs = [r["ms"]["sdpa-fp32"] / r["ms"]["no frame"] for r in _cost_rows(models, kv_len)]
+    lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+SMALL_HEADS = ("smollm2-135m", "qwen2.5-0.5b")
+BIG_HEADS = ("qwen2.5-1.5b", "gemma3-270m")
+
+
 def _tcq_row(table: str) -> Pick:
     return lambda spec: spec.startswith("tcq:3.5") and table in spec
 
@@ -121,6 +157,21 @@ A2 = "bench-model-{}-avx2"
 GEN_A2 = "bench-fast-gen-avx2"
 BOTH = (16384, 65536)
 CLAIMS = [
+    Claim(
+        "docs/performance.md",
+        "It is {0} of the step at 16k on smollm2-135m and qwen2.5-0.5b and {1} on qwen2.5-1.5b and gemma3-270m",
+        (lambda: outside_share(SMALL_HEADS, 16384), lambda: outside_share(BIG_HEADS, 16384)),
+    ),
+    Claim(
+        "docs/performance.md",
+        "The kernel alone takes at most {0} longer than the whole `no frame` step",
+        (kernel_over_no_frame,),
+    ),
+    Claim(
+        "docs/performance.md",
+        "`no frame` reaches only {0}x the fastest SDPA at 16k there",
+        (lambda: no_frame_x(SMALL_HEADS, 16384),),
+    ),
     Claim(
         "docs/trellis.md",
         "set 4 takes the trellis rows to {0}x set 2's time and the 3.5-bit fast preset's step to {1}x",
