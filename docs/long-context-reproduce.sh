@@ -207,6 +207,20 @@ PY
       fi
     done
     ;;
+  needle-5)
+    # retrieval with intervals: every shipped preset of each model in NEEDLE5_MODELS (what walshkv:B names today)
+    # against rotated q4_0 and the uncompressed model, 5 samples per cell (Wilson intervals, paired differences),
+    # 2k and 4k tokens at depths 0, 0.5 and 1 (about 25 minutes per model on one core for smollm2-135m)
+    for model in ${NEEDLE5_MODELS:-smollm2-135m}; do
+      part="$OUT/needle/$model/presets-5"
+      mkdir -p "$part"
+      [ -f "$part/needle.json" ] && { echo "needle-5: $part/needle.json exists (delete it to rerun)"; continue; }
+      walshkv needle --model "$model" --text "$EMMA" --samples "${NEEDLE_SAMPLES:-5}" --task single \
+        --calib-text python-docs --fused --codec walshkv:3 --codec walshkv:3.5 --codec walshkv:4.5 --codec rot+q4_0 \
+        --lengths "${NEEDLE5_LENGTHS:-2048,4096}" --depths 0,0.5,1 --quiet --json "$part/needle.json" \
+        --csv "$part/needle.csv" --markdown "$part/needle.md" --png "$part/heatmap.png"
+    done
+    ;;
   holdout)
     # the frozen holdout: the final presets and peers at 512 tokens, Emma (development) next to Persuasion
     # (Persuasion first: the targets are judged on it); the 2.5-bit presets too where a model has them

@@ -256,6 +256,7 @@ def _plot(model: str, ctxs: list[int], table: dict, order: list[str], figures: P
 #: Needle runs kept in a folder beside a model's grid, and what each is (stage needle of the reproduce script).
 NEEDLE_PARTS = {
     "walshkv-3-4k": "walshkv:3 as re-selected at 4k tokens (the grid above ran the 512-token spec)",
+    "presets-5": "the shipped presets, 5 samples per cell (Wilson intervals; the grid above ran older specs, once)",
 }
 
 
