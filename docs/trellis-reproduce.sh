@@ -188,6 +188,31 @@ for stage in $STAGES; do
         --no-plot --out "$out"
     done
     ;;
+  select-t4)
+    # table set 4 in the presets (trellis.md, "Set 4 in the presets"): every shipped preset that reads set 2 against
+    # its set-4 twin, on its own selection protocol; scripts/ship_presets.py ships the twin when its KLD is at most
+    # 1.01x the shipped spec's (TWIN_RULES), then stage ship-t4. T4_SELECT_MODELS picks the models (the cheapest
+    # first: about 2 minutes a run on smollm2-135m, 5 on gemma3-270m, 15-20 on qwen2.5-1.5b, one core)
+    for model in ${T4_SELECT_MODELS:-smollm2-135m gemma3-270m qwen2.5-0.5b qwen2.5-1.5b}; do
+      mkdir -p "$SELECT/$model"
+      for name in $(python -c "from walshkv.presets import model_presets as m; print(' '.join(p.removeprefix('walshkv:') for p, e in m()['$model']['presets'].items() if 'tables=2' in e['spec']))"); do
+        bits=${name%-fast} flag=
+        [ "$bits" != "$name" ] && flag=--fast
+        json="$SELECT/$model/recommend-$name-t4-ctx4096.json"
+        [ -f "$json" ] && continue
+        shipped=$(python -c "from walshkv.presets import model_presets as m; print(m()['$model']['presets']['walshkv:$name']['spec'])")
+        walshkv recommend --model "$model" --bits "$bits" $flag --only-candidates --candidate "$shipped" \
+          --candidate "$(echo "$shipped" | sed 's/tables=2/tables=4/g')" --ctx 4096 --windows 2 \
+          --quiet --json "$json" -o "$SELECT/$model/walshkv-$name-t4-ctx4096.gguf"
+      done
+    done
+    ;;
+  ship-t4)
+    python scripts/ship_presets.py
+    for model in ${T4_SELECT_MODELS:-smollm2-135m gemma3-270m qwen2.5-0.5b qwen2.5-1.5b}; do
+      python scripts/ship_calibrations.py --model "$model"
+    done
+    ;;
   select)
     mkdir -p "$SELECT/$MODEL"
     for bits in 3 3.5 2.5 4.5; do

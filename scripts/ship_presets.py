@@ -8,6 +8,9 @@ only, never on Emma or Persuasion. Where a preset was selected at more than one 
 users compress caches for long prompts, and docs/long-context.md shows a 512-token winner degrading with context.
 At the same context, the later run (its meta.date) ships: a re-selection, such as docs/trellis-reproduce.sh's
 (the shipped spec against its tcq twins), replaces the run before it.
+A re-selection whose rule is a tolerance rather than the lower KLD (:data:`TWIN_RULES`: table set 4's twins,
+docs/trellis.md, "Set 4 in the presets") ships its twin when the twin's selection KLD is within the tolerance of the
+shipped spec's in that run, whichever recommend ranked first.
 Nothing is typed by hand: rerun this script after a new recommend run and commit both.
 
 Names (docs/presets.md, "Which kind the plain name means"): each entry is keyed by how it was selected
@@ -98,6 +101,29 @@ def _commit_of(path: Path) -> str | None:
     return out or None
 
 
+#: Re-selections judged by a tolerance (docs/trellis.md): the run file's tag, the part of a spec that marks the twin,
+#: and the most selection KLD the twin may cost, as a ratio to the shipped spec's in the same run
+TWIN_RULES: dict[str, tuple[str, float]] = {"-t4-": ("tables=4", 1.01)}
+
+
+def winner(path: Path, run: dict) -> str:
+    """The spec a recommend run ships: its winner, or, for a run under :data:`TWIN_RULES`, the twin when its KLD is
+    within the rule's tolerance of the other candidate's."""
+    for tag, (mark, tolerance) in TWIN_RULES.items():
+        if tag not in path.name:
+            continue
+        twins = [r for r in run["results"] if mark in r["codec"]]
+        others = [r for r in run["results"] if mark not in r["codec"]]
+        if len(twins) != 1 or len(others) != 1:
+            raise SystemExit(
+                f"{path}: a {tag.strip('-')} run ranks one shipped spec and its twin (a spec with {mark!r}); it "
+                f"holds {len(others)} and {len(twins)}"
+            )
+        twin, shipped = twins[0], others[0]
+        return twin["codec"] if twin["kld_mean"] <= tolerance * shipped["kld_mean"] else shipped["codec"]
+    return run["winner"]
+
+
 def build() -> dict:
     models: dict[str, dict] = {}
     runs = [(path, json.loads(path.read_text())) for path in sorted(RESULTS.glob("*/recommend-*.json"))]
@@ -108,12 +134,13 @@ def build() -> dict:
         model = meta["model"]
         name = model["name"]
         preset = run["preset"]
-        best = next((r for r in run["results"] if r["codec"] == run["winner"]), None)
+        chosen = winner(path, run)
+        best = next((r for r in run["results"] if r["codec"] == chosen), None)
         entry = models.setdefault(name, {"shape": {k: model[k] for k in SHAPE_KEYS}, "presets": {}})
         if entry["shape"] != {k: model[k] for k in SHAPE_KEYS}:
             raise SystemExit(f"{path}: model {name} has another shape than its other recommend runs")
         entry["presets"][preset] = {
-            "spec": run["winner"],
+            "spec": chosen,
             "selected_on": meta["text"]["name"],
             "calibrated_on": (meta.get("calibration") or {}).get("text"),
             "ctx": meta["ctx"],

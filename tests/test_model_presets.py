@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import json
 import re
 import subprocess
@@ -39,6 +40,33 @@ class _Loaded:
         self.name, self.shape = name, shape
 
 
+def _load_ship():
+    spec = importlib.util.spec_from_file_location("ship_presets", ROOT / "scripts" / "ship_presets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_ship = _load_ship()
+
+
+def test_a_tolerance_rule_ships_the_twin_within_it_and_the_shipped_spec_beyond():
+    """Table set 4's rule (docs/trellis.md): the twin ships when its KLD is at most 1.01x the shipped spec's in the
+    run, whichever recommend ranked first; a run that does not hold exactly the pair is refused."""
+    path = Path("recommend-3.5-t4-ctx4096.json")
+
+    def run(twin_kld: float) -> dict:
+        rows = [{"codec": "tcq:3.5:tables=2", "kld_mean": 0.0200}, {"codec": "tcq:3.5:tables=4", "kld_mean": twin_kld}]
+        return {"winner": min(rows, key=lambda r: r["kld_mean"])["codec"], "results": rows}
+
+    assert _ship.winner(path, run(0.0201)) == "tcq:3.5:tables=4"  # recommend ranked the shipped spec first
+    assert _ship.winner(path, run(0.0190)) == "tcq:3.5:tables=4"
+    assert _ship.winner(path, run(0.0203)) == "tcq:3.5:tables=2"
+    assert _ship.winner(Path("recommend-3.5-t2-ctx4096.json"), run(0.0201)) == "tcq:3.5:tables=2"  # no tolerance
+    with pytest.raises(SystemExit, match="ranks one shipped spec and its twin"):
+        _ship.winner(path, {"winner": "x", "results": [{"codec": "tcq:3:tables=4", "kld_mean": 1.0}]})
+
+
 def test_shipped_file_is_up_to_date_with_the_recommend_runs():
     """Nothing typed by hand: the file is what scripts/ship_presets.py makes of docs/results/presets."""
     run = subprocess.run(
@@ -61,7 +89,7 @@ def test_every_shipped_spec_parses_fits_its_budget_and_has_provenance():
             assert choice["source"].startswith(("docs/results/presets/", "docs/results/long-context/select/"))
             assert (ROOT / choice["source"]).is_file()
             run = json.loads((ROOT / choice["source"]).read_text())
-            assert (run["winner"], run["meta"]["ctx"]) == (choice["spec"], choice["ctx"])
+            assert (_ship.winner(ROOT / choice["source"], run), run["meta"]["ctx"]) == (choice["spec"], choice["ctx"])
 
 
 def test_the_longest_selection_context_ships():
