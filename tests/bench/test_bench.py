@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from walshkv.bench import (
     AttentionBenchConfig,
@@ -50,6 +51,35 @@ def test_attention_reference_backend_and_check():
     assert "encode_ms" in by["int4"] and "encode_ms" not in by["int4 (reference)"]
     plain = bench_attention(AttentionBenchConfig([64], ["int4"], repeats=1, progress=False))
     assert "max_abs_err_vs_sdpa_on_decoded" not in plain[-1] and len(plain) == 4  # off by default
+
+
+def test_cold_timing_flushes_before_every_call(tmp_path, monkeypatch):
+    """``--cold``: a buffer is written before every timed call (each call starts with cold caches), the flush is
+    not in the call's time, and the result says how it was timed."""
+    from walshkv.bench import machine
+
+    order: list[str] = []
+    real_add = torch.Tensor.add_
+
+    def spy_add(self, *a, **k):
+        if self.numel() * 4 == 1 << 20:
+            order.append("flush")
+        return real_add(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "add_", spy_add)
+    fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    times = machine.interleaved_seconds(fns, 2, warmup=0, budget=0.0, flush_bytes=1 << 20)
+    assert order == ["flush", "a", "flush", "b"] * 2 and all(len(t) == 2 for t in times.values())
+    order.clear()
+    machine.interleaved_seconds(fns, 1, warmup=0, budget=0.0)
+    assert order == ["a", "b"]
+    monkeypatch.undo()
+    out = tmp_path / "cold"
+    argv = ["bench", "attention", "--kv-len", "64", "--codec", "int4", "--repeats", "1", "--cold"]
+    assert main([*argv, "--out", str(out), "--quiet", "--no-plot"]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    assert data["meta"]["caches"].startswith("flushed") and len(data["attention"]) == 4
+    assert "Caches flushed before every timed call" in (out / "bench.md").read_text()
 
 
 def test_crossover():

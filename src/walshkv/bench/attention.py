@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from walshkv.attention import cpu_supports, decode_attention, triton_supports
 from walshkv.attention.cpu import prerope_key_map
 from walshkv.attention.keys import split_prerope
-from walshkv.bench.machine import available_memory, interleaved_seconds, median_seconds
+from walshkv.bench.machine import COLD_FLUSH_BYTES, available_memory, interleaved_seconds, median_seconds
 from walshkv.codecs import CacheSpec, NamedSpec, Packed
 from walshkv.codecs.spec import check_spec_list
 from walshkv.constants import Backend
@@ -133,6 +133,9 @@ class AttentionBenchConfig:
         model: the model whose shipped spec a preset stands for (``walshkv models list``; the bench's shapes must be
             its), unless its calibration file names one; ``None``: the built-in spec.
         progress: show a progress bar.
+        cold: flush the caches before every timed call (:data:`walshkv.bench.machine.COLD_FLUSH_BYTES` written), so
+            each method starts cold, as a layer's attention does inside a model; ``False``: the methods run in turn,
+            each after the one before it (which of them find their data still cached depends on the round's order).
 
     Raises:
         ValueError: ``device`` not ``cpu`` or ``cuda[:N]``; ``kv_lens`` or ``codecs`` empty, ``codecs`` a single
@@ -156,6 +159,7 @@ class AttentionBenchConfig:
     layer: int = 0
     model: str | None = None
     progress: bool = True
+    cold: bool = False
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):
@@ -287,7 +291,7 @@ def bench_attention(config: AttentionBenchConfig | None = None) -> list[dict[str
             encode_ms[spec_name] = 1e3 * median_seconds(
                 lambda s=spec, a=k1, b=v1, at=n: (s.k.encode(a, at), s.v.encode(b, at)), repeats, device=device
             )
-        times = interleaved_seconds(fns, repeats, device=device)
+        times = interleaved_seconds(fns, repeats, device=device, flush_bytes=COLD_FLUSH_BYTES if config.cold else 0)
         best = [min(times[f"sdpa-{d}"][i] for d in SDPA_DTYPES) for i in range(len(times["sdpa-fp16"]))]
         for method, ts in times.items():
             if method.endswith(TRANSFORM_SUFFIX):

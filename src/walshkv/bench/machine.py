@@ -16,6 +16,7 @@ from walshkv.eval.provenance import cpu_meta, proc_line
 from walshkv.eval.report import library_versions
 
 __all__ = [
+    "COLD_FLUSH_BYTES",
     "available_memory",
     "copy_bandwidth",
     "interleaved_seconds",
@@ -107,14 +108,37 @@ def median_seconds(
     return statistics.median(times)
 
 
+#: Bytes a cold timing writes before every timed call (:func:`interleaved_seconds`' ``flush_bytes``): more than the
+#: last-level cache of the CPUs this project runs on, so the call finds none of its data there
+COLD_FLUSH_BYTES = 256 << 20
+
+
 def interleaved_seconds(
-    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 2, budget: float = 3.0, device: str = "cpu"
+    fns: dict[str, Callable[[], Any]],
+    repeats: int,
+    warmup: int = 2,
+    budget: float = 3.0,
+    device: str = "cpu",
+    flush_bytes: int = 0,
 ) -> dict[str, list[float]]:
     """Per-call seconds of every function, timed in rounds that call each function once, in turn.
 
-    At least ``repeats`` rounds, and up to ``3 * repeats`` while within ``budget`` seconds.
+    At least ``repeats`` rounds, and up to ``3 * repeats`` while within ``budget`` seconds (the flushes not counted in
+    the budget's timing of a call, but in its wall clock).
+
+    Args:
+        fns: the functions, by name.
+        repeats: rounds at least.
+        warmup: untimed calls of each function first.
+        budget: seconds within which more rounds run, up to ``3 * repeats``.
+        device: ``cpu`` or ``cuda[:N]`` (synchronized after each call).
+        flush_bytes: ``> 0``: write a buffer of this many bytes on ``device`` before every timed call, so that each
+            call starts with cold caches, as a layer's attention does inside a model, whatever ran before it in the
+            round (:data:`COLD_FLUSH_BYTES`); 0: each call runs right after the one before it, warm with whatever
+            that one left in the caches.
     """
     sync = _sync(device)
+    flush = torch.zeros(max(flush_bytes, 0) // 4, device=device) if flush_bytes > 0 else None
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -124,6 +148,9 @@ def interleaved_seconds(
     rounds = 0
     while rounds < repeats or (rounds < 3 * repeats and time.perf_counter() - started < budget):
         for name, fn in fns.items():
+            if flush is not None:
+                flush.add_(1)
+                sync()
             t0 = time.perf_counter()
             fn()
             sync()

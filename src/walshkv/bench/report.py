@@ -422,6 +422,12 @@ def bench_markdown(result: dict[str, Any]) -> list[str]:
                 "with that model's shipped calibration.",
                 "",
             ]
+        if str(meta.get("caches", "")).startswith("flushed"):
+            lines += [
+                "Caches flushed before every timed call (`--cold`: 256 MiB written first), so each method starts "
+                "cold, as a layer's attention does inside a model.",
+                "",
+            ]
         lines += [format_attention_table(result["attention"], bw, "github"), ""]
     if result.get("generation"):
         gen = result["generation"]

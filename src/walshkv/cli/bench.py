@@ -169,7 +169,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             layer=args.layer,
             model=args.model,
             progress=not args.quiet,
+            cold=args.cold,
         )
+        meta["caches"] = "flushed before every timed call (--cold)" if args.cold else "warm: methods timed in turn"
         att = bench.bench_attention(att_config)
         result["attention"] = att
         print(bench.format_attention_table(att, meta["copy_bandwidth_gb_per_s"]))
@@ -272,6 +274,13 @@ def _add_options(parser: argparse.ArgumentParser, part: str | None) -> argparse.
             metavar="N",
             help="torch threads for SDPA and the kernel alike (default: torch's, one per core); 1 compares both "
             "on one core, which a machine shared with other work disturbs least",
+        )
+        group.add_argument(
+            "--cold",
+            action="store_true",
+            help="write 256 MiB before every timed call, so each method starts with cold caches, as a layer's "
+            "attention does inside a model (the other layers ran in between); default: the methods run in turn, "
+            "each after the one before it, and a small cache may still be in the CPU's caches from the last round",
         )
         group.add_argument(
             "--device",
