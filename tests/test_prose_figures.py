@@ -144,6 +144,27 @@ def no_frame_x(models: tuple[str, ...], kv_len: int) -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
+@functools.cache
+def _lc_kld() -> dict[str, Any]:
+    return json.loads((RESULTS / "long-context" / "summary.json").read_text())["kld"]
+
+
+def lc_kld(model: str, label: str, ctx: int) -> str:
+    """A long-context table's mean KLD (docs/long-context.md), four decimals as the table writes it."""
+    return f"{_lc_kld()[model][label][str(ctx)]['kld_mean']:.4f}"
+
+
+def lc_kld_span(model: str, label: str) -> str:
+    xs = [f"{c['kld_mean']:.4f}" for c in _lc_kld()[model][label].values()]
+    return f"{min(xs)}-{max(xs)}"
+
+
+def lc_rise_is_real_at_2k(model: str, label: str) -> bool:
+    """The 2k interval lies above the 512-token mean."""
+    cells = _lc_kld()[model][label]
+    return cells["2048"]["kld_mean_ci95"][0] > cells["512"]["kld_mean"]
+
+
 SMALL_HEADS = ("smollm2-135m", "qwen2.5-0.5b")
 BIG_HEADS = ("qwen2.5-1.5b", "gemma3-270m")
 
@@ -156,7 +177,17 @@ BF16 = [f"trellis/bf16-bench/{m}" for m in ("smollm2-135m", "qwen2.5-1.5b", "gem
 A2 = "bench-model-{}-avx2"
 GEN_A2 = "bench-fast-gen-avx2"
 BOTH = (16384, 65536)
+Q05 = "qwen2.5-0.5b"
 CLAIMS = [
+    Claim(
+        "docs/long-context.md",
+        "From 512 to 8k tokens `walshkv:3` goes from {0} to {1}, `walshkv:3.5` from {2} to {3} and `walshkv:4.5` "
+        "from {4} to {5}, while the rotated q8_0 K / q4_0 V pair (6.5 bits) stays within {6}.",
+        (
+            *(lambda b=b, c=c: lc_kld(Q05, f"walshkv:{b}", c) for b in ("3", "3.5", "4.5") for c in (512, 8192)),
+            lambda: lc_kld_span(Q05, "rot+q8_0/rot+q4_0"),
+        ),
+    ),
     Claim(
         "docs/performance.md",
         "It is {0} of the step at 16k on smollm2-135m and qwen2.5-0.5b and {1} on qwen2.5-1.5b and gemma3-270m",
@@ -291,3 +322,11 @@ def test_set_4_trellis_codes_outrun_scalar_tq_at_16k_as_trellis_md_says() -> Non
         tq = next(r for r in rows if r["method"] == "tq:3.5/tq:3")
         t4 = next(r for r in rows if _tcq_row("tables=4")(r.get("spec", r["method"])))
         assert t4["ms"] < tq["ms"], folder
+
+
+def test_qwen05_rise_at_2k_is_outside_the_interval_as_long_context_md_says() -> None:
+    assert "whose intervals exclude the 512-token means of all three" in _folded("docs/long-context.md")
+    for b in ("3", "3.5", "4.5"):
+        assert lc_rise_is_real_at_2k(Q05, f"walshkv:{b}"), b
+    for c in (512, 2048, 8192):
+        assert float(lc_kld(Q05, "walshkv:4.5", c)) < float(lc_kld(Q05, "rot+q8_0/rot+q4_0", c))
