@@ -210,7 +210,7 @@ PY
   needle-5)
     # retrieval with intervals: every shipped preset of each model in NEEDLE5_MODELS (what walshkv:B names today)
     # against rotated q4_0 and the uncompressed model, 5 samples per cell (Wilson intervals, paired differences),
-    # 2k and 4k tokens at depths 0, 0.5 and 1 (about 25 minutes per model on one core for smollm2-135m)
+    # 2k and 4k tokens at depths 0, 0.5 and 1 (about 40 minutes per model on one core for smollm2-135m)
     for model in ${NEEDLE5_MODELS:-smollm2-135m}; do
       part="$OUT/needle/$model/presets-5"
       mkdir -p "$part"
