@@ -23,6 +23,16 @@ STAGES="${STAGES:-tables rd select ship emma holdout bench decode structured loo
 # then tables-3, rd-t3 and bench-t3: table set 3, the split tables; then tables-4, rd-t4 and bench-t4: table set 4,
 # set 2 rounded to bfloat16)
 MODEL=smollm2-135m
+# walshkv rd on smollm2-135m's and qwen2.5-1.5b's K/V: tcq (one-byte norm) with table set 2 against set $1 at every
+# width from 2 to 4.5 bits, to docs/results/rd-tables$1/MODEL (skipped where its rd.json exists)
+rd_twin() {
+  for model in smollm2-135m qwen2.5-1.5b; do
+    args=()
+    for w in 2 2.5 3 3.5 4 4.5; do args+=(--codec "tcq:$w:norm=8:tables=2" --codec "tcq:$w:norm=8:tables=$1"); done
+    [ -f "docs/results/rd-tables$1/$model/rd.json" ] || walshkv rd --model "$model" --tokens 2048 --quiet \
+      --out "docs/results/rd-tables$1/$model" "${args[@]}"
+  done
+}
 
 # The candidates per preset: the shipped spec (as it stood before this selection), its tcq twin (every tq:W made
 # tcq:W), and the twin with K half a bit wider and V half a bit narrower; at 2.5 bits (a new preset) tcq at the
@@ -67,6 +77,20 @@ n8_spend() {
 }
 # stage select-t2: a spec's table-set-2 twin (every tcq:W... given :tables=2)
 t2_twin() { sed -E 's/(tcq:[0-9.]+(:norm=8)?)/\1:tables=2/g'; }
+# stage select-t4: a spec's table-set-4 twin (every tables=2 made tables=4)
+t4_twin() { sed 's/tables=2/tables=4/g'; }
+# recommend on python-docs at 4k tokens (2 windows) between $4, preset walshkv:$2 of model $1 as it ships, and its
+# twin (the filter $5 applied to it), to $SELECT/$1/recommend-$2-$3-ctx4096.json (skipped where that exists)
+select_twin() {
+  local model=$1 name=$2 tag=$3 bits=${2%-fast} flag=
+  [ "$bits" != "$name" ] && flag=--fast
+  mkdir -p "$SELECT/$model"
+  local json="$SELECT/$model/recommend-$name-$tag-ctx4096.json"
+  [ -f "$json" ] && return 0
+  walshkv recommend --model "$model" --bits "$bits" $flag --only-candidates --candidate "$4" \
+    --candidate "$(echo "$4" | $5)" --ctx 4096 --windows 2 \
+    --quiet --json "$json" -o "$SELECT/$model/walshkv-$name-$tag-ctx4096.gguf"
+}
 # the presets as they shipped before this selection (tq), rows beside the new ones (the same calibration)
 before() {
   for spec in 'sink:1:layers:prerope+center+eq+tq:3/tq:2@5,8,12,14;prerope+center+eq+tq:3/tq:2.5' \
@@ -131,12 +155,7 @@ for stage in $STAGES; do
     ;;
   rd-t3)
     # what the split costs on real K/V: tcq (one-byte norm) with table set 2 against table set 3, against D(R)
-    for model in smollm2-135m qwen2.5-1.5b; do
-      args=()
-      for w in 2 2.5 3 3.5 4 4.5; do args+=(--codec "tcq:$w:norm=8:tables=2" --codec "tcq:$w:norm=8:tables=3"); done
-      [ -f "docs/results/rd-tables3/$model/rd.json" ] || walshkv rd --model "$model" --tokens 2048 --quiet \
-        --out "docs/results/rd-tables3/$model" "${args[@]}"
-    done
+    rd_twin 3
     ;;
   bench-t3)
     # decode attention at 16k and 64k on one thread (an idle machine), each model's shapes: the 3.5-bit codes after
@@ -166,12 +185,7 @@ for stage in $STAGES; do
     ;;
   rd-t4)
     # what the rounding costs on real K/V: tcq (one-byte norm) with table set 2 against table set 4, against D(R)
-    for model in smollm2-135m qwen2.5-1.5b; do
-      args=()
-      for w in 2 2.5 3 3.5 4 4.5; do args+=(--codec "tcq:$w:norm=8:tables=2" --codec "tcq:$w:norm=8:tables=4"); done
-      [ -f "docs/results/rd-tables4/$model/rd.json" ] || walshkv rd --model "$model" --tokens 2048 --quiet \
-        --out "docs/results/rd-tables4/$model" "${args[@]}"
-    done
+    rd_twin 4
     ;;
   bench-t4)
     # decode attention at 16k and 64k on one thread (an idle machine), each model's shapes, the kernel built for
@@ -196,14 +210,9 @@ for stage in $STAGES; do
     for model in ${T4_SELECT_MODELS:-smollm2-135m gemma3-270m qwen2.5-0.5b qwen2.5-1.5b}; do
       mkdir -p "$SELECT/$model"
       for name in $(python -c "from walshkv.presets import model_presets as m; print(' '.join(p.removeprefix('walshkv:') for p, e in m()['$model']['presets'].items() if 'tables=2' in e['spec']))"); do
-        bits=${name%-fast} flag=
-        [ "$bits" != "$name" ] && flag=--fast
-        json="$SELECT/$model/recommend-$name-t4-ctx4096.json"
-        [ -f "$json" ] && continue
-        shipped=$(python -c "from walshkv.presets import model_presets as m; print(m()['$model']['presets']['walshkv:$name']['spec'])")
-        walshkv recommend --model "$model" --bits "$bits" $flag --only-candidates --candidate "$shipped" \
-          --candidate "$(echo "$shipped" | sed 's/tables=2/tables=4/g')" --ctx 4096 --windows 2 \
-          --quiet --json "$json" -o "$SELECT/$model/walshkv-$name-t4-ctx4096.gguf"
+        select_twin "$model" "$name" t4 \
+          "$(python -c "from walshkv.presets import model_presets as m; print(m()['$model']['presets']['walshkv:$name']['spec'])")" \
+          t4_twin
       done
     done
     ;;
@@ -278,15 +287,9 @@ for stage in $STAGES; do
     for model_bits in smollm2-135m:3 smollm2-135m:3-fast smollm2-135m:3.5 smollm2-135m:3.5-fast smollm2-135m:4.5 \
       smollm2-135m:4.5-fast smollm2-135m:2.5 smollm2-135m:2.5-fast gemma3-270m:4.5; do
       model=${model_bits%%:*} name=${model_bits#*:}
-      bits=${name%-fast} flag=
-      [ "$bits" != "$name" ] && flag=--fast
-      mkdir -p "$SELECT/$model"
-      json="$SELECT/$model/recommend-$name-t2-ctx4096.json"
-      [ -f "$json" ] && continue
-      shipped=$(python -c "from walshkv.presets import resolve_preset as r; print(r('walshkv:$name', model='$model').spec)")
-      walshkv recommend --model "$model" --bits "$bits" $flag --only-candidates --candidate "$shipped" \
-        --candidate "$(echo "$shipped" | t2_twin)" --ctx 4096 --windows 2 \
-        --quiet --json "$json" -o "$SELECT/$model/walshkv-$name-t2-ctx4096.gguf"
+      [ -f "$SELECT/$model/recommend-$name-t2-ctx4096.json" ] && continue
+      select_twin "$model" "$name" t2 \
+        "$(python -c "from walshkv.presets import resolve_preset as r; print(r('walshkv:$name', model='$model').spec)")" t2_twin
     done
     ;;
   ship)

@@ -263,26 +263,17 @@ def _eval_block(path: Path, targets: bool) -> str | None:
     return "\n".join(lines)
 
 
-def split_rd() -> str | None:
-    """Table set 3 (split) against set 2 on real K/V (docs/trellis-reproduce.sh, stage rd-t3): dB above D(R)."""
+def twin_set_rd(twin: int, cost: str, digits: int = 2) -> str | None:
+    """Table set ``twin`` against set 2 on real K/V (docs/trellis-reproduce.sh, stage rd-tTWIN): dB above D(R) and
+    what set ``twin`` costs (``cost`` names it: the split, the rounding) with ``digits`` decimals."""
     return _rd_block(
-        lambda model: ROOT / "docs" / "results" / "rd-tables3" / model / "rd.json",
-        "| width | bits stored | set 2 K dB | set 3 K dB | set 2 V dB | set 3 V dB | split cost K / V, dB |",
+        lambda model: ROOT / "docs" / "results" / f"rd-tables{twin}" / model / "rd.json",
+        f"| width | bits stored | set 2 K dB | set {twin} K dB | set 2 V dB | set {twin} V dB "
+        f"| {cost} cost K / V, dB |",
         ("2", "2.5", "3", "3.5", "4", "4.5"),
-        lambda w: (f"tcq:{w}:norm=8:tables=2", f"tcq:{w}:norm=8:tables=3"),
+        lambda w: (f"tcq:{w}:norm=8:tables=2", f"tcq:{w}:norm=8:tables={twin}"),
         -1.0,
-    )
-
-
-def rounded_rd() -> str | None:
-    """Table set 4 (set 2 rounded to bfloat16) against set 2 on real K/V (stage rd-t4): dB above D(R)."""
-    return _rd_block(
-        lambda model: ROOT / "docs" / "results" / "rd-tables4" / model / "rd.json",
-        "| width | bits stored | set 2 K dB | set 4 K dB | set 2 V dB | set 4 V dB | rounding cost K / V, dB |",
-        ("2", "2.5", "3", "3.5", "4", "4.5"),
-        lambda w: (f"tcq:{w}:norm=8:tables=2", f"tcq:{w}:norm=8:tables=4"),
-        -1.0,
-        digits=3,
+        digits=digits,
     )
 
 
@@ -354,9 +345,9 @@ def main() -> int:
         "decode": _written(OUT / "decode-ab" / "ab.md"),
         "structured": _written(OUT / "structured" / "structured.md"),
         "lookup": _written(OUT / "lookup" / "lookup.md"),
-        "split-rd": split_rd(),
+        "split-rd": twin_set_rd(3, "split"),
         "split-bench": split_bench(),
-        "bf16-rd": rounded_rd(),
+        "bf16-rd": twin_set_rd(4, "rounding", digits=3),
         "bf16-bench": split_bench("bf16-bench", 4, "bench-t4"),
     }
     # qwen2.5-0.5b's first presets (docs/presets.md, "qwen2.5-0.5b's presets: the shipping rule")
