@@ -5,8 +5,9 @@ A fast preset (``walshkv:B-fast``: ``ropeblock:64+eqr:64+``, docs/codecs.md) dec
 product ``[n_blocks, head_dim] @ [head_dim, group x head_dim]`` per kv head (``group x head_dim² / G`` multiply-adds
 per key), built from a small per-step matrix (``W``, ``group x head_dim²`` floats), then the fused kernel scores every
 block against its own query and adds the mean's row to each decoded key. This script times, in interleaved rounds on
-one thread, for each model's attention shapes (``walshkv bench attention --model``) and the model's shipped fast
-preset:
+one thread with the caches flushed before every timed call (as a layer's attention starts inside a model; ``--warm``:
+each part right after the one before it), for each model's attention shapes (``walshkv bench attention --model``) and
+the model's shipped fast preset:
 
     sdpa-fp32        torch SDPA over an fp32 cache (the fastest SDPA on these CPUs at one thread)
     step             the whole decode step (``walshkv.attention.decode.decode_attention``, as the cache calls it)
