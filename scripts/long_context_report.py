@@ -256,7 +256,7 @@ def _plot(model: str, ctxs: list[int], table: dict, order: list[str], figures: P
 #: Needle runs kept in a folder beside a model's grid, and what each is (stage needle of the reproduce script).
 NEEDLE_PARTS = {
     "walshkv-3-4k": "walshkv:3 as re-selected at 4k tokens (the grid above ran the 512-token spec)",
-    "presets-5": "the shipped presets, 5 samples per cell (Wilson intervals; the grid above ran older specs, once)",
+    "presets-5": "the shipped presets, 5 samples per cell (Wilson intervals; a one-sample grid above ran older specs)",
 }
 
 
@@ -266,17 +266,22 @@ def needle_section(results: Path, summary: dict[str, Any]) -> list[str]:
     found = False
     for model_dir in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
         md = model_dir / "needle.md"
-        if not md.is_file():
+        parts = sorted(p for p in model_dir.iterdir() if p.is_dir() and (p / "needle.md").is_file())
+        if not md.is_file() and not parts:
             continue
         found = True
-        body = [("##" + ln if ln.startswith("#") else ln) for ln in md.read_text().strip().splitlines()]
-        lines += [f"### {model_dir.name}", "", *[ln for ln in body if not ln.startswith("### Needle")], ""]
+        lines += [f"### {model_dir.name}", ""]
+        if md.is_file():
+            body = [("##" + ln if ln.startswith("#") else ln) for ln in md.read_text().strip().splitlines()]
+            lines += [*[ln for ln in body if not ln.startswith("### Needle")], ""]
+        else:
+            lines += ["No one-sample grid (stage `needle`) for this model; its runs:", ""]
         for png in sorted(model_dir.glob("*.png")):
             lines += [f"![{png.stem}]({_link(png)})", ""]
         js = model_dir / "needle.json"
         if js.is_file():
             summary.setdefault("needle", {})[model_dir.name] = _link(js)
-        for part in sorted(p for p in model_dir.iterdir() if p.is_dir() and (p / "needle.md").is_file()):
+        for part in parts:
             # a later run beside the model's grid (a re-selected preset): its own tables, under the model's
             text = (part / "needle.md").read_text().strip().splitlines()
             sub = [("###" + ln if ln.startswith("#") else ln) for ln in text]
