@@ -96,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         if cpu.load_kernel() is None:
             raise SystemExit("--search cpp: the C++ kernel does not build here (walshkv.attention.cpu)")
     torch.manual_seed(0)
+    if args.set in trellis.ROUNDED_SETS:
+        return _round(out, args, argv, coder)
     partial = out.exists() and (args.state_bits or args.bits)
     old = json.loads(out.read_text()) if partial else {"tables": {}, "stats": {}}
     tables, stats = old["tables"], old["stats"]
-    if args.set in trellis.ROUNDED_SETS:
-        return _round(out, args, argv, coder)
     structure = trellis.SPLIT_SETS.get(args.set)
     parts = old.get("parts", {}) if structure else None
     for state_bits in args.state_bits or trellis.STATE_BITS:

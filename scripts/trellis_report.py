@@ -65,14 +65,18 @@ def _where(meta: dict) -> str:
     return f"{meta.get('versions', {}).get('commit', '?')} on {meta.get('cpu', {}).get('model', '?')}"
 
 
+def _db(x: float, digits: int) -> str:
+    """``x`` with ``digits`` decimals, a value that rounds to zero written as zero (no ``-0.00``)."""
+    return f"{0.0 if abs(x) < 0.5 * 10**-digits else x:.{digits}f}"
+
+
 def _cost_cell(data: dict, key: str, gap_diff: float) -> str:
     """A derived set's cost over the free set in dB, as a table cell: a rounded set's on the vectors it was measured
     on with its source table (``source_mse``, three decimals), a trained set's as the difference of the last training
     rounds' gaps (two)."""
     stats = data["stats"][key]
     if "source_mse" in stats:
-        cost = 10 * math.log10(stats["mse_per_round"][-1] / stats["source_mse"])
-        return f" | {0.0 if abs(cost) < 0.0005 else cost:.3f}"
+        return f" | {_db(10 * math.log10(stats['mse_per_round'][-1] / stats['source_mse']), 3)}"
     return f" | {gap_diff:.2f}"
 
 
@@ -132,11 +136,6 @@ def gaussian() -> str:
         f"a little above what the table it ships codes). Set {first} is what `tcq:B` reads; {names}."
     )
     return "\n".join(lines)
-
-
-def _db(x: float, digits: int) -> str:
-    """``x`` with ``digits`` decimals, a value that rounds to zero written as zero (no ``-0.00``)."""
-    return f"{0.0 if abs(x) < 0.5 * 10**-digits else x:.{digits}f}"
 
 
 def _rd_block(

@@ -31,7 +31,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -41,7 +40,7 @@ from walshkv.attention.cpu import fused_decode_cpu
 from walshkv.attention.decode import decode_attention
 from walshkv.bench.attention import attention_shapes
 from walshkv.bench.generation import shipped_preset_file
-from walshkv.bench.machine import machine_description
+from walshkv.bench.machine import COLD_FLUSH_BYTES, interleaved_seconds, machine_description
 from walshkv.codecs.spec import parse_cache_spec
 from walshkv.export import read_kv_mean_center
 from walshkv.presets import name_specs
@@ -49,28 +48,15 @@ from walshkv.presets import name_specs
 MODELS = ("smollm2-135m", "qwen2.5-1.5b", "gemma3-270m", "qwen2.5-0.5b")
 
 
-#: Bytes written between timed calls to push the last call's data out of the caches (larger than this CPU's L3)
-FLUSH_BYTES = 256 << 20
+def _median_ms(fns: dict[str, object], rounds: int, cold: bool) -> dict[str, float]:
+    """Median milliseconds of each function over ``rounds`` interleaved rounds (three warm-up calls each first), as
+    ``walshkv bench attention`` times them (:func:`walshkv.bench.machine.interleaved_seconds`).
 
-
-def _median_ms(fns: dict[str, object], rounds: int, flush: torch.Tensor | None) -> dict[str, float]:
-    """Median milliseconds of each function over ``rounds`` interleaved rounds (three warm-up calls each first).
-
-    With ``flush`` (a large tensor), it is written before every timed call, so each part starts with cold caches, as
-    a layer's attention does in a model (the other layers' weights and caches ran in between); without it each part
-    runs after the one before it in the round, warm with whatever that one left in the caches.
+    ``cold``: the caches flushed before every timed call, so each part starts as a layer's attention does in a model
+    (the other layers' weights and caches ran in between); else each part runs after the one before it in the round,
+    warm with whatever that one left in the caches.
     """
-    for f in fns.values():
-        for _ in range(3):
-            f()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, f in fns.items():
-            if flush is not None:
-                flush.add_(1)
-            t = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t)
+    times = interleaved_seconds(fns, rounds, warmup=3, budget=0.0, flush_bytes=COLD_FLUSH_BYTES if cold else 0)
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
@@ -118,7 +104,7 @@ def measure(model: str, preset: str, kv_len: int, rounds: int, cold: bool = True
         "W": build_w,
         "no frame": lambda: decode_attention(q, ppk, ppv, post.k, post.v, backend="auto", start=sink),
     }
-    ms = _median_ms(fns, rounds, torch.zeros(FLUSH_BYTES // 4) if cold else None)
+    ms = _median_ms(fns, rounds, cold)
     macs = kv * n_blocks * d * group * d
     return {
         "model": model,

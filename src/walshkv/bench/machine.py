@@ -138,7 +138,7 @@ def interleaved_seconds(
             that one left in the caches.
     """
     sync = _sync(device)
-    flush = torch.zeros(max(flush_bytes, 0) // 4, device=device) if flush_bytes > 0 else None
+    flush = torch.zeros(flush_bytes // 4, device=device) if flush_bytes > 0 else None
     for fn in fns.values():
         for _ in range(warmup):
             fn()

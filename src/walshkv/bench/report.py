@@ -422,7 +422,7 @@ def bench_markdown(result: dict[str, Any]) -> list[str]:
                 "with that model's shipped calibration.",
                 "",
             ]
-        if str(meta.get("caches", "")).startswith("flushed"):
+        if meta.get("cold"):
             lines += [
                 "Caches flushed before every timed call (`--cold`: 256 MiB written first), so each method starts "
                 "cold, as a layer's attention does inside a model.",
